@@ -1,0 +1,55 @@
+"""Argument checks shared by the ops: each raises TypeError/ValueError naming the argument."""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+
+def tensor(name: str, value, *, ndim: int | None = None, floating: bool = False) -> torch.Tensor:
+    """``value`` must be a tensor (of rank ``ndim``, of a floating dtype)."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if ndim is not None and value.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(value.shape)}")
+    if floating and not value.is_floating_point():
+        raise TypeError(f"{name} must have a floating dtype, got {value.dtype}")
+    return value
+
+
+def same_device(name: str, value: torch.Tensor, like_name: str, like: torch.Tensor) -> None:
+    if value.device != like.device:
+        raise ValueError(f"{name} is on {value.device} but {like_name} is on {like.device}")
+
+
+def same_dtype(name: str, value: torch.Tensor, like_name: str, like: torch.Tensor) -> None:
+    if value.dtype != like.dtype:
+        raise TypeError(f"{name} has dtype {value.dtype} but {like_name} has {like.dtype}")
+
+
+def shape(name: str, value: torch.Tensor, expected: tuple[int, ...], meaning: str) -> None:
+    if tuple(value.shape) != tuple(expected):
+        raise ValueError(
+            f"{name} must have shape {tuple(expected)} ({meaning}), got {tuple(value.shape)}"
+        )
+
+
+def probability(name: str, value) -> float:
+    """A dropout probability: a real number in [0, 1)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a float in [0, 1), got {type(value).__name__}")
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {value}")
+    return float(value)
+
+
+def positive(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def autocasting(device: torch.device) -> bool:
+    """Under autocast, activations and weights may legitimately differ in dtype."""
+    return torch.is_autocast_enabled(device.type)

@@ -1,0 +1,428 @@
+"""Drop-in attention API: ``scaled_dot_product_attention``, ``MultiheadAttention``, ``KVCache``,
+``swap_multihead_attention``.
+
+``MultiheadAttention`` takes ``torch.nn.MultiheadAttention``'s constructor and forward arguments,
+has the same parameter names (so its state_dict loads unchanged) and gives the same results, on
+fastnmt's dispatched attention op. It adds ``key_lengths=`` (padding as lengths, what fused kernels
+want) and a ``KVCache`` for incremental decoding. Differences from torch, on purpose:
+
+- a query that sees no key gets a 0 output and 0 weights, never NaN;
+- with dropout, the returned weights are the probabilities before dropout (what one plots);
+- ``is_causal=True`` is enough on its own (torch also wants the causal ``attn_mask``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastnmt import _checks
+from fastnmt.ops import attention, attention_probabilities
+
+
+def scaled_dot_product_attention(
+    query,
+    key,
+    value,
+    attn_mask=None,
+    dropout_p=0.0,
+    is_causal=False,
+    scale=None,
+    *,
+    key_lengths=None,
+    key_padding_mask=None,
+    return_lse=False,
+):
+    """``torch.nn.functional.scaled_dot_product_attention`` with fastnmt's kernels and masks.
+
+    Layout and the first arguments are SDPA's: query (B, H, Lq, D), key (B, H, Lk, D), value
+    (B, H, Lk, Dv); ``attn_mask`` bool (True = may attend) or additive float, broadcastable to
+    (B, H, Lq, Lk). Adds ``key_lengths`` (int (B,)) or ``key_padding_mask`` (bool (B, Lk), True =
+    padding), and ``return_lse``. Rows that see no key give 0 rather than NaN.
+    """
+    return attention(
+        query,
+        key,
+        value,
+        key_lengths=key_lengths,
+        key_padding_mask=key_padding_mask,
+        attn_mask=attn_mask,
+        causal=is_causal,
+        dropout_p=dropout_p,
+        scale=scale,
+        return_lse=return_lse,
+    )
+
+
+@dataclass
+class KVCache:
+    """Projected keys and values of one attention layer, kept across decoding steps.
+
+    ``static=False`` (self-attention): every call appends that step's keys/values.
+    ``static=True`` (cross-attention): keys/values are projected on the first call and reused.
+    Storage grows by doubling, so appending a step does not copy the whole cache.
+    """
+
+    static: bool = False
+    length: int = 0
+    _key: torch.Tensor | None = field(default=None, repr=False)  # (B, H, capacity, D)
+    _value: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def key(self) -> torch.Tensor | None:
+        return None if self._key is None else self._key[:, :, : self.length]
+
+    @property
+    def value(self) -> torch.Tensor | None:
+        return None if self._value is None else self._value[:, :, : self.length]
+
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add keys/values (B, H, T, D) after the cached ones; return all of them."""
+        if self._key is None or self.length + key.shape[2] > self._key.shape[2]:
+            self._grow(key, value, self.length + key.shape[2])
+        end = self.length + key.shape[2]
+        self._key[:, :, self.length : end] = key
+        self._value[:, :, self.length : end] = value
+        self.length = end
+        return self.key, self.value
+
+    def _grow(self, key: torch.Tensor, value: torch.Tensor, needed: int) -> None:
+        capacity = max(needed, 2 * (0 if self._key is None else self._key.shape[2]), 16)
+        new_key = key.new_empty(*key.shape[:2], capacity, key.shape[3])
+        new_value = value.new_empty(*value.shape[:2], capacity, value.shape[3])
+        if self.length:
+            new_key[:, :, : self.length] = self.key
+            new_value[:, :, : self.length] = self.value
+        self._key, self._value = new_key, new_value
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep batch entries ``index`` (B',) in that order, e.g. the surviving beams."""
+        if self._key is not None:
+            self._key = self._key.index_select(0, index)
+            self._value = self._value.index_select(0, index)
+
+
+class MultiheadAttention(nn.Module):
+    """Drop-in for ``torch.nn.MultiheadAttention`` on fastnmt's attention op.
+
+    Same constructor, parameters and forward as torch's, plus ``key_lengths`` and ``cache``
+    (see the module docstring for the few deliberate differences).
+    """
+
+    def __init__(
+        self,
+        embed_dim,
+        num_heads,
+        dropout=0.0,
+        bias=True,
+        add_bias_kv=False,
+        add_zero_attn=False,
+        kdim=None,
+        vdim=None,
+        batch_first=False,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        if embed_dim <= 0 or num_heads <= 0:
+            raise ValueError(
+                f"embed_dim and num_heads must be positive, got {embed_dim} and {num_heads}"
+            )
+        if embed_dim % num_heads:
+            raise ValueError(
+                f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})"
+            )
+        factory = {"device": device, "dtype": dtype}
+        self.embed_dim = embed_dim
+        self.kdim = embed_dim if kdim is None else kdim
+        self.vdim = embed_dim if vdim is None else vdim
+        self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
+        self.num_heads = num_heads
+        self.dropout = _checks.probability("dropout", dropout)
+        self.batch_first = batch_first
+        self.head_dim = embed_dim // num_heads
+        if self._qkv_same_embed_dim:
+            self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim, **factory))
+            for name in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
+                self.register_parameter(name, None)
+        else:
+            self.q_proj_weight = nn.Parameter(torch.empty(embed_dim, embed_dim, **factory))
+            self.k_proj_weight = nn.Parameter(torch.empty(embed_dim, self.kdim, **factory))
+            self.v_proj_weight = nn.Parameter(torch.empty(embed_dim, self.vdim, **factory))
+            self.register_parameter("in_proj_weight", None)
+        if bias:
+            self.in_proj_bias = nn.Parameter(torch.empty(3 * embed_dim, **factory))
+        else:
+            self.register_parameter("in_proj_bias", None)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        if add_bias_kv:
+            self.bias_k = nn.Parameter(torch.empty(1, 1, embed_dim, **factory))
+            self.bias_v = nn.Parameter(torch.empty(1, 1, embed_dim, **factory))
+        else:
+            self.bias_k = self.bias_v = None
+        self.add_zero_attn = add_zero_attn
+        self._reset_parameters()
+
+    def _reset_parameters(self) -> None:
+        """The initialisation of ``torch.nn.MultiheadAttention``."""
+        for weight in (
+            self.in_proj_weight,
+            self.q_proj_weight,
+            self.k_proj_weight,
+            self.v_proj_weight,
+        ):
+            if weight is not None:
+                nn.init.xavier_uniform_(weight)
+        if self.in_proj_bias is not None:
+            nn.init.constant_(self.in_proj_bias, 0.0)
+            nn.init.constant_(self.out_proj.bias, 0.0)
+        for extra in (self.bias_k, self.bias_v):
+            if extra is not None:
+                nn.init.xavier_normal_(extra)
+
+    @classmethod
+    def from_torch(cls, module: nn.MultiheadAttention) -> MultiheadAttention:
+        """A fastnmt copy of ``module``: same settings, weights, device, dtype and mode."""
+        reference = module.out_proj.weight
+        new = cls(
+            module.embed_dim,
+            module.num_heads,
+            dropout=module.dropout,
+            bias=module.in_proj_bias is not None,
+            add_bias_kv=module.bias_k is not None,
+            add_zero_attn=module.add_zero_attn,
+            kdim=module.kdim,
+            vdim=module.vdim,
+            batch_first=module.batch_first,
+            device=reference.device,
+            dtype=reference.dtype,
+        )
+        new.load_state_dict(module.state_dict())
+        return new.train(module.training)
+
+    def _projection_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self._qkv_same_embed_dim:
+            return self.in_proj_weight.chunk(3)
+        return self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+
+    def _project(self, query, key, value, cache):
+        """Project (B, L, E) inputs to heads (B, H, L, D); with a cache, add to / read from it."""
+        w_q, w_k, w_v = self._projection_weights()
+        b_q, b_k, b_v = (None,) * 3 if self.in_proj_bias is None else self.in_proj_bias.chunk(3)
+        if cache is not None and cache.static and cache.length:
+            return self._heads(F.linear(query, w_q, b_q)), cache.key, cache.value
+        if query is key and key is value and self._qkv_same_embed_dim:
+            q, k, v = F.linear(query, self.in_proj_weight, self.in_proj_bias).chunk(3, dim=-1)
+        else:
+            q, k, v = F.linear(query, w_q, b_q), F.linear(key, w_k, b_k), F.linear(value, w_v, b_v)
+        q, k, v = self._heads(q), self._heads(k), self._heads(v)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        return q, k, v
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+        return x.view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
+
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        key_padding_mask=None,
+        need_weights=True,
+        attn_mask=None,
+        average_attn_weights=True,
+        is_causal=False,
+        *,
+        key_lengths=None,
+        cache=None,
+    ):
+        """Arguments and results of ``torch.nn.MultiheadAttention.forward``, plus:
+
+        key_lengths: int (B,), keys at positions >= key_lengths[b] are padding (instead of
+            ``key_padding_mask``; what the fused kernels take directly).
+        cache: a ``KVCache`` for incremental decoding (see its docstring). Masks then refer to
+            all keys, cached ones included.
+        """
+        batched = query.dim() == 3
+        query, key, value = (
+            self._batch_first(x, name, batched)
+            for name, x in (("query", query), ("key", key), ("value", value))
+        )
+        if not batched:
+            key_padding_mask = None if key_padding_mask is None else key_padding_mask[None]
+            key_lengths = None if key_lengths is None else key_lengths[None]
+        batch = query.shape[0]
+        q, k, v = self._project(query, key, value, cache)  # (B, H, L, D)
+        past = k.shape[2] - q.shape[2] if cache is not None and not cache.static else 0
+        masks = _AttentionMasks.from_module_arguments(
+            key_padding_mask,
+            key_lengths,
+            attn_mask,
+            is_causal,
+            (batch, self.num_heads, q.shape[2], k.shape[2]),
+            past,
+            q,
+        )
+        k, v, masks = self._extra_keys(k, v, masks, q.shape[2])
+        out = attention(
+            q,
+            k,
+            v,
+            key_lengths=masks.key_lengths,
+            key_padding_mask=masks.key_padding_mask,
+            attn_mask=masks.attn_mask,
+            causal=masks.causal,
+            dropout_p=self.dropout if self.training else 0.0,
+        )  # (B, H, Lq, D)
+        out = self.out_proj(out.transpose(1, 2).reshape(batch, q.shape[2], self.embed_dim))
+        weights = None
+        if need_weights:
+            weights = attention_probabilities(
+                q,
+                k,
+                key_lengths=masks.key_lengths,
+                key_padding_mask=masks.key_padding_mask,
+                attn_mask=masks.attn_mask,
+                causal=masks.causal,
+            )  # (B, H, Lq, Lk)
+            weights = weights.mean(dim=1) if average_attn_weights else weights
+            weights = weights if batched else weights[0]
+        if not batched:
+            return out[0], weights
+        return (out if self.batch_first else out.transpose(0, 1)), weights
+
+    def _batch_first(self, x, name: str, batched: bool) -> torch.Tensor:
+        """(B, L, E) view of an input given in the module's layout."""
+        _checks.tensor(name, x, ndim=3 if batched else 2, floating=True)
+        if not batched:
+            return x[None]
+        return x if self.batch_first else x.transpose(0, 1)
+
+    def _extra_keys(self, k, v, masks, q_len: int):
+        """Append ``bias_k``/``bias_v`` and the zero key of ``add_zero_attn`` (torch's options)."""
+        batch = k.shape[0]
+        extra_k, extra_v = [], []
+        if self.bias_k is not None:
+            extra_k.append(self._heads(self.bias_k.expand(batch, 1, -1)))
+            extra_v.append(self._heads(self.bias_v.expand(batch, 1, -1)))
+        if self.add_zero_attn:
+            extra_k.append(k.new_zeros(*k.shape[:2], 1, k.shape[3]))
+            extra_v.append(v.new_zeros(*v.shape[:2], 1, v.shape[3]))
+        if not extra_k:
+            return k, v, masks
+        k, v = torch.cat([k, *extra_k], dim=2), torch.cat([v, *extra_v], dim=2)
+        return k, v, masks.with_visible_keys(len(extra_k), q_len, k.shape[2])
+
+
+def _merge_masks(first, second):
+    """Combine two op-style masks (bool: True = may attend; float: additive)."""
+    if first is None or second is None:
+        return second if first is None else first
+    if first.dtype == torch.bool and second.dtype == torch.bool:
+        return first & second
+    return _additive(first) + _additive(second)
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+        ~mask, float("-inf")
+    )
+
+
+def _causal_allowed(lq: int, lk: int, past: int, device) -> torch.Tensor:
+    """Bool (Lq, Lk), True where query i (at position past + i) may see key j."""
+    positions = torch.arange(past, past + lq, device=device)
+    return torch.arange(lk, device=device)[None, :] <= positions[:, None]
+
+
+@dataclass
+class _AttentionMasks:
+    """The masks of one ``MultiheadAttention`` call in the attention op's terms."""
+
+    key_lengths: torch.Tensor | None
+    key_padding_mask: torch.Tensor | None  # bool (B, Lk), True = padding
+    attn_mask: torch.Tensor | None  # bool (True = may attend) or additive, to (B, H, Lq, Lk)
+    causal: bool
+
+    @classmethod
+    def from_module_arguments(
+        cls, key_padding_mask, key_lengths, attn_mask, is_causal, shape, past, like
+    ):
+        """Translate torch's masks; ``shape`` is (B, H, Lq, Lk), ``past`` the cached queries."""
+        batch, _, lq, lk = shape
+        if is_causal:
+            attn_mask = None  # torch treats is_causal as a hint that attn_mask is causal
+        elif attn_mask is not None:
+            attn_mask = _op_attn_mask(attn_mask, shape, like)
+        if key_padding_mask is not None and key_padding_mask.dtype != torch.bool:
+            # torch also takes an additive float padding mask: one more additive mask here.
+            _checks.shape("key_padding_mask", key_padding_mask, (batch, lk), "(N, S)")
+            additive = key_padding_mask.to(like.dtype)[:, None, None, :]
+            attn_mask, key_padding_mask = _merge_masks(attn_mask, additive), None
+        causal = bool(is_causal)
+        if causal and past:
+            # With a cache the queries are the last Lq positions: bottom-right alignment.
+            if lq > 1:
+                attn_mask = _merge_masks(attn_mask, _causal_allowed(lq, lk, past, like.device))
+            causal = False
+        return cls(key_lengths, key_padding_mask, attn_mask, causal)
+
+    def with_visible_keys(self, count: int, lq: int, lk: int) -> _AttentionMasks:
+        """Masks after ``count`` keys that every query sees were appended (``lk`` keys in all)."""
+        padding = self.key_padding_mask
+        if self.key_lengths is not None:
+            positions = torch.arange(lk - count, device=self.key_lengths.device)
+            padding = positions >= self.key_lengths[:, None]
+        if padding is not None:
+            padding = F.pad(padding, (0, count), value=False)
+        attn_mask = self.attn_mask
+        if self.causal:
+            device = attn_mask.device if attn_mask is not None else None
+            causal = _causal_allowed(lq, lk - count, 0, device)
+            attn_mask = _merge_masks(attn_mask, causal)
+        if attn_mask is not None:
+            attn_mask = F.pad(attn_mask, (0, count), value=attn_mask.dtype == torch.bool or 0.0)
+        return _AttentionMasks(None, padding, attn_mask, False)
+
+
+def _op_attn_mask(attn_mask, shape, like) -> torch.Tensor:
+    """torch's attn_mask (L, S) or (N*H, L, S), bool True = not allowed, to the op's form."""
+    batch, heads, lq, lk = shape
+    _checks.tensor("attn_mask", attn_mask)
+    if tuple(attn_mask.shape) == (lq, lk):
+        attn_mask = attn_mask[None, None]
+    elif tuple(attn_mask.shape) == (batch * heads, lq, lk):
+        attn_mask = attn_mask.view(batch, heads, lq, lk)
+    else:
+        raise ValueError(
+            f"attn_mask must have shape (L, S) = {(lq, lk)} or (N * num_heads, L, S) = "
+            f"{(batch * heads, lq, lk)}, got {tuple(attn_mask.shape)}"
+        )
+    if attn_mask.dtype == torch.bool:
+        return ~attn_mask
+    return attn_mask.to(like.dtype)
+
+
+def swap_multihead_attention(model: nn.Module) -> nn.Module:
+    """Replace every ``torch.nn.MultiheadAttention`` inside ``model`` by fastnmt's, in place,
+    keeping weights, settings, device, dtype and train/eval mode; returns ``model`` (or the new
+    module when ``model`` itself is one).
+
+    ``torch.nn.TransformerEncoderLayer`` has an inference fast path (eval mode, no grad) that calls
+    torch's fused encoder kernel on the attention weights instead of the attention module; it gives
+    the same results. ``torch.backends.mha.set_fastpath_enabled(False)`` routes it through fastnmt.
+    """
+    if isinstance(model, nn.MultiheadAttention):
+        return MultiheadAttention.from_torch(model)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.MultiheadAttention):
+                setattr(parent, name, MultiheadAttention.from_torch(child))
+    return model

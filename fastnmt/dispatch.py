@@ -1,0 +1,165 @@
+"""Chooses which backend runs each op call: ``triton``, ``cpp`` or ``reference``.
+
+Every op registers one implementation per backend together with a function that lists the reasons
+that implementation cannot run a given call (an empty list means it can), in the spirit of
+xformers' ``not_supported_reasons()``. A call runs on the first backend, in ``BACKENDS`` order, with
+no reasons against it; ``reference`` runs everything, so a call always has a backend.
+
+A backend can be forced with the environment variable ``FASTNMT_BACKEND`` or, taking precedence, the
+``backend()`` context manager. Forcing a backend that cannot run the call raises
+``BackendUnavailableError`` with the reasons: a forced backend never falls back silently.
+``explain()`` returns, for a call, every backend's reasons.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+from collections.abc import Callable, Iterable, Iterator
+from contextvars import ContextVar
+
+import torch
+
+from fastnmt._extension import extension_available, extension_status
+
+BACKENDS = ("triton", "cpp", "reference")
+ENV_VAR = "FASTNMT_BACKEND"
+_AUTO = "auto"
+
+_forced: ContextVar[str | None] = ContextVar("fastnmt_forced_backend", default=None)
+
+
+class BackendUnavailableError(RuntimeError):
+    """A forced backend cannot run the call it was forced onto."""
+
+
+def _check_backend_name(name: str, source: str) -> str:
+    if name not in (*BACKENDS, _AUTO):
+        raise ValueError(f"{source} must be one of {(*BACKENDS, _AUTO)}, got {name!r}")
+    return name
+
+
+@contextlib.contextmanager
+def backend(name: str) -> Iterator[None]:
+    """Force every fastnmt op called inside the block onto backend ``name`` ("auto" to choose)."""
+    token = _forced.set(_check_backend_name(name, "backend()'s name"))
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+def forced_backend() -> str | None:
+    """The backend forced by ``backend()`` or ``FASTNMT_BACKEND``, or None when choosing freely."""
+    name = _forced.get()
+    if name is None:
+        name = _check_backend_name(os.environ.get(ENV_VAR, _AUTO), ENV_VAR)
+    return None if name == _AUTO else name
+
+
+def _triton_device_reasons(device: torch.device) -> list[str]:
+    if importlib.util.find_spec("triton") is None:
+        return ["triton is not installed"]
+    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return []
+    return [
+        f"tensors are on {device.type}; triton runs CUDA tensors (CPU only with TRITON_INTERPRET=1)"
+    ]
+
+
+def _cpp_device_reasons(device: torch.device) -> list[str]:
+    if device.type != "cpu":
+        return [f"tensors are on {device.type}; the C++ kernels run CPU tensors"]
+    return [] if extension_available() else [extension_status()]
+
+
+_DEVICE_REASONS: dict[str, Callable[[torch.device], list[str]]] = {
+    "triton": _triton_device_reasons,
+    "cpp": _cpp_device_reasons,
+    "reference": lambda device: [],
+}
+
+UnsupportedFn = Callable[..., Iterable[str]]
+PrepareFn = Callable[..., tuple[torch.device, dict]]
+
+
+class Op:
+    """One op's implementations, keyed by backend, each with the reasons it cannot run a call.
+
+    ``prepare`` takes the op's public arguments, validates them (raising ValueError/TypeError that
+    name the argument) and returns the device and the keyword arguments every implementation takes.
+    """
+
+    def __init__(self, name: str, prepare: PrepareFn):
+        self.name = name
+        self.prepare = prepare
+        self._implementations: dict[str, tuple[Callable, UnsupportedFn | None]] = {}
+
+    def register(self, backend_name: str, unsupported: UnsupportedFn | None = None):
+        """Decorator: ``fn(**prepared)`` implements this op on ``backend_name``;
+        ``unsupported(**prepared)`` yields the reasons it cannot run a call (besides the backend's
+        device requirements)."""
+        _check_backend_name(backend_name, "register()'s backend_name")
+
+        def decorate(fn: Callable) -> Callable:
+            self._implementations[backend_name] = (fn, unsupported)
+            return fn
+
+        return decorate
+
+    def _reasons(self, device: torch.device, prepared: dict) -> dict[str, list[str]]:
+        found = {}
+        for name in BACKENDS:
+            if name not in self._implementations:
+                found[name] = [f"fastnmt has no {name} implementation of {self.name} yet"]
+                continue
+            _, unsupported = self._implementations[name]
+            found[name] = _DEVICE_REASONS[name](device)
+            if not found[name] and unsupported is not None:
+                found[name] = list(unsupported(**prepared))
+        return found
+
+    def _choose(self, device: torch.device, prepared: dict) -> str:
+        reasons = self._reasons(device, prepared)
+        forced = forced_backend()
+        if forced is None:
+            return next(name for name in BACKENDS if not reasons[name])
+        if reasons[forced]:
+            raise BackendUnavailableError(
+                f"backend {forced!r} was forced but cannot run {self.name}: "
+                + "; ".join(reasons[forced])
+            )
+        return forced
+
+    def explain(self, *args, **kwargs) -> dict[str, list[str]]:
+        """For each backend, the reasons it cannot run this call (empty: it can), plus the
+        chosen backend under the key "chosen"."""
+        device, prepared = self.prepare(*args, **kwargs)
+        reasons: dict = self._reasons(device, prepared)
+        reasons["chosen"] = self._choose(device, prepared)
+        return reasons
+
+    def __call__(self, *args, **kwargs):
+        device, prepared = self.prepare(*args, **kwargs)
+        implementation, _ = self._implementations[self._choose(device, prepared)]
+        return implementation(**prepared)
+
+
+OPS: dict[str, Op] = {}
+
+
+def define(name: str, prepare: PrepareFn) -> Op:
+    """Create the dispatch entry of op ``name``; see ``Op``."""
+    if name in OPS:
+        raise ValueError(f"op {name!r} is already defined")
+    OPS[name] = Op(name, prepare)
+    return OPS[name]
+
+
+def explain(op_name: str, *args, **kwargs) -> dict:
+    """Why each backend can or cannot run ``fastnmt.ops.<op_name>(*args, **kwargs)``, and which
+    one would run it, e.g. ``explain("attention", q, k, v, key_lengths=lengths)``."""
+    if op_name not in OPS:
+        raise ValueError(f"op_name must be one of {sorted(OPS)}, got {op_name!r}")
+    return OPS[op_name].explain(*args, **kwargs)

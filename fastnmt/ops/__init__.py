@@ -1,0 +1,7 @@
+"""The fused ops, each dispatched per call to the best backend (see ``fastnmt.dispatch``)."""
+
+from fastnmt.ops.attention import attention, attention_probabilities
+from fastnmt.ops.feed_forward import feed_forward
+from fastnmt.ops.layer_norm import add_layer_norm
+
+__all__ = ["add_layer_norm", "attention", "attention_probabilities", "feed_forward"]
