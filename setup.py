@@ -5,17 +5,31 @@ package still installs and runs on its reference path; ``fastnmt.extension_statu
 """
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 from setuptools import setup
+from setuptools.errors import CCompilerError, CompileError, ExecError, LinkError, PlatformError
+
+# What a missing compiler or a failed compile raises; the package then installs without _C.
+BUILD_FAILURES = (
+    CCompilerError,
+    CompileError,
+    ExecError,
+    LinkError,
+    PlatformError,
+    OSError,
+    RuntimeError,
+    subprocess.CalledProcessError,
+)
 
 ROOT = Path(__file__).parent
 SOURCES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.cpp"))
 
 
 def extension_build():
-    """Return setup() keyword arguments that build fastnmt._C, or {} when there is nothing to build."""
+    """setup() keyword arguments that build fastnmt._C; {} when there is nothing to build."""
     if os.environ.get("FASTNMT_SKIP_EXTENSION") == "1" or not SOURCES:
         return {}
     from torch.utils.cpp_extension import BuildExtension, CppExtension
@@ -24,7 +38,7 @@ def extension_build():
         def run(self):
             try:
                 super().run()
-            except Exception as error:  # noqa: BLE001 - any build failure leaves a working package
+            except BUILD_FAILURES as error:
                 print(
                     f"WARNING: fastnmt._C was not built ({error}); fastnmt runs on its reference "
                     "path. Rebuild with: pip install --no-build-isolation -e .",

@@ -298,7 +298,13 @@ class MultiheadAttention(nn.Module):
 
     def _batch_first(self, x, name: str, batched: bool) -> torch.Tensor:
         """(B, L, E) view of an input given in the module's layout."""
-        _checks.tensor(name, x, ndim=3 if batched else 2, floating=True)
+        _checks.tensor(name, x, floating=True)
+        if x.dim() != (3 if batched else 2):
+            layout = "(N, L, E)" if self.batch_first else "(L, N, E)"
+            raise ValueError(
+                f"{name} must be {layout} (3 dimensions) or unbatched (L, E), like query; got "
+                f"shape {tuple(x.shape)}"
+            )
         if not batched:
             return x[None]
         return x if self.batch_first else x.transpose(0, 1)

@@ -1,0 +1,48 @@
+"""Oracles and comparisons shared by the tests."""
+
+import torch
+
+
+def assert_error_within(candidate, same_dtype_torch, oracle, factor, atol):
+    """FlashAttention's rule: the candidate is at most ``factor`` times as far from the float64
+    oracle as plain PyTorch in the same dtype, plus ``atol``."""
+    oracle = oracle.double()
+    candidate_error = (candidate.double() - oracle).abs().max().item()
+    torch_error = (same_dtype_torch.double() - oracle).abs().max().item()
+    assert candidate_error <= factor * torch_error + atol, (
+        f"error {candidate_error:.3g} > {factor} x torch's {torch_error:.3g} + {atol}"
+    )
+
+
+def random_lengths(batch, max_length, *, low=0, generator=None):
+    """int64 (batch,) lengths in [low, max_length], always including max_length once."""
+    lengths = torch.randint(low, max_length + 1, (batch,), generator=generator)
+    lengths[0] = max_length
+    return lengths
+
+
+def attention_oracle(q, k, v, *, key_lengths=None, causal=False, scale=None, attn_mask=None):
+    """float64 attention written independently of fastnmt: explicit visibility, stable softmax,
+    rows that see no key give 0. attn_mask is bool (True = may attend)."""
+    q, k, v = q.double(), k.double(), v.double()
+    batch, _, lq, head_dim = q.shape
+    lk = k.shape[2]
+    scale = head_dim**-0.5 if scale is None else scale
+    scores = torch.einsum("bhid,bhjd->bhij", q, k) * scale
+    visible = torch.ones(batch, 1, lq, lk, dtype=torch.bool)
+    if key_lengths is not None:
+        for b, length in enumerate(key_lengths.tolist()):
+            visible[b, :, :, length:] = False
+    if causal:
+        visible = visible & torch.ones(lq, lk, dtype=torch.bool).tril()
+    if attn_mask is not None:
+        visible = visible & attn_mask
+    scores = scores.masked_fill(~visible, float("-inf"))
+    row_max = scores.amax(-1, keepdim=True).clamp_min(-1e300)  # finite even for empty rows
+    weights = torch.exp(scores - row_max) * visible
+    total = weights.sum(-1, keepdim=True)
+    probs = torch.where(total > 0, weights / total.clamp_min(1e-300), 0.0)
+    lse = torch.where(
+        total.squeeze(-1) > 0, torch.log(total.squeeze(-1)) + row_max.squeeze(-1), float("-inf")
+    )
+    return probs @ v, lse, probs

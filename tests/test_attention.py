@@ -1,0 +1,266 @@
+"""fastnmt.attention: the drop-in API against torch.nn.MultiheadAttention and torch's SDPA."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastnmt.attention import (
+    KVCache,
+    MultiheadAttention,
+    scaled_dot_product_attention,
+    swap_multihead_attention,
+)
+from tests.helpers import random_lengths
+
+E, HEADS = 24, 4
+
+
+def _pair(**kwargs):
+    """A torch.nn.MultiheadAttention and fastnmt's, loaded from the same state_dict."""
+    theirs = nn.MultiheadAttention(E, HEADS, **kwargs)
+    ours = MultiheadAttention(E, HEADS, **kwargs)
+    ours.load_state_dict(theirs.state_dict())
+    return theirs, ours
+
+
+def _padding(batch, length, min_length=1):
+    lengths = random_lengths(batch, length, low=min_length)
+    return lengths, torch.arange(length)[None, :] >= lengths[:, None]
+
+
+def _assert_same(theirs, ours, inputs, **forward):
+    """Outputs, weights and all gradients (inputs and parameters) agree within 1e-5."""
+    inputs_theirs = [x.clone().requires_grad_() for x in inputs]
+    inputs_ours = [x.clone().requires_grad_() for x in inputs]
+    out_theirs, weights_theirs = theirs(*inputs_theirs, **forward)
+    out_ours, weights_ours = ours(*inputs_ours, **forward)
+    torch.testing.assert_close(out_ours, out_theirs, atol=1e-5, rtol=1e-5)
+    if weights_theirs is not None:
+        torch.testing.assert_close(weights_ours, weights_theirs, atol=1e-5, rtol=1e-5)
+    upstream = torch.randn_like(out_theirs)
+    out_theirs.backward(upstream)
+    out_ours.backward(upstream)
+    for x_theirs, x_ours in zip(inputs_theirs, inputs_ours, strict=True):
+        torch.testing.assert_close(x_ours.grad, x_theirs.grad, atol=1e-5, rtol=1e-5)
+    grads_theirs = {n: p.grad for n, p in theirs.named_parameters()}
+    for name, parameter in ours.named_parameters():
+        torch.testing.assert_close(parameter.grad, grads_theirs[name], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("average_attn_weights", [False, True])
+def test_self_attention_with_key_padding(batch_first, average_attn_weights):
+    theirs, ours = _pair(batch_first=batch_first)
+    _, padding = _padding(3, 7)
+    x = torch.randn(3, 7, E) if batch_first else torch.randn(7, 3, E)
+    _assert_same(
+        theirs,
+        ours,
+        [x, x, x],
+        key_padding_mask=padding,
+        average_attn_weights=average_attn_weights,
+    )
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "float", "is_causal"])
+def test_causal_self_attention(mask_kind):
+    theirs, ours = _pair(batch_first=True)
+    _, padding = _padding(2, 6)
+    x = torch.randn(2, 6, E)
+    causal = nn.Transformer.generate_square_subsequent_mask(6)
+    forward = dict(key_padding_mask=padding, need_weights=False)
+    if mask_kind == "bool":
+        forward["attn_mask"] = causal.isinf()
+    else:
+        forward["attn_mask"] = causal
+        forward["is_causal"] = mask_kind == "is_causal"
+    _assert_same(theirs, ours, [x, x, x], **forward)
+
+
+def test_cross_attention_with_other_key_and_value_dims():
+    theirs, ours = _pair(kdim=10, vdim=14, batch_first=True)
+    _, padding = _padding(3, 9)
+    inputs = [torch.randn(3, 5, E), torch.randn(3, 9, 10), torch.randn(3, 9, 14)]
+    _assert_same(theirs, ours, inputs, key_padding_mask=padding)
+
+
+def test_per_head_attn_mask_and_float_key_padding_mask():
+    theirs, ours = _pair()
+    query, memory = torch.randn(4, 2, E), torch.randn(6, 2, E)
+    attn_mask = torch.rand(2 * HEADS, 4, 6) < 0.3
+    attn_mask[..., 0] = False  # every query keeps a key: torch gives NaN otherwise
+    additive_padding = torch.zeros(2, 6).masked_fill(torch.tensor([[0] * 5 + [1]] * 2).bool(), -1e4)
+    _assert_same(
+        theirs,
+        ours,
+        [query, memory, memory],
+        attn_mask=attn_mask,
+        key_padding_mask=additive_padding,
+    )
+
+
+@pytest.mark.parametrize("option", ["add_bias_kv", "add_zero_attn"])
+def test_extra_key_options(option):
+    theirs, ours = _pair(**{option: True})
+    _, padding = _padding(2, 5)
+    x = torch.randn(5, 2, E)
+    _assert_same(theirs, ours, [x, x, x], key_padding_mask=padding)
+
+
+def test_unbatched_input_and_no_bias():
+    theirs, ours = _pair(bias=False)
+    x = torch.randn(5, E)
+    _assert_same(theirs, ours, [x, x, x], key_padding_mask=torch.tensor([0, 0, 0, 1, 1]).bool())
+
+
+def test_key_lengths_equal_key_padding_mask():
+    _, ours = _pair(batch_first=True)
+    lengths, padding = _padding(3, 8, min_length=0)
+    x = torch.randn(3, 8, E)
+    by_mask, weights_by_mask = ours(x, x, x, key_padding_mask=padding)
+    by_lengths, weights_by_lengths = ours(x, x, x, key_lengths=lengths)
+    torch.testing.assert_close(by_lengths, by_mask)
+    torch.testing.assert_close(weights_by_lengths, weights_by_mask)
+
+
+def test_fully_padded_sequence_gives_zero_weights_and_finite_output():
+    _, ours = _pair(batch_first=True)
+    x = torch.randn(2, 4, E, requires_grad=True)
+    out, weights = ours(x, x, x, key_lengths=torch.tensor([4, 0]))
+    out.sum().backward()
+    assert (weights[1] == 0).all()
+    assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
+    torch.testing.assert_close(out[1], ours.out_proj.bias.expand(4, E))  # attention output 0
+
+
+def test_dropout_is_used_in_training_only():
+    _, ours = _pair(dropout=0.5, batch_first=True)
+    x = torch.randn(2, 16, E)
+    ours.eval()
+    torch.testing.assert_close(ours(x, x, x)[0], ours(x, x, x)[0])
+    ours.train()
+    assert not torch.allclose(ours(x, x, x)[0], ours(x, x, x)[0])
+
+
+class TestIncrementalDecoding:
+    def test_self_attention_cache_step_by_step_equals_causal_full(self):
+        _, ours = _pair(batch_first=True)
+        x = torch.randn(3, 9, E)
+        full, _ = ours(x, x, x, is_causal=True, need_weights=False)
+        cache = KVCache()
+        steps = [
+            ours(x[:, t : t + 1], x[:, t : t + 1], x[:, t : t + 1], cache=cache)[0]
+            for t in range(9)
+        ]
+        torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-6, rtol=1e-6)
+        assert cache.length == 9
+
+    def test_self_attention_cache_with_multi_step_chunks(self):
+        _, ours = _pair(batch_first=True)
+        x = torch.randn(2, 40, E)  # grows the cache past its first capacity
+        full, _ = ours(x, x, x, is_causal=True, need_weights=False)
+        cache = KVCache()
+        chunks = [
+            ours(x[:, a:b], x[:, a:b], x[:, a:b], cache=cache, is_causal=True)[0]
+            for a, b in [(0, 3), (3, 4), (4, 20), (20, 40)]
+        ]
+        torch.testing.assert_close(torch.cat(chunks, dim=1), full, atol=1e-6, rtol=1e-6)
+
+    def test_cross_attention_cache_projects_memory_once(self):
+        _, ours = _pair(batch_first=True)
+        lengths, _ = _padding(3, 7)
+        query, memory = torch.randn(3, 5, E), torch.randn(3, 7, E)
+        full, _ = ours(query, memory, memory, key_lengths=lengths)
+        cache = KVCache(static=True)
+        steps = []
+        for t in range(5):
+            # memory is only read on the first call: later calls may pass anything of its shape
+            source = memory if t == 0 else torch.full_like(memory, float("nan"))
+            steps.append(
+                ours(query[:, t : t + 1], source, source, key_lengths=lengths, cache=cache)[0]
+            )
+        torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-6, rtol=1e-6)
+
+    def test_reorder_selects_batch_entries(self):
+        cache = KVCache()
+        keys = torch.randn(3, 2, 4, 8)
+        cache.append(keys, keys + 1)
+        cache.reorder(torch.tensor([2, 2, 0]))
+        torch.testing.assert_close(cache.key, keys[[2, 2, 0]])
+        torch.testing.assert_close(cache.value, keys[[2, 2, 0]] + 1)
+
+
+def test_swap_inside_torch_transformer_keeps_outputs_and_gradients():
+    torch.manual_seed(1)
+    model = nn.Transformer(E, HEADS, 2, 2, 48, dropout=0.0, batch_first=True)
+    swapped = swap_multihead_attention(copy.deepcopy(model))
+    assert not any(isinstance(m, nn.MultiheadAttention) for m in swapped.modules())
+    assert sum(isinstance(m, MultiheadAttention) for m in swapped.modules()) == 6
+    _, src_padding = _padding(2, 7)
+    src, tgt = torch.randn(2, 7, E), torch.randn(2, 5, E)
+    forward = dict(
+        tgt_mask=nn.Transformer.generate_square_subsequent_mask(5),
+        src_key_padding_mask=src_padding,
+        memory_key_padding_mask=src_padding,
+    )
+    expected, actual = model(src, tgt, **forward), swapped(src, tgt, **forward)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    expected.sum().backward()
+    actual.sum().backward()
+    grads = dict(model.named_parameters())
+    for name, parameter in swapped.named_parameters():
+        torch.testing.assert_close(parameter.grad, grads[name].grad, atol=1e-5, rtol=1e-5)
+
+
+def test_swap_keeps_device_dtype_and_mode():
+    module = nn.MultiheadAttention(E, HEADS, dtype=torch.float64).eval()
+    swapped = swap_multihead_attention(module)
+    assert isinstance(swapped, MultiheadAttention)
+    assert swapped.in_proj_weight.dtype == torch.float64 and not swapped.training
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_matches_torch_sdpa(causal):
+    q, k, v = (torch.randn(2, 3, 6, 16) for _ in range(3))
+    lengths, padding = _padding(2, 6)
+    ours = scaled_dot_product_attention(q, k, v, is_causal=causal, key_padding_mask=padding)
+    mask = ~padding[:, None, None, :]
+    if causal:
+        mask = mask & torch.ones(6, 6, dtype=torch.bool).tril()
+    theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    by_lengths = scaled_dot_product_attention(q, k, v, is_causal=causal, key_lengths=lengths)
+    torch.testing.assert_close(by_lengths, theirs, atol=1e-5, rtol=1e-5)
+
+
+BAD_MODULE_INPUTS = [
+    (dict(query=torch.randn(2, 3, 4, E)), ValueError, r"query must be \(N, L, E\) \(3 dim"),
+    (dict(key=torch.randn(5, E)), ValueError, "key must be"),
+    (dict(attn_mask=torch.zeros(3, 3, dtype=torch.bool)), ValueError, "attn_mask must have shape"),
+    (
+        dict(key_padding_mask=torch.zeros(2, 4, dtype=torch.bool)),
+        ValueError,
+        "key_padding_mask must have shape",
+    ),
+    (dict(key_lengths=torch.tensor([9, 1])), ValueError, "key_lengths must lie in"),
+]
+
+
+@pytest.mark.parametrize(("override", "error", "message"), BAD_MODULE_INPUTS)
+def test_bad_module_inputs_name_the_argument(override, error, message):
+    _, ours = _pair(batch_first=True)
+    x = torch.randn(2, 5, E)
+    arguments = dict(query=x, key=x, value=x)
+    arguments.update(override)
+    with pytest.raises(error, match=message):
+        ours(**arguments)
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(ValueError, match="must be divisible by num_heads"):
+        MultiheadAttention(10, 3)
+    with pytest.raises(ValueError, match="dropout must be in"):
+        MultiheadAttention(8, 2, dropout=1.0)
