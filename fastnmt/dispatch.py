@@ -50,6 +50,8 @@ def backend(name: str) -> Iterator[None]:
         _forced.reset(token)
 
 
+# torch.compile cannot trace a ContextVar; the forced backend is a constant of the compiled graph.
+@torch.compiler.assume_constant_result
 def forced_backend() -> str | None:
     """The backend forced by ``backend()`` or ``FASTNMT_BACKEND``, or None when choosing freely."""
     name = _forced.get()

@@ -264,3 +264,15 @@ def test_bad_constructor_arguments():
         MultiheadAttention(10, 3)
     with pytest.raises(ValueError, match="dropout must be in"):
         MultiheadAttention(8, 2, dropout=1.0)
+
+
+def test_traced_by_torch_compile_without_graph_breaks():
+    _, ours = _pair(batch_first=True)
+    x = torch.randn(2, 5, E)
+    lengths = torch.tensor([5, 3])
+    call = lambda x, lengths: ours(x, x, x, key_lengths=lengths, is_causal=True)  # noqa: E731
+    compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
+    out, weights = compiled(x, lengths)
+    expected_out, expected_weights = call(x, lengths)
+    torch.testing.assert_close(out, expected_out)
+    torch.testing.assert_close(weights, expected_weights)

@@ -1,0 +1,298 @@
+"""Shared harness of the benchmarks: NMT-shaped cases, parametrized fixtures and the ``bench``
+fixture that times a call, measures its peak memory and records everything in ``extra_info``.
+
+The benchmark modules are imported with ``--import-mode=importlib`` and so cannot import each other
+or a helper module; everything they share lives here, reached through fixtures. Every benchmark
+takes the fixtures ``impl`` (a fastnmt backend, forced, or "torch": the PyTorch built-in the op
+replaces), ``case`` (shape and padding), ``dtype`` and ``pass_name`` ("fwd" or "fwd+bwd").
+
+Run: ``pytest benchmarks --benchmark-only`` (add ``--benchmark-json=FILE`` to keep extra_info).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile
+
+import fastnmt
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+BATCH = 64  # sentences per batch
+MAX_LENGTHS = (16, 64)  # tokens in the longest sentence of the batch
+PADDING_RATIOS = (0.0, 0.4)  # share of the B * L positions that are padding
+WIDTHS = ((256, 4), (512, 8))  # (d_model, heads): Transformer-small and -base, head_dim 64
+DROPOUT = 0.1
+SEED = 0
+# Half precision is what NMT trains in on GPUs; the CPU kernels take bf16 only.
+DTYPES = (torch.float32, torch.bfloat16) + ((torch.float16,) if DEVICE.type == "cuda" else ())
+PASSES = ("fwd", "fwd+bwd")
+IMPLS = (*fastnmt.BACKENDS, "torch")
+
+# Rounds per benchmark: enough to fill TARGET_SECONDS, within [min rounds, MAX_ROUNDS]. Fixed
+# round counts (pedantic mode) rather than pytest-benchmark's calibration, which would spend its
+# full max_time (1 s) on every one of the ~250 CPU benchmarks.
+TARGET_SECONDS = 0.3
+MAX_ROUNDS = 1000
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Interpreted Triton runs kernels in numpy on the CPU: its timings would mean nothing.
+    if os.environ.get("TRITON_INTERPRET") == "1" and not config.getoption("benchmark_skip"):
+        raise pytest.UsageError(
+            "the benchmarks cannot run with TRITON_INTERPRET=1 (Triton's interpreter is a "
+            "debugging tool, orders of magnitude slower than compiled kernels): unset it, or pass "
+            "--benchmark-skip or --ignore=benchmarks to run only the tests"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Cases: batch shape and padding.
+# ---------------------------------------------------------------------------------------------
+
+
+def sentence_lengths(batch: int, max_len: int, padding: float, seed: int) -> tuple[int, ...]:
+    """Random lengths in [1, max_len], one of them max_len (the batch is padded to its longest
+    sentence), summing to exactly round((1 - padding) * batch * max_len) tokens."""
+    rng = random.Random(seed)
+    target = round((1.0 - padding) * batch * max_len)
+    low = max(1, round((1.0 - 2.0 * padding) * max_len))  # uniform [low, max_len]: mean on target
+    lengths = [max_len] + [rng.randint(low, max_len) for _ in range(batch - 1)]
+    while sum(lengths) != target:  # nudge random sentences (not the longest) one token at a time
+        i = rng.randrange(1, batch)
+        step = 1 if sum(lengths) < target else -1
+        if 1 <= lengths[i] + step <= max_len:
+            lengths[i] += step
+    return tuple(lengths)
+
+
+@dataclass(frozen=True)
+class Case:
+    max_len: int
+    padding: float
+    d_model: int
+    heads: int
+    batch: int = BATCH
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return sentence_lengths(self.batch, self.max_len, self.padding, SEED)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.heads
+
+    @property
+    def tokens(self) -> int:
+        """Real (non-pad) tokens: what a throughput should count."""
+        return sum(self.lengths)
+
+    @property
+    def id(self) -> str:
+        return f"L{self.max_len}-pad{round(100 * self.padding)}-d{self.d_model}h{self.heads}"
+
+    def key_lengths(self) -> torch.Tensor:
+        return torch.tensor(self.lengths, device=DEVICE)
+
+    def key_padding_mask(self) -> torch.Tensor:
+        """Bool (B, L), True = padding (nn.MultiheadAttention's convention)."""
+        return torch.arange(self.max_len, device=DEVICE) >= self.key_lengths()[:, None]
+
+    def info(self) -> dict:
+        return {
+            "batch": self.batch,
+            "max_len": self.max_len,
+            "padding_ratio": round(1.0 - self.tokens / (self.batch * self.max_len), 4),
+            "d_model": self.d_model,
+            "heads": self.heads,
+        }
+
+
+CASES = tuple(
+    Case(max_len, padding, d_model, heads)
+    for max_len in MAX_LENGTHS
+    for padding in PADDING_RATIOS
+    for d_model, heads in WIDTHS
+)
+
+
+@pytest.fixture(params=IMPLS)
+def impl(request) -> str:
+    return request.param
+
+
+@pytest.fixture(params=CASES, ids=lambda case: case.id)
+def case(request) -> Case:
+    return request.param
+
+
+@pytest.fixture(params=DTYPES, ids=lambda dtype: str(dtype).removeprefix("torch."))
+def dtype(request) -> torch.dtype:
+    return request.param
+
+
+@pytest.fixture(params=PASSES)
+def pass_name(request) -> str:
+    return request.param
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring one call.
+# ---------------------------------------------------------------------------------------------
+
+
+def synchronize() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def peak_memory_mb(call: Callable[[], None]) -> float:
+    """Peak extra memory of one ``call()``: the most bytes allocated during the call on top of
+    what was allocated before it (outputs, tensors saved for backward, temporaries, gradients;
+    not the inputs). The caller frees earlier gradients first, so the call frees nothing older.
+    """
+    if DEVICE.type == "cuda":
+        synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        call()
+        return (torch.cuda.max_memory_allocated() - before) / 2**20
+    return _cpu_peak_bytes(call) / 2**20
+
+
+def _cpu_peak_bytes(call: Callable[[], None]) -> int:
+    """CPU has no allocator statistics; the profiler records every allocation and free that goes
+    through PyTorch's CPU allocator (buffers a library such as oneDNN allocates by itself are not
+    seen). The running sum of those events in time order, at its highest, is the peak.
+
+    The public event list is no good here: its "[memory]" rows are only the events that happened
+    outside any op (in practice the frees), while allocations are folded into the ops' totals,
+    which loses their order. The event tree keeps each allocation as its own timed node.
+    """
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        call()
+    events = []
+    pending = list(prof.profiler.kineto_results.experimental_event_tree())
+    while pending:
+        node = pending.pop()
+        pending.extend(node.children)
+        if node.tag == _EventType.Allocation:
+            events.append((node.start_time_ns, node.extra_fields.alloc_size))
+    running = peak = 0
+    for _, size in sorted(events):
+        running += size
+        peak = max(peak, running)
+    return peak
+
+
+class Bench:
+    """One benchmark: makes its inputs and times ``forward`` under its impl, case, dtype and pass.
+
+    fwd: forward under ``torch.no_grad()`` (no autograd graph), so every row measures the same
+    work. fwd+bwd: inputs and parameters require grad; the output is backpropagated with a fixed
+    random gradient, and every gradient is set to None before each round so none accumulate.
+    """
+
+    dropout = DROPOUT  # of the residual+LayerNorm and feed-forward benchmarks
+
+    def __init__(self, benchmark, min_rounds: int, impl, case: Case, dtype, pass_name: str):
+        self.benchmark, self.min_rounds = benchmark, min_rounds
+        self.impl, self.case, self.dtype, self.pass_name = impl, case, dtype, pass_name
+        self.backward = pass_name == "fwd+bwd"
+        self._leaves: list[torch.Tensor] = []
+        self._grads: dict[torch.Size, torch.Tensor] = {}
+        torch.manual_seed(SEED)
+
+    # Inputs --------------------------------------------------------------------------------
+
+    def tensor(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` on the benchmark's device and dtype, a leaf that requires grad in fwd+bwd."""
+        leaf = value.to(DEVICE, self.dtype).requires_grad_(self.backward)
+        self._leaves.append(leaf)
+        return leaf
+
+    def randn(self, *shape: int) -> torch.Tensor:
+        return self.tensor(torch.randn(shape))
+
+    def module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """``module`` on the benchmark's device and dtype; its parameters are leaves."""
+        module = module.to(DEVICE, self.dtype)
+        self._leaves.extend(module.parameters())
+        return module
+
+    # Running ---------------------------------------------------------------------------------
+
+    def skip_unless_supported(self, op_name: str, *args, **kwargs) -> None:
+        """Skip a fastnmt backend that cannot run ``fastnmt.ops.<op_name>(*args, **kwargs)``,
+        with dispatch's own reasons."""
+        with fastnmt.backend("auto"):  # explain() must not trip over FASTNMT_BACKEND
+            reasons = fastnmt.explain(op_name, *args, **kwargs)[self.impl]
+        if reasons:
+            pytest.skip(f"{self.impl} cannot run {op_name}: " + "; ".join(reasons))
+
+    def run(self, op: str, label: str, forward: Callable[[], torch.Tensor]) -> None:
+        """Time ``forward`` (which calls ``label``) and record the results in extra_info."""
+        forced = self.impl in fastnmt.BACKENDS
+        with fastnmt.backend(self.impl) if forced else contextlib.nullcontext():
+            step = self._step(forward)
+            self._clear_grads()
+            peak_mb = peak_memory_mb(step)  # also the first warm-up call
+            rounds = self._rounds(step)
+            self.benchmark.group = op
+            self.benchmark.pedantic(step, setup=self._clear_grads, rounds=rounds, warmup_rounds=1)
+        info = {"op": op, "backend": self.impl, "impl": label, "device": DEVICE.type}
+        info.update(self.case.info())
+        info.update(dtype=str(self.dtype).removeprefix("torch."), pass_name=self.pass_name)
+        info.update(tokens=self.case.tokens, rounds=rounds, peak_mem_mb=round(peak_mb, 2))
+        if self.benchmark.stats is not None:  # None under --benchmark-disable: a single call
+            median = self.benchmark.stats.stats.median
+            info["tokens_per_s"] = round(self.case.tokens / median)
+        self.benchmark.extra_info.update(info)
+
+    def _step(self, forward: Callable[[], torch.Tensor]) -> Callable[[], None]:
+        def forward_only() -> None:
+            with torch.no_grad():
+                forward()
+            synchronize()  # CUDA runs asynchronously: time the kernels, not their launch
+
+        def forward_backward() -> None:
+            out = forward()
+            out.backward(self._grad_like(out))
+            synchronize()
+
+        return forward_backward if self.backward else forward_only
+
+    def _grad_like(self, out: torch.Tensor) -> torch.Tensor:
+        """A fixed random output gradient, made once (the first call is not timed)."""
+        if out.shape not in self._grads:
+            generator = torch.Generator().manual_seed(SEED)
+            grad = torch.randn(out.shape, generator=generator)
+            self._grads[out.shape] = grad.to(out.device, out.dtype)
+        return self._grads[out.shape]
+
+    def _clear_grads(self) -> None:
+        for leaf in self._leaves:
+            leaf.grad = None
+
+    def _rounds(self, step: Callable[[], None]) -> int:
+        """Rounds that fill about TARGET_SECONDS, judged from one (warm-up) call."""
+        self._clear_grads()
+        start = time.perf_counter()
+        step()
+        seconds = time.perf_counter() - start
+        return max(self.min_rounds, min(MAX_ROUNDS, math.ceil(TARGET_SECONDS / seconds)))
+
+
+@pytest.fixture
+def bench(request, benchmark, impl, case, dtype, pass_name) -> Bench:
+    min_rounds = request.config.getoption("benchmark_min_rounds")  # default 5
+    return Bench(benchmark, min_rounds, impl, case, dtype, pass_name)
