@@ -18,6 +18,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,13 +46,19 @@ TARGET_SECONDS = 0.3
 MAX_ROUNDS = 1000
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    # Interpreted Triton runs kernels in numpy on the CPU: its timings would mean nothing.
-    if os.environ.get("TRITON_INTERPRET") == "1" and not config.getoption("benchmark_skip"):
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Interpreted Triton runs kernels in numpy on the CPU: its timings would mean nothing. Checked
+    # after collection because tests/conftest.py sets TRITON_INTERPRET=1 on CPU-only machines
+    # when it is imported, which a run of the whole repository does after this file.
+    here = Path(__file__).parent
+    benchmarks = any(item.path.is_relative_to(here) for item in items)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if benchmarks and interpreted and not config.getoption("benchmark_skip"):
         raise pytest.UsageError(
             "the benchmarks cannot run with TRITON_INTERPRET=1 (Triton's interpreter is a "
-            "debugging tool, orders of magnitude slower than compiled kernels): unset it, or pass "
-            "--benchmark-skip or --ignore=benchmarks to run only the tests"
+            "debugging tool, orders of magnitude slower than compiled kernels; tests/conftest.py "
+            "sets it on machines without CUDA): run `pytest benchmarks` on its own with it unset, "
+            "or pass --ignore=benchmarks or --benchmark-skip"
         )
 
 
@@ -245,13 +252,13 @@ class Bench:
         with fastnmt.backend(self.impl) if forced else contextlib.nullcontext():
             step = self._step(forward)
             self._clear_grads()
-            peak_mb = peak_memory_mb(step)  # also the first warm-up call
+            peak_mb = peak_memory_mb(step)  # untimed, as is _rounds' call: they are the warm-up
             rounds = self._rounds(step)
             self.benchmark.group = op
-            self.benchmark.pedantic(step, setup=self._clear_grads, rounds=rounds, warmup_rounds=1)
+            self.benchmark.pedantic(step, setup=self._clear_grads, rounds=rounds)
         info = {"op": op, "backend": self.impl, "impl": label, "device": DEVICE.type}
         info.update(self.case.info())
-        info.update(dtype=str(self.dtype).removeprefix("torch."), pass_name=self.pass_name)
+        info.update({"dtype": str(self.dtype).removeprefix("torch."), "pass": self.pass_name})
         info.update(tokens=self.case.tokens, rounds=rounds, peak_mem_mb=round(peak_mb, 2))
         if self.benchmark.stats is not None:  # None under --benchmark-disable: a single call
             median = self.benchmark.stats.stats.median

@@ -1,0 +1,157 @@
+"""Compile every Triton kernel for real GPUs, without a GPU: ``python -m fastnmt.compile_check``.
+
+For each case an op module lists in ``gpu_compile_cases(dtype)`` (kernel, signature, block
+config), this builds a cubin for sm_80 (A100) and sm_90 (H100), fp16 and bf16, reads registers and
+local memory from the cubin with the wheel's ``cuobjdump``, and fails a case that spills
+(local memory > 0), exceeds the chip's shared memory, or, for sm_90 matmul kernels, has no
+``wgmma`` instruction. Prints a table; exits 1 when a case fails.
+
+Must run in a process without TRITON_INTERPRET (compiling for a GPU fails under the interpreter).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+KERNEL_MODULES = ("fastnmt.ops.attention", "fastnmt.ops.layer_norm", "fastnmt.ops.feed_forward")
+TARGETS = {80: 163 * 1024, 90: 227 * 1024}  # compute capability -> shared memory per block
+DTYPES = ("fp16", "bf16")
+
+
+@dataclass(frozen=True)
+class CompileCase:
+    """One kernel with one launch configuration, as an op module declares it."""
+
+    kernel: Any  # the @triton.jit function
+    signature: dict[str, str]  # argument -> Triton type ("*fp16", "i32", "fp32", "constexpr")
+    constexprs: dict[str, Any]
+    num_warps: int = 4
+    num_stages: int = 2
+    needs_wgmma: bool = False  # a tl.dot kernel: sm_90 must use warpgroup MMA
+    label: str = field(default="")  # the configuration, for the table
+
+    @property
+    def name(self) -> str:
+        return self.kernel.__name__
+
+
+@dataclass
+class CompileResult:
+    kernel: str
+    target: str
+    dtype: str
+    config: str
+    registers: int = 0
+    shared: int = 0
+    spills: int = 0
+    wgmma: bool = False
+    problems: list[str] = field(default_factory=list)
+
+
+def all_cases() -> list[tuple[str, CompileCase]]:
+    """(dtype, case) for every kernel module that declares its cases."""
+    cases = []
+    for module_name in KERNEL_MODULES:
+        module = importlib.import_module(module_name)
+        declare = getattr(module, "gpu_compile_cases", None)
+        if declare is not None:
+            cases += [(dtype, case) for dtype in DTYPES for case in declare(dtype)]
+    return cases
+
+
+def parse_resource_usage(text: str) -> tuple[int, int]:
+    """Registers and local-memory bytes from ``cuobjdump --dump-resource-usage`` output."""
+    registers = max((int(r) for r in re.findall(r"REG:(\d+)", text)), default=0)
+    local = max((int(n) for n in re.findall(r"LOCAL:(\d+)", text)), default=0)
+    return registers, local
+
+
+def _cuobjdump() -> str:
+    import triton
+
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+
+
+def compile_one(index: int, capability: int) -> CompileResult:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.errors import TritonError
+
+    dtype, case = all_cases()[index]
+    result = CompileResult(case.name, f"sm_{capability}", dtype, case.label)
+    signature = {k: v.replace("DTYPE", dtype) for k, v in case.signature.items()}
+    source = ASTSource(fn=case.kernel, signature=signature, constexprs=case.constexprs)
+    try:
+        compiled = triton.compile(
+            source,
+            target=GPUTarget("cuda", capability, 32),
+            options={"num_warps": case.num_warps, "num_stages": case.num_stages},
+        )
+    except (TritonError, RuntimeError) as error:  # MLIR passes raise RuntimeError
+        result.problems.append(f"does not compile: {str(error).splitlines()[0][:200]}")
+        return result
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run(
+            [_cuobjdump(), "--dump-resource-usage", cubin.name],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    result.registers, result.spills = parse_resource_usage(usage)
+    result.shared = compiled.metadata.shared
+    result.wgmma = "wgmma" in compiled.asm["ptx"]
+    if result.spills:
+        result.problems.append(f"spills {result.spills} bytes to local memory")
+    if result.shared > TARGETS[capability]:
+        result.problems.append(f"needs {result.shared} B shared memory > {TARGETS[capability]}")
+    if capability == 90 and case.needs_wgmma and not result.wgmma:
+        result.problems.append("no wgmma on sm_90")
+    return result
+
+
+def run_all(workers: int = 2) -> list[CompileResult]:
+    jobs = [(i, cap) for i in range(len(all_cases())) for cap in TARGETS]
+    with ProcessPoolExecutor(workers) as pool:
+        return list(pool.map(compile_one, *zip(*jobs, strict=True))) if jobs else []
+
+
+def format_table(results: list[CompileResult]) -> str:
+    header = (
+        "| kernel | target | dtype | config | registers | shared (B) | spills (B) | wgmma | ok |"
+    )
+    lines = [header, "|" + "---|" * 9]
+    for r in results:
+        status = "yes" if not r.problems else "; ".join(r.problems)
+        lines.append(
+            f"| {r.kernel} | {r.target} | {r.dtype} | {r.config} | {r.registers} | {r.shared} "
+            f"| {r.spills} | {'yes' if r.wgmma else 'no'} | {status} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("unset TRITON_INTERPRET: GPU compilation does not work under the interpreter")
+        return 2
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences Triton 3.9's warning
+    results = run_all()
+    print(format_table(results) if results else "no Triton kernels declare compile cases")
+    failed = [r for r in results if r.problems]
+    print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
