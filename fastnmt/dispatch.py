@@ -60,26 +60,30 @@ def forced_backend() -> str | None:
     return None if name == _AUTO else name
 
 
-def _triton_device_reasons(device: torch.device) -> list[str]:
+def _triton_device_reasons(device: torch.device, forced: bool) -> list[str]:
     if importlib.util.find_spec("triton") is None:
         return ["triton is not installed"]
-    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if device.type == "cuda":
         return []
-    return [
-        f"tensors are on {device.type}; triton runs CUDA tensors (CPU only with TRITON_INTERPRET=1)"
-    ]
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return [
+            f"tensors are on {device.type}; triton runs CUDA tensors (or, forced, CPU "
+            "tensors with TRITON_INTERPRET=1)"
+        ]
+    # The interpreter is a test path, far slower than any other backend: never chosen by itself.
+    return [] if forced else ["the Triton interpreter runs CPU tensors only when triton is forced"]
 
 
-def _cpp_device_reasons(device: torch.device) -> list[str]:
+def _cpp_device_reasons(device: torch.device, forced: bool) -> list[str]:
     if device.type != "cpu":
         return [f"tensors are on {device.type}; the C++ kernels run CPU tensors"]
     return [] if extension_available() else [extension_status()]
 
 
-_DEVICE_REASONS: dict[str, Callable[[torch.device], list[str]]] = {
+_DEVICE_REASONS: dict[str, Callable[[torch.device, bool], list[str]]] = {
     "triton": _triton_device_reasons,
     "cpp": _cpp_device_reasons,
-    "reference": lambda device: [],
+    "reference": lambda device, forced: [],
 }
 
 UnsupportedFn = Callable[..., Iterable[str]]
@@ -110,21 +114,21 @@ class Op:
 
         return decorate
 
-    def _reasons(self, device: torch.device, prepared: dict) -> dict[str, list[str]]:
+    def _reasons(self, device: torch.device, prepared: dict, forced: str | None) -> dict:
         found = {}
         for name in BACKENDS:
             if name not in self._implementations:
                 found[name] = [f"fastnmt has no {name} implementation of {self.name} yet"]
                 continue
             _, unsupported = self._implementations[name]
-            found[name] = _DEVICE_REASONS[name](device)
+            found[name] = _DEVICE_REASONS[name](device, forced == name)
             if not found[name] and unsupported is not None:
                 found[name] = list(unsupported(**prepared))
         return found
 
     def _choose(self, device: torch.device, prepared: dict) -> str:
-        reasons = self._reasons(device, prepared)
         forced = forced_backend()
+        reasons = self._reasons(device, prepared, forced)
         if forced is None:
             return next(name for name in BACKENDS if not reasons[name])
         if reasons[forced]:
@@ -138,7 +142,7 @@ class Op:
         """For each backend, the reasons it cannot run this call (empty: it can), plus the
         chosen backend under the key "chosen"."""
         device, prepared = self.prepare(*args, **kwargs)
-        reasons: dict = self._reasons(device, prepared)
+        reasons: dict = self._reasons(device, prepared, forced_backend())
         reasons["chosen"] = self._choose(device, prepared)
         return reasons
 

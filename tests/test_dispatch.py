@@ -71,12 +71,14 @@ def test_unknown_backend_names_are_rejected(monkeypatch):
         dispatch.forced_backend()
 
 
-def test_triton_needs_cuda_or_the_interpreter(monkeypatch):
+def test_triton_needs_cuda_or_the_interpreter_and_force(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    reasons = dispatch._triton_device_reasons(torch.device("cpu"))
+    reasons = dispatch._triton_device_reasons(torch.device("cpu"), forced=True)
     assert "triton runs CUDA tensors" in reasons[0]
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert dispatch._triton_device_reasons(torch.device("cpu")) == []
+    assert dispatch._triton_device_reasons(torch.device("cpu"), forced=True) == []
+    reasons = dispatch._triton_device_reasons(torch.device("cpu"), forced=False)
+    assert "only when triton is forced" in reasons[0]
 
 
 def test_every_op_explains_itself():

@@ -1,0 +1,94 @@
+"""The translation Transformer: shapes, tied embeddings, pre/post-norm, KV-cache decoding."""
+
+import pytest
+import torch
+
+from fastnmt.model import ModelConfig, Transformer, preset, sinusoidal_positions
+
+SMALL = ModelConfig(vocab_size=50, d_model=32, heads=4, d_ff=64, encoder_layers=2, decoder_layers=2)
+
+
+def _batch(batch=3, src_len=7, tgt_len=5, vocab=50):
+    src = torch.randint(4, vocab, (batch, src_len))
+    src_lengths = torch.tensor([src_len] + [max(1, src_len - 2 - i) for i in range(batch - 1)])
+    for row, length in enumerate(src_lengths.tolist()):
+        src[row, length:] = 0
+    return src, src_lengths, torch.randint(4, vocab, (batch, tgt_len))
+
+
+@pytest.mark.parametrize("prenorm", [True, False])
+def test_forward_shapes_and_gradients(prenorm):
+    model = Transformer(ModelConfig(**{**SMALL.to_dict(), "prenorm": prenorm}))
+    src, src_lengths, tgt = _batch()
+    states = model(src, src_lengths, tgt)
+    assert states.shape == (3, 5, 32)
+    logits = model.logits(states)
+    assert logits.shape == (3, 5, 50)
+    logits.logsumexp(-1).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_embeddings_are_tied_and_padding_is_zero():
+    model = Transformer(SMALL)
+    assert sum(p.shape == (50, 32) for p in model.parameters()) == 1
+    assert (model.embedding.weight[0] == 0).all()
+
+
+def test_padding_does_not_change_encoder_outputs():
+    model = Transformer(SMALL).eval()
+    src, src_lengths, _ = _batch()
+    padded = torch.cat([src, torch.zeros(3, 4, dtype=torch.long)], dim=1)
+    short, long = model.encode(src, src_lengths), model.encode(padded, src_lengths)
+    for row, length in enumerate(src_lengths.tolist()):
+        torch.testing.assert_close(long[row, :length], short[row, :length], atol=1e-5, rtol=1e-5)
+
+
+def test_cached_decoding_equals_full_recomputation():
+    model = Transformer(SMALL).eval()
+    src, src_lengths, tgt = _batch()
+    memory = model.encode(src, src_lengths)
+    full = model.decode(tgt, memory, src_lengths)
+    caches = model.new_caches()
+    steps = [
+        model.decode(tgt[:, t : t + 1], memory, src_lengths, caches, start=t)
+        for t in range(tgt.shape[1])
+    ]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_equals_argmax_of_full_recomputation():
+    model = Transformer(SMALL).eval()
+    src, src_lengths, _ = _batch()
+    hypotheses = model.greedy(src, src_lengths, max_len=6)
+    memory = model.encode(src, src_lengths)
+    for row, hypothesis in enumerate(hypotheses):
+        prefix = [SMALL.bos_id]
+        for _ in range(6):
+            states = model.decode(
+                torch.tensor([prefix]), memory[row : row + 1], src_lengths[row : row + 1]
+            )
+            token = model.logits(states[0, -1]).argmax().item()
+            if token == SMALL.eos_id:
+                break
+            prefix.append(token)
+        assert hypothesis == prefix[1:]
+
+
+def test_sinusoidal_positions():
+    table = sinusoidal_positions(10, 8)
+    torch.testing.assert_close(table[:, 0], torch.sin(torch.arange(10.0)))
+    torch.testing.assert_close(table[:, 1], torch.cos(torch.arange(10.0)))
+
+
+def test_presets_and_bad_names():
+    assert preset("base").d_model == 512 and preset("iwslt").heads == 4
+    assert preset("tiny", vocab_size=100).vocab_size == 100
+    with pytest.raises(ValueError, match="preset must be one of"):
+        preset("huge")
+
+
+def test_too_long_input_is_a_clear_error():
+    model = Transformer(ModelConfig(**{**SMALL.to_dict(), "max_positions": 4}))
+    src, src_lengths, _ = _batch(src_len=6)
+    with pytest.raises(ValueError, match="exceeds max_positions"):
+        model.encode(src, src_lengths)
