@@ -34,7 +34,7 @@ PADDING_RATIOS = (0.0, 0.4)  # share of the B * L positions that are padding
 WIDTHS = ((256, 4), (512, 8))  # (d_model, heads): Transformer-small and -base, head_dim 64
 DROPOUT = 0.1
 SEED = 0
-# Half precision is what NMT trains in on GPUs; the CPU kernels take bf16 only.
+# bf16 is the half type CPUs compute in (AVX512-BF16, AMX); fp16, common on GPUs, joins there.
 DTYPES = (torch.float32, torch.bfloat16) + ((torch.float16,) if DEVICE.type == "cuda" else ())
 PASSES = ("fwd", "fwd+bwd")
 IMPLS = (*fastnmt.BACKENDS, "torch")
