@@ -46,3 +46,14 @@ def attention_oracle(q, k, v, *, key_lengths=None, causal=False, scale=None, att
         total.squeeze(-1) > 0, torch.log(total.squeeze(-1)) + row_max.squeeze(-1), float("-inf")
     )
     return probs @ v, lse, probs
+
+
+def multi30k_dir():
+    """The local Multi30k copy: $FASTNMT_DATA_DIR, else ../shared/data/multi30k beside the repo."""
+    import os
+    from pathlib import Path
+
+    default = Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k"
+    folder = Path(os.environ.get("FASTNMT_DATA_DIR", default))
+    assert (folder / "val.en.gz").exists(), f"Multi30k not found in {folder}; set FASTNMT_DATA_DIR"
+    return folder

@@ -1,0 +1,239 @@
+"""python -m fastnmt.train on small slices of Multi30k: outputs, exact resume, DDP, bad input."""
+
+import gzip
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from fastnmt import train
+from fastnmt.model import ModelConfig, Transformer
+from tests.helpers import multi30k_dir
+
+SMALL_MODEL = [
+    "--vocab-size", "300", "--d-model", "32", "--heads", "2", "--d-ff", "64",
+    "--encoder-layers", "1", "--decoder-layers", "1", "--max-tokens", "400",
+    "--log-interval", "2", "--no-progress", "--precision", "fp32",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """300 training and 20 validation pairs of Multi30k en-de as PREFIX.{en,de} files."""
+    folder = tmp_path_factory.mktemp("corpus")
+    for split, lines in (("train", 300), ("val", 20)):
+        for lang in ("en", "de"):
+            with gzip.open(multi30k_dir() / f"{split}.{lang}.gz", "rt", encoding="utf-8") as f:
+                text = [next(f) for _ in range(lines)]
+            (folder / f"{split}.{lang}").write_text("".join(text), encoding="utf-8")
+    return folder
+
+
+def _arguments(corpus: Path, output: Path, *extra: str) -> list[str]:
+    data = ["--train", str(corpus / "train"), "--valid", str(corpus / "val")]
+    return [*data, *SMALL_MODEL, "--output-dir", str(output), *extra]
+
+
+def _run(arguments: list[str], **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "fastnmt.train", *arguments],
+        capture_output=True, text=True, timeout=600, **kwargs,
+    )  # fmt: skip
+
+
+def _weights(output: Path, name: str = "checkpoint_last") -> dict[str, torch.Tensor]:
+    return load_file(str(output / name / "model.safetensors"))
+
+
+def test_training_writes_checkpoints_metrics_and_test_translations(corpus, tmp_path):
+    arguments = _arguments(corpus, tmp_path, "--test", str(corpus / "val"), "--max-steps", "4")
+    result = _run(arguments)
+    assert result.returncode == 0, result.stderr
+    assert "validation after 4 steps" in result.stderr
+    assert "test (" in result.stderr and "BLEU" in result.stderr and "chrF" in result.stderr
+    for name in ("checkpoint_last", "checkpoint_best"):
+        files = sorted(p.name for p in (tmp_path / name).iterdir())
+        assert files == ["config.json", "model.safetensors", "spm.model", "trainer_state.pt"]
+    state = torch.load(tmp_path / "checkpoint_last" / "trainer_state.pt", weights_only=True)
+    assert state["progress"]["step"] == 4
+    events = [line.split('"event": "')[1][:4] for line in (tmp_path / "metrics.jsonl").open()]
+    assert events == ["trai", "trai", "vali", "test"]
+    hypotheses = (tmp_path / "test.de.hyp").read_text(encoding="utf-8").splitlines()
+    assert len(hypotheses) == 20
+
+
+def test_resume_after_sigkill_continues_exactly(corpus, tmp_path):
+    """N steps straight == N/2 steps, kill -9, resume, N/2 steps (CPU, fp32, with dropout)."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    common = ("--max-steps", "8", "--save-interval", "4", "--max-tokens", "250")
+    assert _run(_arguments(corpus, straight, *common)).returncode == 0
+    process = subprocess.Popen(
+        [sys.executable, "-m", "fastnmt.train", *_arguments(corpus, resumed, *common)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 300
+    while not (resumed / "checkpoint_step4").exists() and process.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL, "training ended before it could be killed"
+    result = _run(_arguments(corpus, resumed, *common))
+    assert result.returncode == 0, result.stderr
+    assert "resumed from" in result.stderr
+    expected, actual = _weights(straight), _weights(resumed)
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        assert torch.equal(actual[name], expected[name]), name
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ddp_with_two_gloo_processes_equals_one_process_on_the_combined_batches(corpus, tmp_path):
+    no_dropout = ("--dropout", "0", "--attention-dropout", "0", "--max-steps", "3")
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    result = _run(_arguments(corpus, single, *no_dropout, "--update-freq", "2"))
+    assert result.returncode == 0, result.stderr
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+        "-m", "fastnmt.train", *_arguments(corpus, ddp, *no_dropout, "--check-replicas"),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "parameters identical on all 2 ranks" in result.stderr
+    expected, actual = _weights(single), _weights(ddp)
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], atol=2e-5, rtol=1e-4)
+
+
+def test_label_smoothed_loss_matches_cross_entropy():
+    model = Transformer(ModelConfig(vocab_size=30, d_model=8, heads=2, d_ff=16))
+    states = torch.randn(2, 5, 8)
+    targets = torch.randint(1, 30, (2, 5))
+    targets[1, 3:] = 0
+    loss, nll, correct = train.label_smoothed_loss(model, states, targets, 0, 0.1)
+    logits = model.logits(states).view(-1, 30)
+    expected = F.cross_entropy(
+        logits, targets.view(-1), ignore_index=0, label_smoothing=0.1, reduction="sum"
+    )
+    torch.testing.assert_close(loss, expected)
+    kept = targets.view(-1) != 0
+    torch.testing.assert_close(
+        nll, F.cross_entropy(logits[kept], targets.view(-1)[kept], reduction="sum")
+    )
+    assert correct == (logits[kept].argmax(-1) == targets.view(-1)[kept]).sum()
+
+
+def test_inverse_sqrt_schedule():
+    assert train.inverse_sqrt_lr(1, 1e-3, 100) == pytest.approx(1e-5)
+    assert train.inverse_sqrt_lr(100, 1e-3, 100) == pytest.approx(1e-3)
+    assert train.inverse_sqrt_lr(400, 1e-3, 100) == pytest.approx(5e-4)
+
+
+def test_non_finite_loss_stops_naming_the_step_and_last_checkpoint(
+    corpus, tmp_path, monkeypatch, capsys
+):
+    args = train.build_parser().parse_args(_arguments(corpus, tmp_path, "--save-interval", "2"))
+    trainer = train.prepare(args)
+    real_loss = train.label_smoothed_loss
+
+    def poisoned(*a, **k):
+        loss, nll, correct = real_loss(*a, **k)
+        return (loss * float("nan") if trainer.progress.step == 3 else loss), nll, correct
+
+    monkeypatch.setattr(train, "label_smoothed_loss", poisoned)
+    assert trainer.run() == 1
+    message = capsys.readouterr().err
+    assert "loss became nan at step 4" in message
+    assert "checkpoint_step2" in message
+
+
+def test_ctrl_c_saves_and_exits(corpus, tmp_path, monkeypatch):
+    args = train.build_parser().parse_args(_arguments(corpus, tmp_path))
+    trainer = train.prepare(args)
+    real_step = trainer.train_step
+
+    def interrupted(batches):
+        if trainer.progress.step == 2:
+            raise KeyboardInterrupt
+        return real_step(batches)
+
+    monkeypatch.setattr(trainer, "train_step", interrupted)
+    assert trainer.run() == 130
+    state = torch.load(tmp_path / "checkpoint_last" / "trainer_state.pt", weights_only=True)
+    assert state["progress"]["step"] == 2
+
+
+class TestBadInput:
+    """Each is a one-line error and exit code 2, run in-process through ``main``."""
+
+    @pytest.fixture(autouse=True)
+    def _capture(self, capsys):
+        self.capsys = capsys
+
+    def _error(self, arguments) -> str:
+        try:
+            code = train.main(arguments)
+        except SystemExit as exit_:  # argparse's own errors
+            code = exit_.code
+        assert code == 2
+        lines = self.capsys.readouterr().err.strip().splitlines()
+        assert lines[-1].startswith(("error:", "python -m fastnmt.train: error:")), lines
+        return lines[-1]
+
+    def test_line_count_mismatch_names_both_files_and_counts(self, corpus, tmp_path):
+        (tmp_path / "bad.en").write_text("a\nb\nc\n")
+        (tmp_path / "bad.de").write_text("a\nb\n")
+        arguments = _arguments(corpus, tmp_path / "out")
+        arguments[1] = str(tmp_path / "bad")
+        message = self._error(arguments)
+        assert "bad.en" in message and "bad.de" in message and "3" in message and "2" in message
+
+    def test_non_utf8_line_is_named(self, corpus, tmp_path):
+        (tmp_path / "bad.en").write_bytes(b"fine\n\xff broken\n")
+        (tmp_path / "bad.de").write_text("gut\nkaputt\n")
+        arguments = _arguments(corpus, tmp_path / "out")
+        arguments[1] = str(tmp_path / "bad")
+        assert "bad.en:2" in self._error(arguments)
+
+    def test_missing_files(self, corpus, tmp_path):
+        arguments = _arguments(corpus, tmp_path / "out")
+        arguments[1] = str(tmp_path / "nothing")
+        assert "nothing" in self._error(arguments)
+
+    def test_every_pair_filtered_out(self, corpus, tmp_path):
+        arguments = _arguments(corpus, tmp_path / "out", "--max-len", "2")
+        assert "every pair was filtered out" in self._error(arguments)
+
+    def test_unknown_preset_and_bad_values(self, corpus, tmp_path):
+        assert "invalid choice" in self._error(_arguments(corpus, tmp_path, "--preset", "huge"))
+        message = self._error(_arguments(corpus, tmp_path, "--dropout", "1.5"))
+        assert "--dropout must be in [0, 1)" in message
+        assert "--precision fp16 needs a GPU" in self._error(
+            _arguments(corpus, tmp_path, "--precision", "fp16")
+        )
+
+    def test_incompatible_checkpoint_is_not_overwritten(self, corpus, tmp_path):
+        assert _run(_arguments(corpus, tmp_path, "--max-steps", "2")).returncode == 0
+        before = _weights(tmp_path)
+        message = self._error(_arguments(corpus, tmp_path, "--d-model", "48", "--max-steps", "4"))
+        assert "holds a checkpoint of another run" in message and "d_model" in message
+        after = _weights(tmp_path)
+        assert all(torch.equal(before[k], after[k]) for k in before)
+
+    def test_resume_without_checkpoint(self, corpus, tmp_path):
+        assert "no checkpoint to resume" in self._error(_arguments(corpus, tmp_path, "--resume"))
