@@ -269,7 +269,7 @@ class MultiheadAttention(nn.Module):
             q,
         )
         k, v, masks = self._extra_keys(k, v, masks, q.shape[2])
-        out = attention(
+        result = attention(
             q,
             k,
             v,
@@ -278,7 +278,9 @@ class MultiheadAttention(nn.Module):
             attn_mask=masks.attn_mask,
             causal=masks.causal,
             dropout_p=self.dropout if self.training else 0.0,
-        )  # (B, H, Lq, D)
+            return_lse=need_weights,
+        )
+        out, lse = result if need_weights else (result, None)  # (B, H, Lq, D), (B, H, Lq)
         out = self.out_proj(out.transpose(1, 2).reshape(batch, q.shape[2], self.embed_dim))
         weights = None
         if need_weights:
@@ -289,6 +291,7 @@ class MultiheadAttention(nn.Module):
                 key_padding_mask=masks.key_padding_mask,
                 attn_mask=masks.attn_mask,
                 causal=masks.causal,
+                lse=lse,  # P = exp(S - lse): the fused path needs no second softmax
             )  # (B, H, Lq, Lk)
             weights = weights.mean(dim=1) if average_attn_weights else weights
             weights = weights if batched else weights[0]

@@ -2,7 +2,7 @@
 
 For each case an op module lists in ``gpu_compile_cases(dtype)`` (kernel, signature, block
 config), this builds a cubin for sm_80 (A100) and sm_90 (H100), fp16 and bf16, reads registers and
-local memory from the cubin with the wheel's ``cuobjdump``, and fails a case that spills
+spilled bytes from the cubin with the wheel's ``cuobjdump``, and fails a case that spills
 (local memory > 0), exceeds the chip's shared memory, or, for sm_90 matmul kernels, has no
 ``wgmma`` instruction. Prints a table; exits 1 when a case fails.
 
@@ -69,10 +69,12 @@ def all_cases() -> list[tuple[str, CompileCase]]:
 
 
 def parse_resource_usage(text: str) -> tuple[int, int]:
-    """Registers and local-memory bytes from ``cuobjdump --dump-resource-usage`` output."""
+    """Registers and spilled bytes per thread from ``cuobjdump --dump-resource-usage`` output.
+
+    Spills show up as STACK (the per-thread stack frame ptxas spills registers to) or LOCAL."""
     registers = max((int(r) for r in re.findall(r"REG:(\d+)", text)), default=0)
-    local = max((int(n) for n in re.findall(r"LOCAL:(\d+)", text)), default=0)
-    return registers, local
+    spilled = [int(n) for n in re.findall(r"(?:STACK|LOCAL):(\d+)", text)]
+    return registers, max(spilled, default=0)
 
 
 def _cuobjdump() -> str:
@@ -113,7 +115,7 @@ def compile_one(index: int, capability: int) -> CompileResult:
     result.shared = compiled.metadata.shared
     result.wgmma = "wgmma" in compiled.asm["ptx"]
     if result.spills:
-        result.problems.append(f"spills {result.spills} bytes to local memory")
+        result.problems.append(f"spills {result.spills} bytes per thread (stack/local memory)")
     if result.shared > TARGETS[capability]:
         result.problems.append(f"needs {result.shared} B shared memory > {TARGETS[capability]}")
     if capability == 90 and case.needs_wgmma and not result.wgmma:

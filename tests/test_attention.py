@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import fastnmt
 from fastnmt.attention import (
     KVCache,
     MultiheadAttention,
@@ -276,3 +277,59 @@ def test_traced_by_torch_compile_without_graph_breaks():
     expected_out, expected_weights = call(x, lengths)
     torch.testing.assert_close(out, expected_out)
     torch.testing.assert_close(weights, expected_weights)
+
+
+class TestTritonBackend:
+    """The module forced onto the Triton kernels (interpreter) against torch's, unchanged API."""
+
+    def test_padded_self_attention_matches_torch(self):
+        theirs, ours = _pair(batch_first=True)
+        _, padding = _padding(3, 7)
+        x = torch.randn(3, 7, E)
+        with fastnmt.dispatch.backend("triton"):
+            _assert_same(theirs, ours, [x, x, x], key_padding_mask=padding)
+
+    def test_padded_causal_self_attention_matches_torch(self):
+        theirs, ours = _pair()
+        _, padding = _padding(2, 6)
+        x = torch.randn(6, 2, E)
+        causal = nn.Transformer.generate_square_subsequent_mask(6)
+        forward = dict(key_padding_mask=padding, attn_mask=causal, is_causal=True)
+        with fastnmt.dispatch.backend("triton"):
+            _assert_same(theirs, ours, [x, x, x], **forward)
+
+    def test_padded_cross_attention_matches_torch(self):
+        theirs, ours = _pair(kdim=10, vdim=14, batch_first=True)
+        _, padding = _padding(3, 9)
+        inputs = [torch.randn(3, 5, E), torch.randn(3, 9, 10), torch.randn(3, 9, 14)]
+        with fastnmt.dispatch.backend("triton"):
+            _assert_same(theirs, ours, inputs, key_padding_mask=padding, average_attn_weights=False)
+
+    def test_decoding_steps_read_the_cache_in_place(self):
+        """Lq = 1 steps against a growing KVCache (a strided view of its storage, no copy)."""
+        _, ours = _pair(batch_first=True)
+        x = torch.randn(3, 9, E)
+        full, _ = ours(x, x, x, is_causal=True, need_weights=False)
+        cache = KVCache()
+        with fastnmt.dispatch.backend("triton"):
+            steps = [
+                ours(x[:, t : t + 1], x[:, t : t + 1], x[:, t : t + 1], cache=cache)[0]
+                for t in range(9)
+            ]
+        assert not cache.key.is_contiguous()
+        torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-6, rtol=1e-6)
+
+    def test_traced_by_torch_compile_without_graph_breaks(self):
+        _, ours = _pair(batch_first=True)
+        x = torch.randn(2, 5, E, requires_grad=True)
+        lengths = torch.tensor([5, 3])
+        call = lambda x, lengths: ours(x, x, x, key_lengths=lengths, is_causal=True)  # noqa: E731
+        with fastnmt.dispatch.backend("triton"):
+            compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
+            out, weights = compiled(x, lengths)
+            (grad,) = torch.autograd.grad(out.sum(), x)
+            expected_out, expected_weights = call(x, lengths)
+            (expected_grad,) = torch.autograd.grad(expected_out.sum(), x)
+        torch.testing.assert_close(out, expected_out)
+        torch.testing.assert_close(weights, expected_weights)
+        torch.testing.assert_close(grad, expected_grad)

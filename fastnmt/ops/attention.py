@@ -23,16 +23,511 @@ Layout is that of ``torch.nn.functional.scaled_dot_product_attention``: q (B, H,
 k (B, H, Lk, D), v (B, H, Lk, Dv), any strides. ``causal`` is top-left aligned (query i sees keys
 j <= i), like SDPA's ``is_causal``.
 
-This file holds the PyTorch reference (the fallback and the test oracle); the Triton and C++
-kernels register themselves as further backends of the same dispatch entry.
+The Triton backend: a FlashAttention-2 forward (online softmax in exp2, fp32 accumulation, one
+program per (b, h, block of queries)) that takes key lengths and the bool key-padding mask as they
+are (no dense mask, no host sync), skips the key blocks past a sequence's length or causally
+hidden, draws dropout in-kernel and writes the LSE; a backward of three kernels (delta, dK/dV,
+dQ) that recompute P from the LSE and the dropout mask from its seed, with no atomics. The C++
+kernels register themselves as a further backend of the same dispatch entry; the reference is the
+fallback (e.g. for ``attn_mask``) and the test oracle.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from fastnmt import _checks, dispatch
+from fastnmt.compile_check import CompileCase
+from fastnmt.ops.triton_common import (
+    INTERPRETER,
+    dropout_seed,
+    kernel_output_dtype,
+    new_output,
+    upcast_in_interpreter,
+)
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels. One program handles one (batch entry b, head h) and one block of rows: query
+# rows (forward, dQ, delta) or key rows (dK/dV). Scores are kept in log2 units,
+# S2 = S * log2(e), so the softmax uses exp2; LSE is stored in natural-log units.
+# ---------------------------------------------------------------------------------------------
+
+LOG2_E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _load_tile(
+    base,  # pointer to element (0, 0) of a matrix view
+    rows,  # (R,) row indices
+    cols,  # (C,) column indices
+    stride_row,  # elements between consecutive rows
+    stride_col,  # elements between consecutive columns
+    n_rows,  # rows >= n_rows read as 0
+    n_cols,  # columns >= n_cols read as 0 (head dims padded to a power of two)
+    UPCAST: tl.constexpr,  # compute from an fp32 copy (bf16 under the interpreter)
+):
+    ptrs = base + rows[:, None] * stride_row + cols[None, :] * stride_col
+    tile = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols), other=0.0)
+    if UPCAST:
+        tile = tile.to(tl.float32)
+    return tile
+
+
+@triton.jit
+def _store_tile(base, tile, rows, cols, stride_row, stride_col, n_rows, n_cols):
+    """Writes the in-range part of ``tile`` (R, C); arguments as ``_load_tile``'s."""
+    ptrs = base + rows[:, None] * stride_row + cols[None, :] * stride_col
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    tl.store(ptrs, tile.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _visible_keys(
+    PADDING,  # (B, Lk) uint8 view of key_padding_mask, 1 = padding (read when HAS_PADDING)
+    stride_pb,  # elements between batch entries of PADDING
+    stride_pn,  # elements between keys of PADDING
+    b,  # batch entry
+    offs_m,  # (BLOCK_M,) query indices i
+    offs_n,  # (BLOCK_N,) key indices j
+    Lq,  # rows i >= Lq are outside the tensor: hidden
+    key_end,  # keys j >= key_end are hidden: min(Lk, key_length_b)
+    CAUSAL: tl.constexpr,
+    HAS_PADDING: tl.constexpr,
+):
+    """vis_ij of the math comment as a (BLOCK_M, BLOCK_N) mask."""
+    visible = (offs_m < Lq)[:, None] & (offs_n < key_end)[None, :]
+    if CAUSAL:
+        visible = visible & (offs_n[None, :] <= offs_m[:, None])
+    if HAS_PADDING:
+        row = PADDING + b.to(tl.int64) * stride_pb
+        padded = tl.load(row + offs_n * stride_pn, mask=offs_n < key_end, other=1)
+        visible = visible & (padded == 0)[None, :]
+    return visible
+
+
+@triton.jit
+def _dropout_keep(
+    seed,  # int64 Philox key of this call
+    offset,  # int64 start of this call's counter range (its low 32 bits are used)
+    bh,  # b * H + h
+    offs_m,  # (BLOCK_M,) query indices i
+    offs_n,  # (BLOCK_N,) key indices j
+    Lk,  # key length
+    dropout_p,  # fp32 drop probability
+):
+    """keep_ij (BLOCK_M, BLOCK_N): a function of (seed, offset, b, h, i, j) only, so the forward
+    and both backward kernels draw the same mask whatever their block sizes.
+
+    Each (b, h) gets its own Philox key, seed + bh, and counters offset + i * Lk + j on 32 bits:
+    64-bit counters would double the cost of Philox's multiplies and the registers it holds.
+    """
+    element = offs_m[:, None] * Lk + offs_n[None, :]
+    counter = offset.to(tl.uint32) + element.to(tl.uint32)  # wraps modulo 2**32
+    return tl.rand(seed + bh, counter) >= dropout_p
+
+
+@triton.jit
+def _key_end(KEY_LENGTHS, b, Lk, HAS_LENGTHS: tl.constexpr):
+    """min(Lk, key_lengths[b]): keys at or past it are padding."""
+    key_end = Lk
+    if HAS_LENGTHS:
+        key_end = tl.minimum(tl.load(KEY_LENGTHS + b).to(tl.int32), Lk)
+    return key_end
+
+
+@triton.jit
+def _attention_forward_kernel(
+    Q,  # (B, H, Lq, D) queries
+    K,  # (B, H, Lk, D) keys
+    V,  # (B, H, Lk, Dv) values
+    OUT,  # (B, H, Lq, Dv) output O
+    LSE,  # (B, H, Lq) fp32 output, contiguous: lse_i, -inf for a row that sees no key
+    KEY_LENGTHS,  # (B,) int key lengths (read when HAS_LENGTHS)
+    PADDING,  # (B, Lk) uint8 view of the bool key_padding_mask (read when HAS_PADDING)
+    SEED,  # (2,) int64 dropout (seed, offset) (read when DROPOUT)
+    # strides of Q:
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    # strides of K:
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    # strides of V:
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    # strides of OUT:
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    # strides of PADDING:
+    stride_pb,
+    stride_pn,
+    # heads, query and key lengths, head dims of q/k and v:
+    H,
+    Lq,
+    Lk,
+    D,
+    Dv,
+    scale,  # score scale (float; cast to fp32 here)
+    dropout_p,  # drop probability p
+    CAUSAL: tl.constexpr,
+    HAS_LENGTHS: tl.constexpr,
+    HAS_PADDING: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # query rows per program
+    BLOCK_N: tl.constexpr,  # keys per step of the online softmax
+    BLOCK_D: tl.constexpr,  # D padded to a power of two
+    BLOCK_DV: tl.constexpr,  # Dv padded to a power of two
+):
+    bh = tl.program_id(0)
+    b, h = bh // H, bh % H
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    Q += b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    K += b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    V += b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+    OUT += b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    qk_scale = tl.cast(scale, tl.float32) * LOG2_E  # S2 = qk_scale * q . k
+    dropout_p = tl.cast(dropout_p, tl.float32)
+    key_end = _key_end(KEY_LENGTHS, b, Lk, HAS_LENGTHS)
+    loop_end = key_end
+    if CAUSAL:  # keys past the block's last query are hidden for all its rows
+        loop_end = tl.minimum(loop_end, (tl.program_id(1) + 1) * BLOCK_M)
+    if DROPOUT:
+        seed, offset = tl.load(SEED), tl.load(SEED + 1)
+
+    q = _load_tile(Q, offs_m, offs_d, stride_qm, stride_qd, Lq, D, UPCAST)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of S2
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(S2 - m_i) (before dropout)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)  # running sum of Pd v, unnormalised
+    for start_n in range(0, loop_end, BLOCK_N):
+        offs_n = start_n + offs_n0
+        k = _load_tile(K, offs_n, offs_d, stride_kn, stride_kd, Lk, D, UPCAST)
+        v = _load_tile(V, offs_n, offs_dv, stride_vn, stride_vd, Lk, Dv, UPCAST)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        visible = _visible_keys(
+            PADDING, stride_pb, stride_pn, b, offs_m, offs_n, Lq, key_end, CAUSAL, HAS_PADDING
+        )
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:  # 1 / (1 - p) is applied once, at the end
+            p = tl.where(_dropout_keep(seed, offset, bh, offs_m, offs_n, Lk, dropout_p), p, 0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    seen = l_i > 0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    if DROPOUT:
+        out = out / (1.0 - dropout_p)
+    _store_tile(OUT, out, offs_m, offs_dv, stride_om, stride_od, Lq, Dv)
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) / LOG2_E, float("-inf"))
+    tl.store(LSE + bh.to(tl.int64) * Lq + offs_m, lse, mask=offs_m < Lq)
+
+
+@triton.jit
+def _attention_backward_delta_kernel(
+    OUT,  # (B, H, Lq, Dv) forward output
+    DO,  # (B, H, Lq, Dv) gradient of the output
+    DELTA,  # (B, H, Lq) fp32 output, contiguous: delta_i = dO_i . O_i
+    # strides of OUT:
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    # strides of DO:
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dod,
+    # heads, query length, head dim of v:
+    H,
+    Lq,
+    Dv,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows per program
+    BLOCK_DV: tl.constexpr,  # Dv padded to a power of two
+):
+    bh = tl.program_id(0)
+    b, h = bh // H, bh % H
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    OUT += b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    DO += b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+    o = _load_tile(OUT, offs_m, offs_dv, stride_om, stride_od, Lq, Dv, UPCAST).to(tl.float32)
+    do = _load_tile(DO, offs_m, offs_dv, stride_dom, stride_dod, Lq, Dv, UPCAST).to(tl.float32)
+    tl.store(DELTA + bh.to(tl.int64) * Lq + offs_m, tl.sum(o * do, 1), mask=offs_m < Lq)
+
+
+@triton.jit
+def _probabilities_and_dp(
+    q,  # (BLOCK_M, BLOCK_D) queries
+    k,  # (BLOCK_N, BLOCK_D) keys
+    v,  # (BLOCK_N, BLOCK_DV) values
+    do,  # (BLOCK_M, BLOCK_DV) output gradients
+    lse2,  # (BLOCK_M,) lse in log2 units, +inf for rows that see no key (P = 0 there)
+    visible,  # (BLOCK_M, BLOCK_N) vis_ij
+    keep,  # (BLOCK_M, BLOCK_N) keep_ij (vis_ij without dropout: P is 0 off it anyway)
+    qk_scale,  # scale * log2(e)
+    dropout_p,
+):
+    """P (before dropout), Pd (after) and dP of the math comment for one tile, recomputed from
+    the LSE; shared by the dK/dV and dQ kernels."""
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    p = tl.where(visible, tl.exp2(s - lse2[:, None]), 0.0)
+    inverse_keep = 1.0 / (1.0 - dropout_p)
+    pd = tl.where(keep, p * inverse_keep, 0.0)
+    dp = tl.where(keep, tl.dot(do, tl.trans(v), input_precision="ieee") * inverse_keep, 0.0)
+    return p, pd, dp
+
+
+@triton.jit
+def _attention_backward_dkdv_kernel(
+    # (B, H, Lq, D), (B, H, Lk, D), (B, H, Lk, Dv) forward inputs:
+    Q,
+    K,
+    V,
+    DO,  # (B, H, Lq, Dv) gradient of the output
+    LSE,  # (B, H, Lq) fp32, contiguous: the forward's lse
+    DELTA,  # (B, H, Lq) fp32, contiguous: delta_i (minus the gradient of lse_i, if any)
+    # (B, H, Lk, D), (B, H, Lk, Dv) outputs, contiguous:
+    DK,
+    DV,
+    # as in the forward kernel:
+    KEY_LENGTHS,
+    PADDING,
+    SEED,
+    # strides of Q:
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    # strides of K:
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    # strides of V:
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    # strides of DO:
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dod,
+    # strides of PADDING:
+    stride_pb,
+    stride_pn,
+    # heads, lengths, head dims, score scale and drop probability, as in the forward kernel:
+    H,
+    Lq,
+    Lk,
+    D,
+    Dv,
+    scale,
+    dropout_p,
+    CAUSAL: tl.constexpr,
+    HAS_LENGTHS: tl.constexpr,
+    HAS_PADDING: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # queries per step
+    BLOCK_N: tl.constexpr,  # key rows per program
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    """dV_j = sum_i Pd_ij dO_i and dK_j = scale sum_i dS_ij q_i for one block of keys: each
+    program owns its rows of dK and dV, so no atomics are needed."""
+    bh = tl.program_id(0)
+    b, h = bh // H, bh % H
+    start_n = tl.program_id(1) * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    Q += b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    K += b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    V += b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+    DO += b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+    LSE += bh.to(tl.int64) * Lq
+    DELTA += bh.to(tl.int64) * Lq
+    qk_scale = tl.cast(scale, tl.float32) * LOG2_E
+    dropout_p = tl.cast(dropout_p, tl.float32)
+    key_end = _key_end(KEY_LENGTHS, b, Lk, HAS_LENGTHS)
+    # A block of padding keys gets zero gradients without reading a query.
+    loop_start = tl.where(start_n < key_end, 0, Lq)
+    if CAUSAL:  # queries before the block's first key see none of its keys
+        loop_start = tl.maximum(loop_start, (start_n // BLOCK_M) * BLOCK_M)
+    if DROPOUT:
+        seed, offset = tl.load(SEED), tl.load(SEED + 1)
+
+    k = _load_tile(K, offs_n, offs_d, stride_kn, stride_kd, Lk, D, UPCAST)
+    v = _load_tile(V, offs_n, offs_dv, stride_vn, stride_vd, Lk, Dv, UPCAST)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    for start_m in range(loop_start, Lq, BLOCK_M):
+        offs_m = start_m + offs_m0
+        q = _load_tile(Q, offs_m, offs_d, stride_qm, stride_qd, Lq, D, UPCAST)
+        do = _load_tile(DO, offs_m, offs_dv, stride_dom, stride_dod, Lq, Dv, UPCAST)
+        lse = tl.load(LSE + offs_m, mask=offs_m < Lq, other=float("-inf"))
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2_E)
+        delta = tl.load(DELTA + offs_m, mask=offs_m < Lq, other=0.0)
+        visible = _visible_keys(
+            PADDING, stride_pb, stride_pn, b, offs_m, offs_n, Lq, key_end, CAUSAL, HAS_PADDING
+        )
+        keep = visible  # without dropout every visible key is kept
+        if DROPOUT:
+            keep = _dropout_keep(seed, offset, bh, offs_m, offs_n, Lk, dropout_p)
+        p, pd, dp = _probabilities_and_dp(q, k, v, do, lse2, visible, keep, qk_scale, dropout_p)
+        dv += tl.dot(tl.trans(pd.to(do.dtype)), do, input_precision="ieee")
+        ds = p * (dp - delta[:, None])
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision="ieee")
+
+    dk *= tl.cast(scale, tl.float32)
+    DK += bh.to(tl.int64) * Lk * D
+    DV += bh.to(tl.int64) * Lk * Dv
+    _store_tile(DK, dk, offs_n, offs_d, D, 1, Lk, D)
+    _store_tile(DV, dv, offs_n, offs_dv, Dv, 1, Lk, Dv)
+
+
+@triton.jit
+def _attention_backward_dq_kernel(
+    # as in the dK/dV kernel:
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DQ,  # (B, H, Lq, D) output, contiguous
+    # as in the forward kernel:
+    KEY_LENGTHS,
+    PADDING,
+    SEED,
+    # strides of Q:
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    # strides of K:
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    # strides of V:
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    # strides of DO:
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dod,
+    # strides of PADDING:
+    stride_pb,
+    stride_pn,
+    # heads, lengths, head dims, score scale and drop probability, as in the forward kernel:
+    H,
+    Lq,
+    Lk,
+    D,
+    Dv,
+    scale,
+    dropout_p,
+    CAUSAL: tl.constexpr,
+    HAS_LENGTHS: tl.constexpr,
+    HAS_PADDING: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # query rows per program
+    BLOCK_N: tl.constexpr,  # keys per step
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    """dQ_i = scale sum_j dS_ij k_j for one block of queries, visiting the keys it sees."""
+    bh = tl.program_id(0)
+    b, h = bh // H, bh % H
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    Q += b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    K += b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    V += b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+    DO += b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+    qk_scale = tl.cast(scale, tl.float32) * LOG2_E
+    dropout_p = tl.cast(dropout_p, tl.float32)
+    key_end = _key_end(KEY_LENGTHS, b, Lk, HAS_LENGTHS)
+    loop_end = key_end
+    if CAUSAL:
+        loop_end = tl.minimum(loop_end, (tl.program_id(1) + 1) * BLOCK_M)
+    if DROPOUT:
+        seed, offset = tl.load(SEED), tl.load(SEED + 1)
+
+    q = _load_tile(Q, offs_m, offs_d, stride_qm, stride_qd, Lq, D, UPCAST)
+    do = _load_tile(DO, offs_m, offs_dv, stride_dom, stride_dod, Lq, Dv, UPCAST)
+    lse = tl.load(LSE + bh.to(tl.int64) * Lq + offs_m, mask=offs_m < Lq, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2_E)
+    delta = tl.load(DELTA + bh.to(tl.int64) * Lq + offs_m, mask=offs_m < Lq, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start_n in range(0, loop_end, BLOCK_N):
+        offs_n = start_n + offs_n0
+        k = _load_tile(K, offs_n, offs_d, stride_kn, stride_kd, Lk, D, UPCAST)
+        v = _load_tile(V, offs_n, offs_dv, stride_vn, stride_vd, Lk, Dv, UPCAST)
+        visible = _visible_keys(
+            PADDING, stride_pb, stride_pn, b, offs_m, offs_n, Lq, key_end, CAUSAL, HAS_PADDING
+        )
+        keep = visible  # without dropout every visible key is kept
+        if DROPOUT:
+            keep = _dropout_keep(seed, offset, bh, offs_m, offs_n, Lk, dropout_p)
+        p, _, dp = _probabilities_and_dp(q, k, v, do, lse2, visible, keep, qk_scale, dropout_p)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision="ieee")
+
+    dq *= tl.cast(scale, tl.float32)
+    DQ += bh.to(tl.int64) * Lq * D
+    _store_tile(DQ, dq, offs_m, offs_d, D, 1, Lq, D)
+
+
+@triton.jit
+def _dropout_keep_kernel(
+    KEEP,  # (B, H, Lq, Lk) uint8 output, contiguous: keep_ij
+    SEED,  # (2,) int64 dropout (seed, offset)
+    Lq,
+    Lk,
+    dropout_p,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The mask the attention kernels draw for SEED, written out (for tests and debugging)."""
+    bh = tl.program_id(0)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    keep = _dropout_keep(tl.load(SEED), tl.load(SEED + 1), bh, offs_m, offs_n, Lk, dropout_p)
+    KEEP += bh.to(tl.int64) * Lq * Lk
+    _store_tile(KEEP, keep.to(tl.uint8), offs_m, offs_n, Lk, 1, Lq, Lk)
+
 
 # ---------------------------------------------------------------------------------------------
 # PyTorch reference: the unfused computation a user writes by hand.
@@ -89,17 +584,272 @@ def attention_reference(
 
 
 def attention_probabilities(
-    q, k, *, key_lengths=None, key_padding_mask=None, attn_mask=None, causal=False, scale=None
+    q,
+    k,
+    *,
+    key_lengths=None,
+    key_padding_mask=None,
+    attn_mask=None,
+    causal=False,
+    scale=None,
+    lse=None,
 ) -> torch.Tensor:
     """Attention probabilities P (B, H, Lq, Lk), before dropout; rows that see no key are 0.
 
-    For inspection and plotting (``need_weights``); takes the masks of ``attention()``.
+    For inspection and plotting (``need_weights``); takes the masks of ``attention()``. With the
+    ``lse`` (B, H, Lq) that ``attention(..., return_lse=True)`` returned for the same inputs, P is
+    recomputed exactly as exp(S - lse) (one matmul, no second softmax pass), so a fused kernel
+    needs no naive fallback to give weights. For chosen heads, pass those heads of q, k and lse.
     """
     scale = _check_scores_inputs(q, k, key_lengths, key_padding_mask, attn_mask, causal, scale)
     scores, empty_rows = masked_scores(
         q, k, key_lengths, key_padding_mask, attn_mask, causal, scale
     )
-    return torch.softmax(scores.float(), dim=-1).masked_fill(empty_rows, 0.0).to(q.dtype)
+    if lse is None:
+        probs = torch.softmax(scores.float(), dim=-1)
+    else:
+        _checks.tensor("lse", lse)
+        _checks.shape("lse", lse, scores.shape[:3], "(B, H, Lq) as attention() returns it")
+        # -inf marks rows that see no key; a finite stand-in keeps the backward free of NaN.
+        finite_lse = lse.float().masked_fill(empty_rows.squeeze(-1), 0.0)
+        probs = torch.exp(scores.float() - finite_lse[..., None])
+    return probs.masked_fill(empty_rows, 0.0).to(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers: launch configurations, output buffers and grids of the Triton kernels.
+# ---------------------------------------------------------------------------------------------
+
+MAX_HEAD_DIM = 128
+_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Block sizes and launch options of one kernel."""
+
+    block_m: int  # query rows per block
+    block_n: int  # keys per block
+    num_warps: int
+    num_stages: int
+
+    @property
+    def label(self) -> str:
+        return f"M{self.block_m} N{self.block_n} w{self.num_warps} s{self.num_stages}"
+
+
+# A documented heuristic rather than triton.autotune: MT batches change shape every step, and
+# autotuning each new shape would cost more than it saves. Keyed on buckets of (Lq, Lk):
+# - "decode": Lq <= 16, incremental decoding and beam search against a KV cache (forward only):
+#   16-row query blocks, so a step of 1-4 queries does not compute 64 rows of padding;
+# - "short": lengths up to 256, the sentences of machine translation: 64-row tiles, so that small
+#   batches still give enough programs to fill the GPU;
+# - "long": longer sequences: 128-row query blocks with 8 warps, as FlashAttention-2;
+# and on the head dim: each bucket maps the widest head dim a config serves to the config (the
+# first that fits is used; a bucket a kernel lacks falls back to "short"). Wide heads need
+# narrower key blocks or more warps to stay in registers: every config below compiles without
+# spills with every mask feature and dropout on (python -m fastnmt.compile_check).
+_GPU_CONFIGS = {
+    "forward": {
+        "decode": {128: LaunchConfig(16, 64, 4, 2)},
+        "short": {64: LaunchConfig(64, 64, 4, 2), 128: LaunchConfig(64, 32, 4, 2)},
+        "long": {64: LaunchConfig(128, 64, 8, 3), 128: LaunchConfig(64, 64, 8, 2)},
+    },
+    "dkdv": {"short": {64: LaunchConfig(32, 64, 4, 2), 128: LaunchConfig(32, 64, 8, 2)}},
+    "dq": {
+        "short": {64: LaunchConfig(64, 64, 4, 2), 128: LaunchConfig(64, 16, 4, 2)},
+        "long": {64: LaunchConfig(128, 64, 8, 2)},
+    },
+    # delta reads two (rows, Dv) tiles and reduces them (no keys): small blocks, few registers.
+    "delta": {"short": {128: LaunchConfig(32, 0, 4, 1)}},
+}
+_KEEP_CONFIG = LaunchConfig(64, 64, 4, 1)  # of the dropout-mask kernel (tests, debugging)
+
+
+def _interpreter_block(length: int) -> int:
+    """The interpreter's cost grows with the number of blocks: one block per sequence up to 128."""
+    return min(128, max(16, triton.next_power_of_2(length)))
+
+
+def _length_buckets(lq: int, lk: int) -> list[str]:
+    """The buckets of (lq, lk), most specific first."""
+    return ["decode"] * (lq <= 16) + ["long"] * (max(lq, lk) > 256) + ["short"]
+
+
+def launch_config(kernel: str, lq: int, lk: int, head_dim: int) -> LaunchConfig:
+    """Block sizes of ``kernel`` ("forward", "dkdv", "dq" or "delta") for lengths lq, lk and the
+    larger of the q/k and v head dims."""
+    if INTERPRETER:
+        return LaunchConfig(_interpreter_block(lq), _interpreter_block(lk), 4, 1)
+    for bucket in _length_buckets(lq, lk):
+        for widest, config in _GPU_CONFIGS[kernel].get(bucket, {}).items():
+            if head_dim <= widest:
+                return config
+    raise AssertionError(f"no {kernel} config for head dim {head_dim}")  # > MAX_HEAD_DIM
+
+
+def _head_block(head_dim: int) -> int:
+    """Head dims are padded to a power of two (>= 16, the smallest tl.dot) and masked."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _launch_options(config: LaunchConfig, head_dim: int, value_dim: int) -> dict:
+    return dict(
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_D=_head_block(head_dim),
+        BLOCK_DV=_head_block(value_dim),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+
+
+def _mask_flags(key_lengths, padding, seed, causal: bool, dtype: torch.dtype) -> dict:
+    return dict(
+        CAUSAL=causal,
+        HAS_LENGTHS=key_lengths is not None,
+        HAS_PADDING=padding is not None,
+        DROPOUT=seed is not None,
+        UPCAST=upcast_in_interpreter(dtype),
+    )
+
+
+def _padding_view(key_padding_mask):
+    """The bool mask as uint8 (same bytes, no copy) and its strides: Triton loads bytes."""
+    if key_padding_mask is None:
+        return None, (0, 0)
+    padding = key_padding_mask.view(torch.uint8)
+    return padding, padding.stride()
+
+
+def _launch_forward(q, k, v, key_lengths, key_padding_mask, seed, causal, dropout_p, scale):
+    batch, heads, lq, head_dim = q.shape
+    lk, value_dim = k.shape[2], v.shape[3]
+    out = new_output((batch, heads, lq, value_dim), kernel_output_dtype(q.dtype), q.device)
+    lse = new_output((batch, heads, lq), torch.float32, q.device)
+    padding, padding_strides = _padding_view(key_padding_mask)
+    config = launch_config("forward", lq, lk, max(head_dim, value_dim))
+    _attention_forward_kernel[(batch * heads, triton.cdiv(lq, config.block_m))](
+        q, k, v, out, lse, key_lengths, padding, seed,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *padding_strides,
+        heads, lq, lk, head_dim, value_dim, scale, dropout_p,
+        **_mask_flags(key_lengths, padding, seed, causal, q.dtype),
+        **_launch_options(config, head_dim, value_dim),
+    )  # fmt: skip
+    return out.to(q.dtype), lse
+
+
+def _launch_delta(out, grad_out, grad_lse):
+    """delta_i = dO_i . O_i in fp32, minus the gradient g_i reaching lse_i (when the caller used
+    the LSE): d lse_i / d S_ij = P_ij adds P_ij g_i to dS_ij = P_ij (dP_ij - delta_i)."""
+    batch, heads, lq, value_dim = out.shape
+    delta = new_output((batch, heads, lq), torch.float32, out.device)
+    config = launch_config("delta", lq, lq, value_dim)
+    _attention_backward_delta_kernel[(batch * heads, triton.cdiv(lq, config.block_m))](
+        out, grad_out, delta, *out.stride(), *grad_out.stride(), heads, lq, value_dim,
+        UPCAST=upcast_in_interpreter(out.dtype), BLOCK_M=config.block_m,
+        BLOCK_DV=_head_block(value_dim), num_warps=config.num_warps,
+    )  # fmt: skip
+    return delta if grad_lse is None else delta - grad_lse
+
+
+def _launch_backward(
+    grad_out, grad_lse, q, k, v, out, lse, key_lengths, key_padding_mask, seed, causal, dropout_p,
+    scale,
+):  # fmt: skip
+    batch, heads, lq, head_dim = q.shape
+    lk, value_dim = k.shape[2], v.shape[3]
+    delta = _launch_delta(out, grad_out, grad_lse)
+    grad_dtype = kernel_output_dtype(q.dtype)
+    grad_q = new_output(q.shape, grad_dtype, q.device)
+    grad_k = new_output(k.shape, grad_dtype, q.device)
+    grad_v = new_output(v.shape, grad_dtype, q.device)
+    padding, padding_strides = _padding_view(key_padding_mask)
+    shared = (
+        key_lengths, padding, seed,
+        *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *padding_strides,
+        heads, lq, lk, head_dim, value_dim, scale, dropout_p,
+    )  # fmt: skip
+    flags = _mask_flags(key_lengths, padding, seed, causal, q.dtype)
+    config = launch_config("dkdv", lq, lk, max(head_dim, value_dim))
+    _attention_backward_dkdv_kernel[(batch * heads, triton.cdiv(lk, config.block_n))](
+        q, k, v, grad_out, lse, delta, grad_k, grad_v, *shared,
+        **flags, **_launch_options(config, head_dim, value_dim),
+    )  # fmt: skip
+    config = launch_config("dq", lq, lk, max(head_dim, value_dim))
+    _attention_backward_dq_kernel[(batch * heads, triton.cdiv(lq, config.block_m))](
+        q, k, v, grad_out, lse, delta, grad_q, *shared,
+        **flags, **_launch_options(config, head_dim, value_dim),
+    )  # fmt: skip
+    return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype)
+
+
+def dropout_keep_mask(seed: torch.Tensor, shape: tuple[int, int, int, int], dropout_p: float):
+    """Bool (B, H, Lq, Lk) keep_ij that the Triton kernels apply for ``seed`` (from
+    ``dropout_seed``), written out by a kernel that shares their ``_dropout_keep``.
+
+    The Triton backend draws its seed with ``dropout_seed(q.device)`` as its first random draw, so
+    ``torch.manual_seed(s)`` before both gives the mask of an ``attention`` call (tests use this to
+    check outputs and gradients against the reference given the kernel's own mask).
+    """
+    batch, heads, lq, lk = shape
+    keep = new_output(shape, torch.uint8, seed.device)
+    config = _KEEP_CONFIG
+    grid = (batch * heads, triton.cdiv(lq, config.block_m), triton.cdiv(lk, config.block_n))
+    _dropout_keep_kernel[grid](
+        keep, seed, lq, lk, dropout_p, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    return keep.bool()
+
+
+_POINTER_TYPES = {"LSE": "*fp32", "DELTA": "*fp32", "KEY_LENGTHS": "*i64", "PADDING": "*u8"}
+_POINTER_TYPES |= {"SEED": "*i64", "KEEP": "*u8"}
+
+
+def _argument_type(name: str, constexprs: dict) -> str:
+    """The compile signature type of a kernel argument, from its name."""
+    if name in constexprs:
+        return "constexpr"
+    if name.startswith("stride_") or name in ("H", "Lq", "Lk", "D", "Dv"):
+        return "i32"
+    if name in ("scale", "dropout_p"):
+        return "fp32"
+    return _POINTER_TYPES.get(name, "*DTYPE")  # inputs and outputs have the inputs' dtype
+
+
+def gpu_compile_cases(dtype: str) -> list[CompileCase]:
+    """Every kernel x every GPU launch config, for ``python -m fastnmt.compile_check``, at the
+    widest head dim each config serves, all mask features and dropout on: the most registers."""
+    flags = dict(CAUSAL=True, HAS_LENGTHS=True, HAS_PADDING=True, DROPOUT=True)
+
+    def case(kernel, config, needs_wgmma: bool, label: str, **constexprs) -> CompileCase:
+        signature = {name: _argument_type(name, constexprs) for name in kernel.arg_names}
+        return CompileCase(
+            kernel, signature, constexprs, config.num_warps, config.num_stages, needs_wgmma, label
+        )
+
+    kernels = {
+        "forward": _attention_forward_kernel,
+        "dkdv": _attention_backward_dkdv_kernel,
+        "dq": _attention_backward_dq_kernel,
+        "delta": _attention_backward_delta_kernel,
+    }
+    cases = []
+    for name, kernel in kernels.items():
+        for bucket, configs in _GPU_CONFIGS[name].items():
+            for widest, config in configs.items():
+                sizes = dict(BLOCK_M=config.block_m, BLOCK_DV=widest)
+                if name != "delta":
+                    sizes |= dict(flags, BLOCK_N=config.block_n, BLOCK_D=widest)
+                label = f"{bucket} D<={widest} {config.label}"
+                # Every backward dot product has a 64-row side (wgmma's tile); the 16-row decoding
+                # forward uses mma.sync and delta has no dot product.
+                wgmma = name in ("dkdv", "dq") or (name == "forward" and config.block_m >= 64)
+                cases.append(case(kernel, config, wgmma, label, UPCAST=False, **sizes))
+    blocks = dict(BLOCK_M=_KEEP_CONFIG.block_m, BLOCK_N=_KEEP_CONFIG.block_n)
+    cases.append(case(_dropout_keep_kernel, _KEEP_CONFIG, False, _KEEP_CONFIG.label, **blocks))
+    return cases
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,6 +954,98 @@ def _prepare(
 
 ATTENTION = dispatch.define("attention", _prepare)
 ATTENTION.register("reference")(attention_reference)
+
+
+# The Triton backend: two torch.library ops (forward, backward), opaque to torch.compile, tied
+# together by autograd. The forward saves its inputs, output, LSE and the dropout seed; the
+# backward recomputes P from the LSE and regenerates the dropout mask from the seed.
+
+
+@torch.library.custom_op("fastnmt::attention_forward", mutates_args=())
+def _attention_forward_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_lengths: torch.Tensor | None,
+    key_padding_mask: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    causal: bool,
+    dropout_p: float,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch_forward(q, k, v, key_lengths, key_padding_mask, seed, causal, dropout_p, scale)
+
+
+@_attention_forward_op.register_fake
+def _(q, k, v, key_lengths, key_padding_mask, seed, causal, dropout_p, scale):
+    out = q.new_empty((*q.shape[:3], v.shape[3]))
+    return out, q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("fastnmt::attention_backward", mutates_args=())
+def _attention_backward_op(
+    grad_out: torch.Tensor,
+    grad_lse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    key_lengths: torch.Tensor | None,
+    key_padding_mask: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    causal: bool,
+    dropout_p: float,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _launch_backward(
+        grad_out, grad_lse, q, k, v, out, lse, key_lengths, key_padding_mask, seed, causal,
+        dropout_p, scale,
+    )  # fmt: skip
+
+
+@_attention_backward_op.register_fake
+def _(grad_out, grad_lse, q, k, v, *_):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, key_lengths, key_padding_mask, seed, causal, dropout_p, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, key_lengths, key_padding_mask, seed)
+    ctx.causal, ctx.dropout_p, ctx.scale = causal, dropout_p, scale
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, key_lengths, key_padding_mask, seed = ctx.saved_tensors
+    grads = _attention_backward_op(
+        grad_out, grad_lse, q, k, v, out, lse, key_lengths, key_padding_mask, seed, ctx.causal,
+        ctx.dropout_p, ctx.scale,
+    )  # fmt: skip
+    return *grads, None, None, None, None, None, None
+
+
+_attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _triton_unsupported(q, k, v, attn_mask, **_):
+    if attn_mask is not None:
+        yield "attn_mask: the Triton kernel takes key_lengths / key_padding_mask and causal only"
+    if q.dtype not in _TRITON_DTYPES:
+        yield f"dtype {q.dtype}: the Triton kernel runs {', '.join(map(str, _TRITON_DTYPES))}"
+    if max(q.shape[3], v.shape[3]) > MAX_HEAD_DIM:
+        yield f"head dim {max(q.shape[3], v.shape[3])} > {MAX_HEAD_DIM}"
+
+
+@ATTENTION.register("triton", unsupported=_triton_unsupported)
+def attention_triton(
+    q, k, v, key_lengths, key_padding_mask, attn_mask, causal, dropout_p, scale, return_lse
+):
+    seed = dropout_seed(q.device) if dropout_p > 0.0 else None
+    out, lse = _attention_forward_op(
+        q, k, v, key_lengths, key_padding_mask, seed, causal, dropout_p, scale
+    )
+    return out, (lse if return_lse else None)
 
 
 def attention(

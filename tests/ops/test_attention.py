@@ -1,10 +1,18 @@
-"""fastnmt.ops.attention (reference backend) against an independent float64 oracle."""
+"""fastnmt.ops.attention against an independent float64 oracle: the reference backend, then the
+Triton backend, forced, in the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1)."""
+
+import importlib
 
 import pytest
 import torch
 
+from fastnmt import dispatch
 from fastnmt.ops import attention, attention_probabilities
+from fastnmt.ops.triton_common import dropout_seed
 from tests.helpers import assert_error_within, attention_oracle, random_lengths
+
+attention_module = importlib.import_module("fastnmt.ops.attention")
+
 
 SHAPES = [  # (B, H, Lq, Lk, D)
     (1, 1, 1, 1, 16),
@@ -172,3 +180,242 @@ def test_mixed_devices_are_rejected():
     k = torch.randn(1, 1, 2, 4, device="meta")
     with pytest.raises(ValueError, match="k is on meta but q is on cpu"):
         attention(q, k, k)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton backend (interpreter). Small B * H, one large block per sequence (see launch_config),
+# and a pairwise selection of the matrix rather than its full product, to stay within minutes.
+# ---------------------------------------------------------------------------------------------
+
+FP32, FP16, BF16 = torch.float32, torch.float16, torch.bfloat16
+# Allowed absolute error on top of FlashAttention's rule, per dtype.
+ATOL = {FP32: 1e-5, FP16: 5e-4, BF16: 5e-3}
+
+TRITON_CASES = [  # B, H, Lq, Lk, D, causal, masks, dtype, dropout_p
+    (1, 1, 1, 1, 16, False, "none", FP32, 0.0),
+    (2, 3, 7, 19, 48, True, "lengths", FP16, 0.0),
+    (2, 2, 33, 33, 64, True, "lengths", FP32, 0.3),  # self-attention
+    (1, 1, 33, 64, 80, False, "none", FP16, 0.3),
+    (3, 1, 7, 64, 128, True, "padding", FP32, 0.0),
+    (3, 2, 1, 19, 64, False, "lengths", BF16, 0.0),  # a decoding step against a cache
+    (1, 2, 33, 19, 16, True, "none", BF16, 0.3),  # Lq > Lk
+    (3, 1, 7, 1, 80, False, "lengths", FP16, 0.0),  # Lk = 1: lengths 1 and 0
+    (1, 1, 33, 64, 128, True, "padding", FP16, 0.3),
+    (3, 2, 4, 64, 96, False, "padding", FP32, 0.3),  # beam search step, Lq = 4
+    (2, 2, 33, 33, 48, False, "lengths", BF16, 0.3),
+]
+
+
+def _masks(kind: str, batch: int, lk: int) -> dict:
+    """No mask, lengths including full, 0 and 1, or a bool padding mask that is not a suffix."""
+    if kind == "none":
+        return {}
+    lengths = torch.tensor([lk, 0, 1])[:batch]
+    if kind == "lengths":
+        return dict(key_lengths=lengths)
+    padding = torch.rand(batch, lk) < 0.3
+    padding[0] = False
+    padding[1:2] = True  # batch entry 1 sees no key
+    return dict(key_padding_mask=padding)
+
+
+def _oracle(q, k, v, keep, dropout_p, key_lengths=None, key_padding_mask=None, causal=False):
+    """float64 attention given the dropout keep mask: the independent oracle's probabilities."""
+    allowed = None if key_padding_mask is None else ~key_padding_mask[:, None, None, :]
+    _, lse, probs = attention_oracle(
+        q, k, v, key_lengths=key_lengths, causal=causal, attn_mask=allowed
+    )
+    if keep is not None:
+        probs = probs * keep / (1 - dropout_p)
+    return probs @ v.double(), lse
+
+
+def _plain_torch(q, k, v, keep, dropout_p, causal=False, **masks):
+    """The unfused computation in the inputs' dtype given the keep mask (the error baseline)."""
+    probs = attention_probabilities(q, k, causal=causal, **masks)
+    if keep is not None:
+        probs = probs * keep.to(probs.dtype) / (1 - dropout_p)
+    return probs @ v, None
+
+
+def _triton(q, k, v, dropout_p, causal=False, **masks):
+    with dispatch.backend("triton"):
+        return attention(q, k, v, causal=causal, dropout_p=dropout_p, return_lse=True, **masks)
+
+
+def _with_grads(function, inputs, grad_out, *args, **kwargs):
+    """function's (out, lse) and the gradients of (out * grad_out).sum() for q, k, v."""
+    inputs = [x.detach().requires_grad_() for x in inputs]
+    out, lse = function(*inputs, *args, **kwargs)
+    grads = torch.autograd.grad(out, inputs, grad_out.to(out.dtype))
+    return out.detach(), lse, grads
+
+
+def _kernel_keep_mask(seed_state, shape, dropout_p):
+    """The mask of the Triton call made after ``torch.set_rng_state(seed_state)``: the backend's
+    first random draw is its seed (see ``dropout_keep_mask``)."""
+    if dropout_p == 0.0:
+        return None
+    torch.set_rng_state(seed_state)
+    return attention_module.dropout_keep_mask(dropout_seed(torch.device("cpu")), shape, dropout_p)
+
+
+def _check_triton_case(batch, heads, lq, lk, head_dim, causal, masks, dtype, dropout_p):
+    q, k, v = _qkv(batch, heads, lq, lk, head_dim, dtype=dtype)
+    grad_out = torch.randn(batch, heads, lq, head_dim, dtype=dtype)
+    masks = _masks(masks, batch, lk)
+    state = torch.get_rng_state()
+    out, lse, grads = _with_grads(_triton, (q, k, v), grad_out, dropout_p, causal, **masks)
+    keep = _kernel_keep_mask(state, (batch, heads, lq, lk), dropout_p)
+    expected, expected_lse, expected_grads = _with_grads(
+        _oracle, (q, k, v), grad_out, keep, dropout_p, causal=causal, **masks
+    )
+    _, _, plain_grads = _with_grads(
+        _plain_torch, (q, k, v), grad_out, keep, dropout_p, causal=causal, **masks
+    )
+    plain = _plain_torch(q, k, v, keep, dropout_p, causal=causal, **masks)[0]
+    assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
+    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+    assert_error_within(out, plain, expected, 2, ATOL[dtype])
+    for grad, plain_grad, expected_grad in zip(grads, plain_grads, expected_grads, strict=True):
+        assert_error_within(grad, plain_grad, expected_grad, 3, ATOL[dtype])
+    finite = torch.isfinite(expected_lse)
+    assert lse.dtype == torch.float32 and torch.equal(torch.isfinite(lse), finite)
+    torch.testing.assert_close(lse.double()[finite], expected_lse[finite], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "case", TRITON_CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c)
+)
+def test_triton_matches_float64_oracle(case):
+    _check_triton_case(*case)
+
+
+def test_triton_with_many_blocks_per_sequence(monkeypatch):
+    """Small blocks exercise the online softmax across key blocks, the causal loop bounds and
+    the skipped padding blocks; the dropout mask does not depend on the tiling."""
+    case = (2, 1, 33, 64, 48, True, "lengths", FP32, 0.3)
+    q, k, v = _qkv(*case[:5])
+    torch.manual_seed(7)
+    one_block = _triton(q, k, v, 0.3, True, **_masks("lengths", 2, 64))[0]
+    small = attention_module.LaunchConfig(16, 16, 4, 1)
+    monkeypatch.setattr(attention_module, "launch_config", lambda *_: small)
+    _check_triton_case(*case)
+    torch.manual_seed(7)
+    many_blocks = _triton(q, k, v, 0.3, True, **_masks("lengths", 2, 64))[0]
+    torch.testing.assert_close(many_blocks, one_block, atol=1e-6, rtol=1e-6)
+
+
+def test_triton_strided_inputs_and_output_gradient():
+    packed = torch.randn(2, 9, 3, 2, 48)  # (B, L, 3, H, D) as a fused QKV projection gives
+    q, k, v = (packed[:, :, i].transpose(1, 2) for i in range(3))
+    grad_out = torch.randn(2, 9, 2, 48).transpose(1, 2)
+    lengths = torch.tensor([9, 4])
+    out, _, grads = _with_grads(_triton, (q, k, v), grad_out, 0.0, key_lengths=lengths)
+    expected, _, expected_grads = _with_grads(
+        _oracle, (q, k, v), grad_out, None, 0.0, key_lengths=lengths
+    )
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    for grad, expected_grad in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad, expected_grad, atol=1e-5, rtol=1e-5)
+
+
+def test_triton_gradient_through_lse():
+    q, k, v = (x.requires_grad_() for x in _qkv(2, 2, 7, 19, 16))
+    lengths = torch.tensor([19, 5])
+    upstream = torch.randn(2, 2, 7, 16), torch.randn(2, 2, 7)
+    out, lse = _triton(q, k, v, 0.0, True, key_lengths=lengths)
+    grads = torch.autograd.grad((out, lse), (q, k, v), upstream)
+    expected_out, expected_lse = _oracle(q, k, v, None, 0.0, key_lengths=lengths, causal=True)
+    upstream64 = tuple(u.double() for u in upstream)
+    expected = torch.autograd.grad((expected_out, expected_lse), (q, k, v), upstream64)
+    for grad, expected_grad in zip(grads, expected, strict=True):
+        torch.testing.assert_close(grad, expected_grad, atol=1e-5, rtol=1e-5)
+
+
+def test_triton_rows_that_see_no_key_give_zero_output_and_zero_grad():
+    q, k, v = _qkv(3, 2, 4, 5, 16, requires_grad=True)
+    padding = torch.zeros(3, 5, dtype=torch.bool)
+    padding[1] = True
+    out, lse = _triton(q, k, v, 0.3, key_padding_mask=padding)
+    out.backward(torch.randn_like(out))
+    assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()
+    for grad in (q.grad, k.grad, v.grad):
+        assert torch.isfinite(grad).all() and (grad[1] == 0).all()
+
+
+def test_triton_probabilities_from_lse():
+    q, k, v = _qkv(2, 3, 7, 19, 48)
+    lengths = torch.tensor([19, 0])
+    _, lse = _triton(q, k, v, 0.0, True, key_lengths=lengths)
+    probs = attention_probabilities(q, k, key_lengths=lengths, causal=True, lse=lse)
+    _, _, expected = attention_oracle(q, k, v, key_lengths=lengths, causal=True)
+    torch.testing.assert_close(probs.double(), expected, atol=1e-6, rtol=1e-6)
+
+
+class TestTritonDropout:
+    def test_keep_fraction_and_seed_dependence(self):
+        shape, p = (4, 4, 64, 64), 0.3
+        seed = dropout_seed(torch.device("cpu"))
+        keep = attention_module.dropout_keep_mask(seed, shape, p)
+        assert abs(keep.float().mean().item() - (1 - p)) < 0.01
+        assert torch.equal(attention_module.dropout_keep_mask(seed, shape, p), keep)
+        other = attention_module.dropout_keep_mask(dropout_seed(seed.device), shape, p)
+        assert abs((other == keep).float().mean().item() - (p**2 + (1 - p) ** 2)) < 0.01
+
+    def test_output_keeps_one_minus_p_of_the_mass(self):
+        q, k, v = _qkv(4, 4, 64, 64, 16)
+        out = _triton(q, torch.zeros_like(k), torch.ones_like(v), 0.3)[0]  # uniform P = 1/64
+        assert abs((out[..., 0] * 0.7).mean().item() - 0.7) < 0.01
+
+    def test_same_seed_same_output(self):
+        q, k, v = _qkv(2, 2, 8, 8, 16)
+        torch.manual_seed(5)
+        first = _triton(q, k, v, 0.3)[0]
+        second = _triton(q, k, v, 0.3)[0]
+        torch.manual_seed(5)
+        assert torch.equal(first, _triton(q, k, v, 0.3)[0])
+        assert not torch.equal(first, second)
+
+
+@pytest.mark.parametrize(
+    ("override", "reason"),
+    [
+        (dict(attn_mask=torch.ones(1, 1, 3, 5, dtype=torch.bool)), "attn_mask"),
+        (dict(q=torch.randn(1, 2, 3, 8, dtype=torch.float64)), "dtype torch.float64"),
+        (dict(v=torch.randn(1, 2, 5, 160)), "head dim 160 > 128"),
+    ],
+)
+def test_triton_steps_aside_with_a_reason(override, reason):
+    arguments = dict(
+        q=torch.randn(1, 2, 3, 8), k=torch.randn(1, 2, 5, 8), v=torch.randn(1, 2, 5, 8)
+    )
+    arguments.update(override)
+    if arguments["q"].dtype == torch.float64:
+        arguments["k"], arguments["v"] = arguments["k"].double(), arguments["v"].double()
+    q, k, v = arguments.pop("q"), arguments.pop("k"), arguments.pop("v")
+    assert dispatch.explain("attention", q, k, v, **arguments)["chosen"] == "reference"
+    with dispatch.backend("triton"), pytest.raises(dispatch.BackendUnavailableError, match=reason):
+        attention(q, k, v, **arguments)
+
+
+def test_forced_triton_runs_every_mask_kind():
+    q, k, v = _qkv(2, 2, 3, 5, 16)
+    padding = torch.tensor([[False, True, False, False, True]] * 2)
+    with dispatch.backend("triton"):
+        explained = dispatch.explain("attention", q, k, v, causal=True, key_padding_mask=padding)
+    assert explained["chosen"] == "triton" and explained["triton"] == []
+
+
+def test_opcheck_forward_and_backward_ops():
+    q = torch.randn(2, 5, 2, 16).transpose(1, 2)  # strided, as MultiheadAttention's heads
+    _, k, v = _qkv(2, 2, 5, 7, 16)
+    lengths = torch.tensor([7, 2])
+    padding = torch.rand(2, 7) < 0.3
+    seed = dropout_seed(q.device)
+    forward = (q.requires_grad_(), k, v, lengths, padding, seed, True, 0.3, 0.25)
+    torch.library.opcheck(torch.ops.fastnmt.attention_forward.default, forward)
+    out, lse = torch.ops.fastnmt.attention_forward(*forward)
+    backward = (torch.randn_like(out), torch.randn_like(lse), q.detach(), k, v, out.detach())
+    backward += (lse.detach(), lengths, padding, seed, True, 0.3, 0.25)
+    torch.library.opcheck(torch.ops.fastnmt.attention_backward.default, backward)
