@@ -3,7 +3,7 @@
 For each case an op module lists in ``gpu_compile_cases(dtype)`` (kernel, signature, block
 config), this builds a cubin for sm_80 (A100) and sm_90 (H100), fp16 and bf16, reads registers and
 spilled bytes from the cubin with the wheel's ``cuobjdump``, and fails a case that spills
-(local memory > 0), exceeds the chip's shared memory, or, for sm_90 matmul kernels, has no
+(stack or local memory > 0), exceeds the chip's shared memory, or, for sm_90 matmul kernels, has no
 ``wgmma`` instruction. Prints a table; exits 1 when a case fails.
 
 Must run in a process without TRITON_INTERPRET (compiling for a GPU fails under the interpreter).

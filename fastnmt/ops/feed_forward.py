@@ -13,17 +13,176 @@ Backward, given dy:
     dW1 = da^T x,  db1 = sum_rows da,  dx = da W1
 
 Weights use ``nn.Linear``'s (out_features, in_features) layout so a module's parameters pass as
-they are. This file holds the PyTorch reference (the fallback and the test oracle); fused kernels
-register themselves as further backends of the same dispatch entry.
+they are. The Triton backend has two paths, chosen per call by ``prefers_fused_gemm``:
+
+- fused GEMM: one Triton GEMM kernel (fp32 accumulator, grouped program order, autotuned) runs
+  every product; its epilogue adds the bias, and for ``a`` applies activation + dropout in the
+  forward and ``* keep / (1-p) * act'(a)`` on ``dz`` in the backward;
+- library GEMM: ``torch.matmul``/``addmm`` for the products and one fused elementwise Triton kernel
+  for activation + dropout (forward) and its derivative (backward).
+
+Saved for the backward (both paths): x, W1, W2, z (needed for dW2 anyway) and the dropout seed;
+the mask is regenerated, never stored. ReLU needs nothing more: z != 0 exactly where a > 0 and
+the element was kept, so da = [z != 0] dz / (1-p). GELU also stores the pre-activation a (one
+(M, F) tensor in the input dtype) rather than recomputing it, which would cost another M*K*F GEMM
+in the backward (a third more backward FLOPs) to save M*F elements of memory.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from fastnmt import _checks, dispatch
+from fastnmt.compile_check import CompileCase
+from fastnmt.ops import triton_common
+from fastnmt.ops.layer_norm import apply_dropout
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels.
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _activation(a, ACTIVATION: tl.constexpr):
+    """act(a) for fp32 a: ReLU, or GELU's erf form 0.5 a (1 + erf(a / sqrt 2))."""
+    if ACTIVATION == "relu":
+        return tl.maximum(a, 0.0)
+    return 0.5 * a * (1.0 + tl.erf(a * 0.7071067811865476))
+
+
+@triton.jit
+def _activation_grad(
+    dz, saved, SEED, element, dropout_p, ACTIVATION: tl.constexpr, HAS_DROPOUT: tl.constexpr
+):
+    """da from dz (fp32): ``saved`` is z for ReLU (z != 0 iff a > 0 and kept), a for GELU."""
+    if ACTIVATION == "relu":
+        return tl.where(saved != 0.0, dz / (1.0 - dropout_p), 0.0)
+    cdf = 0.5 * (1.0 + tl.erf(saved * 0.7071067811865476))
+    pdf = tl.exp(-0.5 * saved * saved) * 0.3989422804014327  # 1 / sqrt(2 pi)
+    da = dz * (cdf + saved * pdf)
+    if HAS_DROPOUT:
+        da = apply_dropout(da, SEED, element, dropout_p)
+    return da
+
+
+@triton.jit
+def _matmul_kernel(
+    A,  # (M, K) left operand, strides (stride_am, stride_ak)
+    B,  # (K, N) right operand, strides (stride_bk, stride_bn): W^T of a Linear is a view
+    C,  # (M, N) output, contiguous
+    BIAS,  # (N,) added to every row (read when HAS_BIAS)
+    SAVED,  # (M, N) contiguous: a written by the forward epilogue with SAVE_PREACTIVATION, or
+    # z (ReLU) / a (GELU) read by the "activation_grad" epilogue
+    SEED,  # int64 (2,): philox seed and offset of the dropout mask (read when HAS_DROPOUT)
+    M,  # rows of A and C
+    N,  # columns of B and C
+    K,  # the reduced dimension
+    stride_am,  # A's row stride
+    stride_ak,  # A's column stride (1 for x; M for a transposed gradient)
+    stride_bk,  # B's row stride (1 for W^T, a view of W)
+    stride_bn,  # B's column stride
+    dropout_p,  # probability of dropping an element of act(a)
+    EPILOGUE: tl.constexpr,  # "bias": C = AB (+ bias); "activation": C = dropout(act(AB + bias));
+    # "activation_grad": C = AB * keep / (1-p) * act'(SAVED)
+    ACTIVATION: tl.constexpr,  # "relu" or "gelu"
+    HAS_BIAS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    SAVE_PREACTIVATION: tl.constexpr,  # the "activation" epilogue also writes a to SAVED
+    UPCAST: tl.constexpr,  # compute from fp32 copies of the loads (bf16 in the interpreter)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,  # row tiles per group: programs of a group share B's columns in L2
+):
+    # Grouped order (Triton's matmul tutorial): consecutive programs walk down GROUP_M row tiles
+    # before moving to the next column tile, so they reuse the same B tiles from L2.
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * tiles_n)
+    first_m = group * GROUP_M
+    group_m = min(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % group_m
+    pid_n = (pid % (GROUP_M * tiles_n)) // group_m
+
+    row = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    column = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    depth = tl.arange(0, BLOCK_K)
+    a_tile = A + row[:, None].to(tl.int64) * stride_am + depth[None, :] * stride_ak
+    b_tile = B + depth[:, None] * stride_bk + column[None, :].to(tl.int64) * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        left = K - k * BLOCK_K
+        a = tl.load(a_tile, mask=(row[:, None] < M) & (depth[None, :] < left), other=0.0)
+        b = tl.load(b_tile, mask=(depth[:, None] < left) & (column[None, :] < N), other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision="ieee")  # fp32 inputs as torch: no TF32
+        a_tile += BLOCK_K * stride_ak
+        b_tile += BLOCK_K * stride_bk
+
+    inside = (row[:, None] < M) & (column[None, :] < N)
+    element = row[:, None].to(tl.int64) * N + column[None, :]  # also the dropout index
+    if HAS_BIAS:
+        acc += tl.load(BIAS + column, mask=column < N, other=0.0).to(tl.float32)[None, :]
+    p = tl.cast(dropout_p, tl.float32)
+    if EPILOGUE == "activation":
+        if SAVE_PREACTIVATION:
+            tl.store(SAVED + element, acc.to(SAVED.dtype.element_ty), mask=inside)
+        acc = _activation(acc, ACTIVATION)
+        if HAS_DROPOUT:
+            acc = apply_dropout(acc, SEED, element, p)
+    elif EPILOGUE == "activation_grad":
+        saved = tl.load(SAVED + element, mask=inside, other=0.0).to(tl.float32)
+        acc = _activation_grad(acc, saved, SEED, element, p, ACTIVATION, HAS_DROPOUT)
+    tl.store(C + element, acc.to(C.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _activation_forward_kernel(
+    A,  # (M, F) pre-activation, contiguous
+    Z,  # (M, F) output dropout(act(a)), contiguous
+    SEED,  # int64 (2,): philox seed and offset of the dropout mask (read when HAS_DROPOUT)
+    numel,  # M * F
+    dropout_p,  # probability of dropping an element of act(a)
+    ACTIVATION: tl.constexpr,  # "relu" or "gelu"
+    HAS_DROPOUT: tl.constexpr,
+    BLOCK: tl.constexpr,  # elements per program
+):
+    element = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # row * F + column
+    inside = element < numel
+    z = _activation(tl.load(A + element, mask=inside, other=0.0).to(tl.float32), ACTIVATION)
+    if HAS_DROPOUT:
+        z = apply_dropout(z, SEED, element, tl.cast(dropout_p, tl.float32))
+    tl.store(Z + element, z.to(Z.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _activation_backward_kernel(
+    DZ,  # (M, F) gradient of z, contiguous
+    SAVED,  # (M, F) z for ReLU, a for GELU, contiguous
+    DA,  # (M, F) output: gradient of the pre-activation a, contiguous
+    SEED,  # int64 (2,): the forward's dropout seed and offset (read when HAS_DROPOUT)
+    numel,  # M * F
+    dropout_p,  # probability of dropping an element of act(a)
+    ACTIVATION: tl.constexpr,  # "relu" or "gelu"
+    HAS_DROPOUT: tl.constexpr,
+    BLOCK: tl.constexpr,  # elements per program
+):
+    element = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # row * F + column
+    inside = element < numel
+    dz = tl.load(DZ + element, mask=inside, other=0.0).to(tl.float32)
+    saved = tl.load(SAVED + element, mask=inside, other=0.0).to(tl.float32)
+    p = tl.cast(dropout_p, tl.float32)
+    da = _activation_grad(dz, saved, SEED, element, p, ACTIVATION, HAS_DROPOUT)
+    tl.store(DA + element, da.to(DA.dtype.element_ty), mask=inside)
+
 
 # ---------------------------------------------------------------------------------------------
 # PyTorch reference: Linear, activation, Dropout, Linear.
@@ -35,6 +194,289 @@ def feed_forward_reference(x, w1, b1, w2, b2, activation, dropout_p):
     if dropout_p > 0.0:
         hidden = F.dropout(hidden, p=dropout_p)
     return F.linear(hidden, w2, b2)  # (..., N)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers and the choice of path.
+# ---------------------------------------------------------------------------------------------
+
+# Tile shapes for translation models' GEMMs (M = 1k-16k tokens, K and N = d_model 256-1024 or
+# d_ff 1024-4096). Each holds at most 32 fp32 accumulator values per thread: the epilogue's philox
+# dropout (four 32-bit lanes per element) and GELU keep several more values live per element, and
+# 64 per thread (128 x 128 on 8 warps, 128 x 256, or 4 warps on 128 x 64) spill on sm_80/sm_90
+# when the operands are not known to be 16-byte aligned (fastnmt.compile_check).
+_GPU_CONFIGS = [
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, 8, 3),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, 8, 3),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, 4, 3),
+]
+# One large-tile configuration in the interpreter: autotuning there only burns time.
+_INTERPRETER_CONFIGS = [
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 2}, 4, 1)
+]
+_matmul = triton.autotune(
+    configs=_INTERPRETER_CONFIGS if triton_common.INTERPRETER else _GPU_CONFIGS,
+    key=["M", "N", "K", "EPILOGUE"],
+)(_matmul_kernel)
+
+_ELEMENTWISE_BLOCK = 4096 if triton_common.INTERPRETER else 1024
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# The choice between the two paths, from a roofline argument; the constants are what a GPU
+# benchmark pins down (see ``prefers_fused_gemm``).
+RIDGE_FLOPS_PER_BYTE = 200  # A100/H100 half-precision tensor-core FLOP/s per byte/s of DRAM
+TRITON_GEMM_DEFICIT = 0.1  # assumed relative slowdown of the Triton GEMM against cuBLAS
+
+
+def prefers_fused_gemm(d_model: int, element_size: int) -> bool:
+    """Whether the fused-epilogue Triton GEMMs beat library GEMMs + one elementwise kernel.
+
+    The elementwise pass costs one extra write and read of the (M, F) pre-activation,
+    ``2 * element_size * M * F`` bytes; the fused path costs ``TRITON_GEMM_DEFICIT`` of the
+    forward's ``4 * M * d_model * F`` FLOPs. Fusion wins when the first is the larger, i.e. when
+    ``d_model < element_size * RIDGE_FLOPS_PER_BYTE / (2 * TRITON_GEMM_DEFICIT)``: with these
+    constants d_model <= 1024 in half precision and <= 2048 in fp32 (d_model 256-1024 of
+    translation models: fused). Confirmed or refuted by the benchmark "feed_forward fused vs
+    library, forward + backward, M = 4096 and 16384 tokens, d_model 256 / 512 / 1024 / 2048,
+    d_ff = 4 d_model, fp16 and bf16" on an A100 and an H100: set TRITON_GEMM_DEFICIT to the
+    measured slowdown of the Triton GEMM, and the crossover d_model should follow.
+    """
+    return d_model < element_size * RIDGE_FLOPS_PER_BYTE / (2 * TRITON_GEMM_DEFICIT)
+
+
+def _output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A kernel's output buffer for ``dtype`` data (fp32 where the interpreter upcasts bf16)."""
+    return triton_common.new_output(shape, triton_common.kernel_output_dtype(dtype), device)
+
+
+def _matmul_launch(
+    a,
+    b,
+    bias=None,
+    *,
+    epilogue="bias",
+    saved=None,
+    seed=None,
+    activation="relu",
+    dropout_p=0.0,
+    save_preactivation=False,
+):
+    """a (M, K) @ b (K, N) (+ bias) with ``_matmul_kernel``'s epilogue; any strides."""
+    (m, k), n = a.shape, b.shape[1]
+    c = _output((m, n), a.dtype, a.device)
+    bias = None if bias is None else bias.contiguous()
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    _matmul[grid](
+        a,
+        b,
+        c,
+        bias,
+        saved,
+        seed,
+        m,
+        n,
+        k,
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        dropout_p,
+        EPILOGUE=epilogue,
+        ACTIVATION=activation,
+        HAS_BIAS=bias is not None,
+        HAS_DROPOUT=dropout_p > 0.0,
+        SAVE_PREACTIVATION=save_preactivation,
+        UPCAST=triton_common.upcast_in_interpreter(a.dtype),
+    )
+    return c.to(a.dtype)
+
+
+def _elementwise_launch(kernel, inputs, dtype, seed, activation, dropout_p):
+    """Runs an activation kernel over contiguous (M, F) ``inputs``; returns its output."""
+    out = _output(inputs[0].shape, dtype, inputs[0].device)
+    numel = out.numel()
+    kernel[(triton.cdiv(numel, _ELEMENTWISE_BLOCK),)](
+        *inputs,
+        out,
+        seed,
+        numel,
+        dropout_p,
+        ACTIVATION=activation,
+        HAS_DROPOUT=dropout_p > 0.0,
+        BLOCK=_ELEMENTWISE_BLOCK,
+    )
+    return out.to(dtype)
+
+
+def _forward(x2, w1, b1, w2, b2, activation, dropout_p, seed, fused_gemm):
+    """(y, z, a) for x2 (M, K); a is empty for ReLU, whose backward needs z only."""
+    keep_a = activation == "gelu"
+    if fused_gemm:
+        a = _output((x2.shape[0], w1.shape[0]), x2.dtype, x2.device) if keep_a else None
+        z = _matmul_launch(
+            x2,
+            w1.t(),
+            b1,
+            epilogue="activation",
+            saved=a,
+            seed=seed,
+            activation=activation,
+            dropout_p=dropout_p,
+            save_preactivation=keep_a,
+        )
+        a = a.to(x2.dtype) if keep_a else None
+        y = _matmul_launch(z, w2.t(), b2)
+    else:
+        a = F.linear(x2, w1, b1).contiguous()
+        z = _elementwise_launch(
+            _activation_forward_kernel, (a,), x2.dtype, seed, activation, dropout_p
+        )
+        y = F.linear(z, w2, b2)
+    return y, z, a if keep_a else x2.new_empty(0)
+
+
+def _backward(dy2, x2, w1, w2, z, a, seed, activation, dropout_p, fused_gemm):
+    """(dx, dW1, db1, dW2, db2) for flattened dy2 (M, N) and x2 (M, K)."""
+    saved = z if activation == "relu" else a
+    if fused_gemm:
+        da = _matmul_launch(
+            dy2,
+            w2,
+            epilogue="activation_grad",
+            saved=saved,
+            seed=seed,
+            activation=activation,
+            dropout_p=dropout_p,
+        )
+        dw2, dw1, dx = (
+            _matmul_launch(dy2.t(), z),
+            _matmul_launch(da.t(), x2),
+            _matmul_launch(da, w1),
+        )
+    else:
+        dz = (dy2 @ w2).contiguous()
+        da = _elementwise_launch(
+            _activation_backward_kernel, (dz, saved), dz.dtype, seed, activation, dropout_p
+        )
+        dw2, dw1, dx = dy2.t() @ z, da.t() @ x2, da @ w1
+    return dx, dw1, da.sum(0), dw2, dy2.sum(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Registered ops (torch.library) with autograd.
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fastnmt::feed_forward_triton", mutates_args=())
+def _feed_forward_op(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    b1: torch.Tensor | None,
+    w2: torch.Tensor,
+    b2: torch.Tensor | None,
+    activation: str,
+    dropout_p: float,
+    seed: torch.Tensor | None,
+    fused_gemm: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, z, a): z and a (GELU only; else empty) are kept for the backward."""
+    y, z, a = _forward(
+        x.reshape(-1, x.shape[-1]), w1, b1, w2, b2, activation, dropout_p, seed, fused_gemm
+    )
+    return y.view(*x.shape[:-1], w2.shape[0]), z, a
+
+
+@_feed_forward_op.register_fake
+def _(x, w1, b1, w2, b2, activation, dropout_p, seed, fused_gemm):
+    tokens = x.numel() // x.shape[-1]
+    z = x.new_empty(tokens, w1.shape[0])
+    a = x.new_empty(tokens, w1.shape[0]) if activation == "gelu" else x.new_empty(0)
+    return x.new_empty(*x.shape[:-1], w2.shape[0]), z, a
+
+
+@torch.library.custom_op("fastnmt::feed_forward_triton_backward", mutates_args=())
+def _feed_forward_backward_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    z: torch.Tensor,
+    a: torch.Tensor,
+    seed: torch.Tensor | None,
+    activation: str,
+    dropout_p: float,
+    fused_gemm: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dW1, db1, dW2, db2)."""
+    dx, dw1, db1, dw2, db2 = _backward(
+        dy.reshape(-1, dy.shape[-1]),
+        x.reshape(-1, x.shape[-1]),
+        w1,
+        w2,
+        z,
+        a,
+        seed,
+        activation,
+        dropout_p,
+        fused_gemm,
+    )
+    return dx.view(x.shape), dw1, db1, dw2, db2
+
+
+@_feed_forward_backward_op.register_fake
+def _(dy, x, w1, w2, z, a, seed, activation, dropout_p, fused_gemm):
+    return (
+        x.new_empty(x.shape),
+        w1.new_empty(w1.shape),
+        w1.new_empty(w1.shape[0]),
+        w2.new_empty(w2.shape),
+        w2.new_empty(w2.shape[0]),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    x, w1, b1, w2, b2, activation, dropout_p, seed, fused_gemm = inputs
+    _, z, a = output
+    ctx.save_for_backward(x, w1, w2, z, a, seed)
+    ctx.activation, ctx.dropout_p, ctx.fused_gemm = activation, dropout_p, fused_gemm
+    ctx.has_bias = (b1 is not None, b2 is not None)
+
+
+def _autograd_backward(ctx, dy, _dz, _da):
+    x, w1, w2, z, a, seed = ctx.saved_tensors
+    dx, dw1, db1, dw2, db2 = _feed_forward_backward_op(
+        dy, x, w1, w2, z, a, seed, ctx.activation, ctx.dropout_p, ctx.fused_gemm
+    )
+    has_b1, has_b2 = ctx.has_bias
+    return dx, dw1, db1 if has_b1 else None, dw2, db2 if has_b2 else None, None, None, None, None
+
+
+_feed_forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+def _autocast_operands(x, w1, b1, w2, b2):
+    """Under autocast, the operands in the autocast dtype, as ``F.linear`` would take them."""
+    if not torch.is_autocast_enabled(x.device.type):
+        return x, w1, b1, w2, b2
+    dtype = torch.get_autocast_dtype(x.device.type)
+    return tuple(None if t is None else t.to(dtype) for t in (x, w1, b1, w2, b2))
+
+
+def feed_forward_triton(x, w1, b1, w2, b2, activation, dropout_p, fused_gemm=None):
+    """The Triton backend; ``fused_gemm`` picks the path (None: ``prefers_fused_gemm``)."""
+    x, w1, b1, w2, b2 = _autocast_operands(x, w1, b1, w2, b2)
+    if fused_gemm is None:
+        fused_gemm = prefers_fused_gemm(x.shape[-1], x.element_size())
+    seed = triton_common.dropout_seed(x.device) if dropout_p > 0.0 else None
+    return _feed_forward_op(x, w1, b1, w2, b2, activation, dropout_p, seed, fused_gemm)[0]
+
+
+def _triton_unsupported(x, w1, b1, w2, b2, activation, dropout_p):
+    dtype = _autocast_operands(x, w1, b1, w2, b2)[0].dtype
+    if dtype not in _SUPPORTED_DTYPES:
+        yield f"x has dtype {dtype}; the Triton kernels take fp32, fp16 and bf16"
+    if x.numel() == 0:
+        yield "x is empty"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,6 +523,7 @@ def _prepare(x, w1, b1, w2, b2, activation="relu", dropout_p=0.0):
 
 
 FEED_FORWARD = dispatch.define("feed_forward", _prepare)
+FEED_FORWARD.register("triton", unsupported=_triton_unsupported)(feed_forward_triton)
 FEED_FORWARD.register("reference")(feed_forward_reference)
 
 
@@ -97,3 +540,65 @@ def feed_forward(x, w1, b1, w2, b2, activation="relu", dropout_p=0.0):
         (..., N)
     """
     return FEED_FORWARD(x, w1, b1, w2, b2, activation, dropout_p)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU compile check (fastnmt.compile_check): every kernel and configuration, sm_80 and sm_90.
+# ---------------------------------------------------------------------------------------------
+
+_MATMUL_SIGNATURE = {
+    **dict.fromkeys(("A", "B", "C", "BIAS", "SAVED"), "*DTYPE"),
+    "SEED": "*i64",
+    **dict.fromkeys(("M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn"), "i32"),
+    "dropout_p": "fp32",
+}
+_EPILOGUES = {
+    "forward": dict(EPILOGUE="activation", SAVE_PREACTIVATION=True),
+    "backward": dict(EPILOGUE="activation_grad", SAVE_PREACTIVATION=False),
+    "bias": dict(EPILOGUE="bias", SAVE_PREACTIVATION=False),
+}
+
+
+def _matmul_case(config: triton.Config, epilogue: str) -> CompileCase:
+    constexprs = {
+        "ACTIVATION": "gelu",
+        "HAS_BIAS": True,
+        "HAS_DROPOUT": True,
+        "UPCAST": False,
+        **_EPILOGUES[epilogue],
+        **config.kwargs,
+    }
+    signature = {**_MATMUL_SIGNATURE, **dict.fromkeys(constexprs, "constexpr")}
+    tile = "x".join(str(config.kwargs[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+    return CompileCase(
+        _matmul_kernel,
+        signature,
+        constexprs,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        needs_wgmma=True,
+        label=f"{epilogue} gelu {tile} w{config.num_warps} s{config.num_stages}",
+    )
+
+
+def _elementwise_case(kernel, pointers: tuple[str, ...]) -> CompileCase:
+    constexprs = {"ACTIVATION": "gelu", "HAS_DROPOUT": True, "BLOCK": 1024}
+    signature = {
+        **dict.fromkeys(pointers, "*DTYPE"),
+        "SEED": "*i64",
+        "numel": "i64",
+        "dropout_p": "fp32",
+        **dict.fromkeys(constexprs, "constexpr"),
+    }
+    return CompileCase(kernel, signature, constexprs, label="gelu dropout 1024")
+
+
+def gpu_compile_cases(dtype: str) -> list[CompileCase]:
+    """Every autotuned GEMM configuration with each epilogue (GELU and dropout: the most
+    registers), and the library path's elementwise kernels (``dtype`` is substituted by
+    compile_check)."""
+    return [
+        *(_matmul_case(config, epilogue) for config in _GPU_CONFIGS for epilogue in _EPILOGUES),
+        _elementwise_case(_activation_forward_kernel, ("A", "Z")),
+        _elementwise_case(_activation_backward_kernel, ("DZ", "SAVED", "DA")),
+    ]

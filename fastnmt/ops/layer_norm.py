@@ -17,16 +17,148 @@ Backward, given dy and the gradient dh_out flowing into the returned h (pre-norm
 Both Transformer layouts use it: post-norm ``x, _ = add_layer_norm(sublayer(x), x, ...)``,
 pre-norm ``y, h = add_layer_norm(sublayer(y), h, ...)`` and then ``sublayer(y)``.
 
-This file holds the PyTorch reference (the fallback and the test oracle); fused kernels register
-themselves as further backends of the same dispatch entry.
+The Triton kernels work on tiles of BLOCK_M rows x BLOCK_N >= N columns (a whole row per tile, so
+the statistics need one pass); lanes past N load 0 and are excluded from mean and variance
+(Liger #518). The dropout mask is never stored: keep = rand(seed, offset + row * N + column) >= p
+is regenerated in the backward. The forward saves h (returned anyway), mean and rstd. The backward
+keeps per-program fp32 partial sums of dweight/dbias over the rows it visits and a torch sum over
+the programs finishes them: deterministic, no atomics.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from fastnmt import _checks, dispatch
+from fastnmt.compile_check import CompileCase
+from fastnmt.ops import triton_common
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels.
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def apply_dropout(values, SEED, element, dropout_p):
+    """values * keep / (1 - p) with keep = rand(seed, offset + element) >= p (fp32 values)."""
+    seed = tl.load(SEED)
+    offset = tl.load(SEED + 1)
+    keep = tl.rand(seed, offset + element) >= dropout_p
+    return tl.where(keep, values / (1.0 - dropout_p), 0.0)
+
+
+@triton.jit
+def _add_layer_norm_forward_kernel(
+    X,  # (rows, N) sublayer output, contiguous
+    R,  # (rows, N) residual, contiguous (read when HAS_RESIDUAL)
+    W,  # (N,) LayerNorm weight (read when HAS_WEIGHT)
+    B,  # (N,) LayerNorm bias (read when HAS_BIAS)
+    Y,  # (rows, N) output LN(h), contiguous
+    H,  # (rows, N) output h = residual + dropout(x), contiguous
+    MEAN,  # (rows,) fp32 output: mean of h, saved for the backward
+    RSTD,  # (rows,) fp32 output: 1 / sqrt(var + eps), saved for the backward
+    SEED,  # int64 (2,): philox seed and offset of the dropout mask (read when HAS_DROPOUT)
+    rows,  # number of rows
+    N,  # row width
+    eps,  # added to the variance
+    dropout_p,  # probability of dropping an element of x
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows per tile
+    BLOCK_N: tl.constexpr,  # power of two >= N
+):
+    row = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]  # (BLOCK_M, 1)
+    column = tl.arange(0, BLOCK_N)[None, :]  # (1, BLOCK_N)
+    inside = (row < rows) & (column < N)
+    element = row.to(tl.int64) * N + column  # index of each element in the (rows, N) tensors
+    h = tl.load(X + element, mask=inside, other=0.0).to(tl.float32)
+    if HAS_DROPOUT:
+        h = apply_dropout(h, SEED, element, tl.cast(dropout_p, tl.float32))
+    if HAS_RESIDUAL:
+        h += tl.load(R + element, mask=inside, other=0.0).to(tl.float32)
+    h = h.to(H.dtype.element_ty)  # the rounding the returned h gets, for consistent statistics
+    tl.store(H + element, h, mask=inside)
+    h = h.to(tl.float32)
+    mean = tl.sum(h, axis=1) / N  # (BLOCK_M,): lanes past N hold 0
+    centered = tl.where(inside, h - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=1) / N + tl.cast(eps, tl.float32))
+    y = centered * rstd[:, None]
+    if HAS_WEIGHT:
+        y *= tl.load(W + column, mask=column < N, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y += tl.load(B + column, mask=column < N, other=0.0).to(tl.float32)
+    tl.store(Y + element, y.to(Y.dtype.element_ty), mask=inside)
+    row = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    tl.store(MEAN + row, mean, mask=row < rows)
+    tl.store(RSTD + row, rstd, mask=row < rows)
+
+
+@triton.jit
+def _add_layer_norm_backward_kernel(
+    DY,  # (rows, N) gradient of y, contiguous
+    DH_OUT,  # (rows, N) gradient flowing into the returned h (read when HAS_DH_OUT)
+    H,  # (rows, N) h saved by the forward
+    W,  # (N,) LayerNorm weight (read when HAS_WEIGHT)
+    MEAN,  # (rows,) fp32 mean of h
+    RSTD,  # (rows,) fp32 1 / sqrt(var + eps)
+    SEED,  # int64 (2,): the forward's dropout seed and offset (read when HAS_DROPOUT)
+    DX,  # (rows, N) output: gradient of x
+    DH,  # (rows, N) output: gradient of h = of the residual (written when HAS_RESIDUAL)
+    DW_PARTIAL,  # (programs, N) fp32 output: this program's sum of dy * xhat (when HAS_WEIGHT)
+    DB_PARTIAL,  # (programs, N) fp32 output: this program's sum of dy (when HAS_BIAS)
+    rows,  # number of rows
+    N,  # row width
+    dropout_p,  # probability of dropping an element of x
+    HAS_DH_OUT: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows per tile
+    BLOCK_N: tl.constexpr,  # power of two >= N
+):
+    column = tl.arange(0, BLOCK_N)[None, :]  # (1, BLOCK_N)
+    weight = tl.full((1, BLOCK_N), 1.0, tl.float32)
+    if HAS_WEIGHT:
+        weight = tl.load(W + column, mask=column < N, other=0.0).to(tl.float32)
+    dweight = tl.zeros((BLOCK_N,), tl.float32)
+    dbias = tl.zeros((BLOCK_N,), tl.float32)
+    # Programs take every num_programs-th tile: a fixed grid, so a fixed summation order.
+    for first_row in range(tl.program_id(0) * BLOCK_M, rows, tl.num_programs(0) * BLOCK_M):
+        row = first_row + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+        inside = (row[:, None] < rows) & (column < N)
+        element = row[:, None].to(tl.int64) * N + column
+        dy = tl.load(DY + element, mask=inside, other=0.0).to(tl.float32)
+        h = tl.load(H + element, mask=inside, other=0.0).to(tl.float32)
+        mean = tl.load(MEAN + row, mask=row < rows, other=0.0)
+        rstd = tl.load(RSTD + row, mask=row < rows, other=0.0)
+        xhat = tl.where(inside, (h - mean[:, None]) * rstd[:, None], 0.0)
+        g = dy * weight
+        mean_g = tl.sum(g, axis=1) / N
+        mean_g_xhat = tl.sum(g * xhat, axis=1) / N
+        dh = (g - mean_g[:, None] - xhat * mean_g_xhat[:, None]) * rstd[:, None]
+        if HAS_DH_OUT:
+            dh += tl.load(DH_OUT + element, mask=inside, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            tl.store(DH + element, dh.to(DH.dtype.element_ty), mask=inside)
+        if HAS_DROPOUT:
+            dh = apply_dropout(dh, SEED, element, tl.cast(dropout_p, tl.float32))
+        tl.store(DX + element, dh.to(DX.dtype.element_ty), mask=inside)
+        if HAS_WEIGHT:
+            dweight += tl.sum(dy * xhat, axis=0)
+        if HAS_BIAS:
+            dbias += tl.sum(dy, axis=0)
+    partial = tl.program_id(0) * N + tl.arange(0, BLOCK_N)
+    if HAS_WEIGHT:
+        tl.store(DW_PARTIAL + partial, dweight, mask=tl.arange(0, BLOCK_N) < N)
+    if HAS_BIAS:
+        tl.store(DB_PARTIAL + partial, dbias, mask=tl.arange(0, BLOCK_N) < N)
+
 
 # ---------------------------------------------------------------------------------------------
 # PyTorch reference: dropout, add and LayerNorm as three separate passes.
@@ -43,6 +175,245 @@ def add_layer_norm_reference(x, residual, weight, bias, eps, dropout_p, residual
     norm_bias = None if bias is None else bias.to(h.dtype)
     y = F.layer_norm(h, h.shape[-1:], norm_weight, norm_bias, eps)
     return y.to(x.dtype), h
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers.
+# ---------------------------------------------------------------------------------------------
+
+MAX_WIDTH = 4096  # one tile holds a whole row (16 values per thread); wider rows: another backend
+_GPU_TILE = 4096  # elements per tile on a GPU: 8-16 fp32 values per thread and tensor
+_INTERPRETER_TILE = 65536  # the interpreter's cost grows with the number of programs
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _tile(rows: int, width: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for a (rows, width) problem."""
+    block_n = triton.next_power_of_2(width)
+    tile = _INTERPRETER_TILE if triton_common.INTERPRETER else _GPU_TILE
+    block_m = min(max(1, tile // block_n), triton.next_power_of_2(rows))
+    num_warps = min(8, max(1, block_m * block_n // 512))
+    return block_m, block_n, num_warps
+
+
+def _backward_programs(row_tiles: int, device: torch.device) -> int:
+    """Programs of the backward grid: a few per SM, each summing dweight over several tiles."""
+    if device.type == "cuda":
+        return min(row_tiles, 4 * torch.cuda.get_device_properties(device).multi_processor_count)
+    return min(row_tiles, 2)  # the interpreter: still exercises a program visiting two tiles
+
+
+def _h_dtype(x, residual, residual_in_fp32: bool) -> torch.dtype:
+    if residual_in_fp32:
+        return torch.float32
+    return x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+
+
+def _contiguous(tensor):
+    return None if tensor is None else tensor.contiguous()
+
+
+def _launch_forward(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, seed):
+    width = x.shape[-1]
+    x2 = x.reshape(-1, width).contiguous()
+    rows = x2.shape[0]
+    h_dtype = _h_dtype(x, residual, residual_in_fp32)
+    output, buffer_dtype = triton_common.new_output, triton_common.kernel_output_dtype
+    y = output((rows, width), buffer_dtype(x.dtype), x.device)
+    h = output((rows, width), buffer_dtype(h_dtype), x.device)
+    mean = output((rows,), torch.float32, x.device)
+    rstd = output((rows,), torch.float32, x.device)
+    block_m, block_n, num_warps = _tile(rows, width)
+    _add_layer_norm_forward_kernel[(triton.cdiv(rows, block_m),)](
+        x2,
+        None if residual is None else residual.reshape(-1, width).contiguous(),
+        _contiguous(weight),
+        _contiguous(bias),
+        y,
+        h,
+        mean,
+        rstd,
+        seed,
+        rows,
+        width,
+        eps,
+        dropout_p,
+        HAS_RESIDUAL=residual is not None,
+        HAS_WEIGHT=weight is not None,
+        HAS_BIAS=bias is not None,
+        HAS_DROPOUT=dropout_p > 0.0,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+    )
+    return y.to(x.dtype).view_as(x), h.to(h_dtype).view_as(x), mean, rstd
+
+
+def _launch_backward(dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_residual, has_bias):
+    width = h.shape[-1]
+    rows = mean.shape[0]
+    block_m, block_n, num_warps = _tile(rows, width)
+    programs = _backward_programs(triton.cdiv(rows, block_m), h.device)
+    output, buffer_dtype = triton_common.new_output, triton_common.kernel_output_dtype
+    dx = output((rows, width), buffer_dtype(dy.dtype), h.device)
+    dh = output((rows, width), buffer_dtype(h.dtype), h.device) if has_residual else None
+    dweight_partial, dbias_partial = (
+        output((programs, width), torch.float32, h.device) if wanted else None
+        for wanted in (weight is not None, has_bias)
+    )
+    _add_layer_norm_backward_kernel[(programs,)](
+        dy.reshape(rows, width).contiguous(),
+        None if dh_out is None else dh_out.reshape(rows, width).contiguous(),
+        h.reshape(rows, width),
+        _contiguous(weight),
+        mean,
+        rstd,
+        seed,
+        dx,
+        dh,
+        dweight_partial,
+        dbias_partial,
+        rows,
+        width,
+        dropout_p,
+        HAS_DH_OUT=dh_out is not None,
+        HAS_RESIDUAL=has_residual,
+        HAS_WEIGHT=weight is not None,
+        HAS_BIAS=has_bias,
+        HAS_DROPOUT=dropout_p > 0.0,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+    )
+    return dx, dh, dweight_partial, dbias_partial
+
+
+# ---------------------------------------------------------------------------------------------
+# Registered ops (torch.library) with autograd, the dispatch entry and the public function.
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fastnmt::add_layer_norm_triton", mutates_args=())
+def _add_layer_norm_op(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    dropout_p: float,
+    residual_in_fp32: bool,
+    seed: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, h, mean, rstd); seed: ``triton_common.dropout_seed`` when dropout_p > 0."""
+    return _launch_forward(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, seed)
+
+
+@_add_layer_norm_op.register_fake
+def _(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, seed):
+    rows = x.numel() // x.shape[-1]
+    statistics = x.new_empty(rows, dtype=torch.float32)
+    h = x.new_empty(x.shape, dtype=_h_dtype(x, residual, residual_in_fp32))
+    return x.new_empty(x.shape), h, statistics, torch.empty_like(statistics)
+
+
+@torch.library.custom_op("fastnmt::add_layer_norm_triton_backward", mutates_args=())
+def _add_layer_norm_backward_op(
+    dy: torch.Tensor,
+    dh_out: torch.Tensor | None,
+    h: torch.Tensor,
+    weight: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    seed: torch.Tensor | None,
+    dropout_p: float,
+    has_residual: bool,
+    has_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dresidual, dweight, dbias), the sums in fp32; empty where there is no such input."""
+    dx, dh, dweight_partial, dbias_partial = _launch_backward(
+        dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_residual, has_bias
+    )
+    return (
+        dx.to(dy.dtype).view_as(h),
+        h.new_empty(0) if dh is None else dh.to(h.dtype).view_as(h),
+        h.new_empty(0) if weight is None else dweight_partial.sum(0),
+        h.new_empty(0) if not has_bias else dbias_partial.sum(0),
+    )
+
+
+@_add_layer_norm_backward_op.register_fake
+def _(dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_residual, has_bias):
+    dweight, dbias = (
+        h.new_empty(h.shape[-1] if wanted else 0, dtype=torch.float32)
+        for wanted in (weight is not None, has_bias)
+    )
+    dh = h.new_empty(h.shape if has_residual else (0,))
+    return dy.new_empty(h.shape), dh, dweight, dbias
+
+
+def _setup_context(ctx, inputs, output):
+    x, residual, weight, bias, _, dropout_p, _, seed = inputs
+    _, h, mean, rstd = output
+    ctx.save_for_backward(h, weight, mean, rstd, seed)
+    ctx.dropout_p = dropout_p
+    ctx.x_dtype = x.dtype
+    ctx.has_residual = residual is not None
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    # Post-norm stacks drop h: no zero-filled gradient is materialised for it.
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dy, dh_out, _dmean, _drstd):
+    h, weight, mean, rstd, seed = ctx.saved_tensors
+    if dy is None:
+        dy = torch.zeros_like(h, dtype=ctx.x_dtype)
+    dx, dh, dweight, dbias = _add_layer_norm_backward_op(
+        dy,
+        dh_out,
+        h,
+        weight,
+        mean,
+        rstd,
+        seed,
+        ctx.dropout_p,
+        ctx.has_residual,
+        ctx.bias_dtype is not None,
+    )
+    return (
+        dx,
+        dh if ctx.has_residual else None,
+        None if weight is None else dweight.to(weight.dtype),
+        None if ctx.bias_dtype is None else dbias.to(ctx.bias_dtype),
+        None,
+        None,
+        None,
+        None,
+    )
+
+
+_add_layer_norm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _argument_dtype_reasons(**tensors):
+    for name, tensor in tensors.items():
+        if tensor is not None and tensor.dtype not in _SUPPORTED_DTYPES:
+            yield f"{name} has dtype {tensor.dtype}; the Triton kernels take fp32, fp16 and bf16"
+
+
+def _triton_unsupported(x, residual, weight, bias, eps, dropout_p, residual_in_fp32):
+    yield from _argument_dtype_reasons(x=x, residual=residual, weight=weight, bias=bias)
+    if x.shape[-1] > MAX_WIDTH:
+        yield f"width {x.shape[-1]} > {MAX_WIDTH}: a row must fit one Triton tile"
+    if x.numel() == 0:
+        yield "x is empty"
+
+
+def add_layer_norm_triton(x, residual, weight, bias, eps, dropout_p, residual_in_fp32):
+    seed = triton_common.dropout_seed(x.device) if dropout_p > 0.0 else None
+    y, h, _, _ = _add_layer_norm_op(
+        x, residual, weight, bias, eps, dropout_p, residual_in_fp32, seed
+    )
+    return y, h
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,6 +456,7 @@ def _prepare(
 
 
 ADD_LAYER_NORM = dispatch.define("add_layer_norm", _prepare)
+ADD_LAYER_NORM.register("triton", unsupported=_triton_unsupported)(add_layer_norm_triton)
 ADD_LAYER_NORM.register("reference")(add_layer_norm_reference)
 
 
@@ -106,3 +478,46 @@ def add_layer_norm(
         y with x's dtype, and h (fp32 with ``residual_in_fp32``).
     """
     return ADD_LAYER_NORM(x, residual, weight, bias, eps, dropout_p, residual_in_fp32)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU compile check (fastnmt.compile_check): both kernels at small, middle and largest widths.
+# ---------------------------------------------------------------------------------------------
+
+_FLAGS = ("HAS_RESIDUAL", "HAS_WEIGHT", "HAS_BIAS", "HAS_DROPOUT")
+
+
+def _layer_norm_case(kernel, tensors: tuple[str, ...], flags: tuple[str, ...], width: int):
+    block_m, block_n, num_warps = _tile(1 << 20, width)
+    constexprs = {**dict.fromkeys(flags, True), "BLOCK_M": block_m, "BLOCK_N": block_n}
+    signature = {
+        **{
+            name: "*fp32" if name in ("MEAN", "RSTD") or "PARTIAL" in name else "*DTYPE"
+            for name in tensors
+        },
+        "SEED": "*i64",
+        "rows": "i32",
+        "N": "i32",
+        **({"eps": "fp32"} if kernel is _add_layer_norm_forward_kernel else {}),
+        "dropout_p": "fp32",
+        **dict.fromkeys(constexprs, "constexpr"),
+    }
+    label = f"width {width}: {block_m}x{block_n} w{num_warps}"
+    return CompileCase(kernel, signature, constexprs, num_warps=num_warps, label=label)
+
+
+def gpu_compile_cases(dtype: str) -> list[CompileCase]:
+    """Forward and backward with every input and dropout, at the tiles of widths 64, 1024 and
+    MAX_WIDTH (``dtype`` is substituted by compile_check)."""
+    forward = ("X", "R", "W", "B", "Y", "H", "MEAN", "RSTD")
+    backward = ("DY", "DH_OUT", "H", "W", "MEAN", "RSTD", "DX", "DH", "DW_PARTIAL", "DB_PARTIAL")
+    return [
+        case
+        for width in (64, 1024, MAX_WIDTH)
+        for case in (
+            _layer_norm_case(_add_layer_norm_forward_kernel, forward, _FLAGS, width),
+            _layer_norm_case(
+                _add_layer_norm_backward_kernel, backward, (*_FLAGS, "HAS_DH_OUT"), width
+            ),
+        )
+    ]

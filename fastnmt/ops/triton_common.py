@@ -41,15 +41,6 @@ def dropout_seed(device: torch.device) -> torch.Tensor:
     return torch.randint(_SEED_BOUND, (2,), dtype=torch.int64, device=device)
 
 
-def automatic_cpu_reasons(device: torch.device, forced_backend: str | None) -> list[str]:
-    """Why the dispatcher should not pick a Triton kernel by itself for a CPU tensor: the
-    interpreter is for tests, so CPU calls reach it only with the triton backend forced
-    (``design.md``: triton is chosen automatically for CUDA tensors)."""
-    if device.type == "cpu" and forced_backend != "triton":
-        return ["CPU tensors run Triton kernels (in the interpreter) only when triton is forced"]
-    return []
-
-
 def new_output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An output buffer for a kernel. Under the interpreter (tests) it is poisoned, NaN or the
     largest integer, so that an element the kernel fails to write cannot pass for a result."""
@@ -57,9 +48,3 @@ def new_output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=device)
     poison = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).max
     return torch.full(shape, poison, dtype=dtype, device=device)
-
-
-def kernel_output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An uninitialised output buffer of a kernel on ``dtype`` data (fp32 where upcasting); tests
-    replace it with a NaN-filled one to prove that kernels write every element."""
-    return torch.empty(shape, dtype=kernel_output_dtype(dtype), device=device)

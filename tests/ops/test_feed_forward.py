@@ -1,11 +1,18 @@
-"""fastnmt.ops.feed_forward (reference backend) against an independent float64 oracle."""
+"""fastnmt.ops.feed_forward: the reference backend against an independent float64 oracle, and
+both Triton paths (fused-epilogue GEMMs; library GEMMs + elementwise kernel), forced and run in
+the interpreter on a CPU, against the reference with FlashAttention's error rule."""
 
+import importlib
 import math
 
 import pytest
 import torch
 
-from fastnmt.ops import feed_forward
+import fastnmt
+from fastnmt.ops import feed_forward, triton_common
+from tests.helpers import assert_error_within
+
+feed_forward_module = importlib.import_module("fastnmt.ops.feed_forward")
 
 
 def feed_forward_oracle(x, w1, b1, w2, b2, activation):
@@ -85,3 +92,164 @@ def test_bad_inputs_name_the_argument(override, error, message):
     arguments.update(override)
     with pytest.raises(error, match=message):
         feed_forward(**arguments)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton paths (interpreter on a CPU), forced onto the triton backend.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def triton_backend():
+    """Forces the Triton kernels (output buffers start as NaN under the interpreter)."""
+    with fastnmt.backend("triton"):
+        yield
+
+
+def _run(run, inputs, dy):
+    """y and the gradients of x, w1, b1, w2, b2 for the loss <y, dy>."""
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    y = run(*leaves)
+    (y.double() * dy).sum().backward()
+    return y, [t.grad for t in leaves]
+
+
+ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+# The interpreter's GEMM tile is 128 x 128 x 64: M = 129, K = 72, F = 200 need two tiles each, and
+# no dimension is a multiple of its block.
+SHAPES = [(1, 16, 64), (37, 40, 100), (129, 72, 200)]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# An L9 orthogonal array over (shape, dtype, path, activation): every pair of values meets in 9
+# cases instead of the 36 of the full product (the two-valued factors fold their third level).
+L9 = [(0, 0, 0, 0), (0, 1, 1, 1), (0, 2, 2, 2), (1, 0, 1, 2), (1, 1, 2, 0), (1, 2, 0, 1),
+      (2, 0, 2, 1), (2, 1, 0, 2), (2, 2, 1, 0)]  # fmt: skip
+TRITON_CASES = [
+    (SHAPES[shape], path != 1, ("relu", "gelu")[activation % 2], DTYPES[dtype])
+    for shape, dtype, path, activation in L9
+]
+
+
+@pytest.mark.parametrize(("shape", "fused_gemm", "activation", "dtype"), TRITON_CASES)
+def test_triton_matches_reference_error_rule(triton_backend, shape, fused_gemm, activation, dtype):
+    inputs = _inputs(*shape, dtype)
+    dy = torch.randn(shape[0], shape[1], dtype=torch.float64)
+    reference = feed_forward_module.feed_forward_reference
+    oracle = _run(lambda *a: reference(*a, activation, 0.0), [t.double() for t in inputs], dy)
+    same_dtype = _run(lambda *a: reference(*a, activation, 0.0), inputs, dy)
+    got = _run(
+        lambda *a: feed_forward_module.feed_forward_triton(*a, activation, 0.0, fused_gemm),
+        inputs,
+        dy,
+    )
+    assert got[0].dtype == dtype
+    assert_error_within(got[0], same_dtype[0], oracle[0], 2, ATOL[dtype])
+    for candidate, torch_result, expected in zip(got[1], same_dtype[1], oracle[1], strict=True):
+        assert candidate.dtype == dtype
+        assert_error_within(candidate, torch_result, expected, 3, ATOL[dtype])
+
+
+@pytest.mark.parametrize("fused_gemm", [True, False])
+def test_triton_dropout_keep_fraction_and_seed(triton_backend, fused_gemm):
+    x = torch.ones(512, 4)
+    w1, w2 = torch.ones(256, 4), torch.eye(256)
+    run = lambda: feed_forward_module.feed_forward_triton(  # noqa: E731
+        x, w1, None, w2, None, "relu", 0.2, fused_gemm
+    )
+    torch.manual_seed(1)
+    hidden = run()  # z itself (W2 = I)
+    kept = hidden != 0
+    assert abs(kept.float().mean().item() - 0.8) < 0.01
+    torch.testing.assert_close(hidden[kept], torch.full_like(hidden[kept], 4 / 0.8))
+    torch.manual_seed(1)
+    assert torch.equal(run(), hidden)
+    assert not torch.equal(run(), hidden)
+
+
+@pytest.mark.parametrize(("fused_gemm", "activation"), [(True, "gelu"), (False, "relu")])
+def test_triton_dropout_backward_uses_the_forward_mask(triton_backend, fused_gemm, activation):
+    """The mask read off the kernel's z (z != 0; where ReLU gives 0 the mask does not matter),
+    fed to a float64 oracle; both paths draw the same mask from the same seed."""
+    inputs = [t.requires_grad_() for t in _inputs(129, 72, 200)]
+    seed = triton_common.dropout_seed(inputs[0].device)
+    forward = torch.ops.fastnmt.feed_forward_triton
+    y, z, _ = forward(*inputs, activation, 0.2, seed, fused_gemm)
+    other_path = forward(*inputs, activation, 0.2, seed, not fused_gemm)[1]
+    torch.testing.assert_close(other_path, z, atol=1e-5, rtol=1e-5)
+    keep = z.detach() != 0
+    if activation == "gelu":
+        assert abs(keep.double().mean().item() - 0.8) < 0.01
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    leaves = [t.detach().double().requires_grad_() for t in inputs]
+    x, w1, b1, w2, b2 = leaves
+    hidden = feed_forward_module.ACTIVATIONS[activation](x @ w1.T + b1) * keep / 0.8
+    expected = hidden @ w2.T + b2
+    expected.backward(dy.double())
+    torch.testing.assert_close(y.double(), expected, atol=1e-5, rtol=1e-5)
+    for tensor, leaf in zip(inputs, leaves, strict=True):
+        torch.testing.assert_close(tensor.grad.double(), leaf.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fused_gemm", [True, False])
+def test_triton_opcheck(triton_backend, fused_gemm):
+    inputs = [t.requires_grad_() for t in _inputs(5, 8, 12)]
+    x, w1, _, w2, _ = (t.detach() for t in inputs)
+    seed = triton_common.dropout_seed(x.device)
+    for activation, dropout_p, seed_or_none in (("relu", 0.0, None), ("gelu", 0.2, seed)):
+        args = (*inputs, activation, dropout_p, seed_or_none, fused_gemm)
+        torch.library.opcheck(torch.ops.fastnmt.feed_forward_triton.default, args)
+        y, z, a = (t.detach() for t in torch.ops.fastnmt.feed_forward_triton(*args))
+        backward_args = (
+            torch.randn_like(y),
+            x,
+            w1,
+            w2,
+            z,
+            a,
+            seed_or_none,
+            activation,
+            dropout_p,
+            fused_gemm,
+        )
+        torch.library.opcheck(torch.ops.fastnmt.feed_forward_triton_backward.default, backward_args)
+
+
+@pytest.mark.parametrize("fused_gemm", [True, False])
+def test_triton_traced_by_torch_compile(triton_backend, monkeypatch, fused_gemm):
+    """Traced with fullgraph=True, dropout included: same seed, same loss and gradients."""
+    monkeypatch.setattr(feed_forward_module, "prefers_fused_gemm", lambda *_: fused_gemm)
+    inputs = [t.requires_grad_() for t in _inputs(5, 8, 12)]
+    step = lambda *a: (feed_forward(*a, "gelu", dropout_p=0.2) ** 2).sum()  # noqa: E731
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    results = []
+    for run in (step, compiled):
+        torch.manual_seed(5)
+        loss = run(*inputs)
+        results.append((loss, *torch.autograd.grad(loss, inputs)))
+    for expected, got in zip(*results, strict=True):
+        torch.testing.assert_close(got, expected)
+
+
+def test_triton_reasons_and_path_rule():
+    x, w1, b1, w2, b2 = _inputs(3, 8, 12)
+    cpu = fastnmt.dispatch.explain("feed_forward", x, w1, b1, w2, b2)
+    assert cpu["chosen"] == "reference" and "only when triton is forced" in cpu["triton"][0]
+    with (
+        fastnmt.backend("triton"),
+        pytest.raises(fastnmt.BackendUnavailableError, match=r"x has dtype torch\.float64"),
+    ):
+        feed_forward(*(t.double() for t in (x, w1, b1, w2, b2)))
+    assert feed_forward_module.prefers_fused_gemm(512, 2)
+    assert not feed_forward_module.prefers_fused_gemm(4096, 2)
+
+
+def test_triton_under_autocast_takes_the_autocast_dtype(triton_backend):
+    """fp32 parameters and a bf16 activation, as a bf16-autocast model passes them."""
+    x, w1, b1, w2, b2 = (t.requires_grad_() for t in _inputs(37, 40, 100))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = feed_forward(x.bfloat16(), w1, b1, w2, b2, "gelu")
+        expected = feed_forward_module.feed_forward_reference(x, w1, b1, w2, b2, "gelu", 0.0)
+    assert y.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(y, expected, atol=2e-2, rtol=2e-2)
+    y.float().sum().backward()
+    assert w1.grad.dtype == torch.float32

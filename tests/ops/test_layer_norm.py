@@ -1,9 +1,13 @@
-"""fastnmt.ops.add_layer_norm (reference backend) against an independent float64 oracle."""
+"""fastnmt.ops.add_layer_norm: the reference backend against an independent float64 oracle, and
+the Triton kernels (forced, in the interpreter on a CPU) against the reference with
+FlashAttention's error rule."""
 
 import pytest
 import torch
 
-from fastnmt.ops import add_layer_norm
+import fastnmt
+from fastnmt.ops import add_layer_norm, triton_common
+from tests.helpers import assert_error_within
 
 
 def layer_norm_oracle(x, residual, weight, bias, eps):
@@ -88,3 +92,183 @@ def test_bad_inputs_name_the_argument(override, error, message):
     arguments.update(override)
     with pytest.raises(error, match=message):
         add_layer_norm(**arguments)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels (interpreter on a CPU), forced onto the triton backend.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def triton_backend():
+    """Forces the Triton kernels; under the interpreter their output buffers start as NaN
+    (``triton_common.new_output``), so an element a kernel fails to write shows."""
+    with fastnmt.backend("triton"):
+        yield
+
+
+def _run(backend, inputs, upstream, dropout_p=0.0, residual_in_fp32=False):
+    """Outputs and input gradients of add_layer_norm on ``backend`` for loss <y, dy> + <h, dh>
+    (dh None: the post-norm use, h unused)."""
+    leaves = [None if t is None else t.detach().requires_grad_() for t in inputs]
+    with fastnmt.backend(backend):
+        y, h = add_layer_norm(*leaves, dropout_p=dropout_p, residual_in_fp32=residual_in_fp32)
+    dy, dh = upstream
+    loss = (y.double() * dy).sum() + (0 if dh is None else (h.double() * dh).sum())
+    loss.backward()
+    return [y, h], [t.grad for t in leaves if t is not None]
+
+
+def _assert_triton_within_error_rule(inputs, prenorm, atol, residual_in_fp32=False):
+    rows, width = inputs[0].shape
+    upstream = (
+        torch.randn(rows, width, dtype=torch.float64),
+        torch.randn(rows, width, dtype=torch.float64) if prenorm else None,
+    )
+    double = [None if t is None else t.double() for t in inputs]
+    expected = _run("reference", double, upstream)
+    same_dtype = _run("reference", inputs, upstream, residual_in_fp32=residual_in_fp32)
+    got = _run("triton", inputs, upstream, residual_in_fp32=residual_in_fp32)
+    for results, factor in ((0, 2), (1, 3)):  # outputs within 2x, gradients within 3x
+        for candidate, torch_result, oracle in zip(
+            got[results], same_dtype[results], expected[results], strict=True
+        ):
+            assert candidate.dtype == torch_result.dtype
+            assert_error_within(candidate, torch_result, oracle, factor, atol)
+
+
+ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Every width with every row count, dtypes and pre/post-norm cycling so that every pair of
+# values meets (pairwise, not the full product).
+TRITON_CASES = [
+    (width, rows, DTYPES[(i + j) % 3], (i + j) % 2 == 0)
+    for i, width in enumerate([64, 100, 256, 512, 1000])
+    for j, rows in enumerate([1, 3, 129])
+]
+
+
+@pytest.mark.parametrize(("width", "rows", "dtype", "prenorm"), TRITON_CASES)
+def test_triton_matches_reference_error_rule(triton_backend, width, rows, dtype, prenorm):
+    inputs = _inputs(rows, width, dtype)
+    _assert_triton_within_error_rule(inputs, prenorm, ATOL[dtype])
+
+
+@pytest.mark.parametrize(
+    ("drop", "dtype", "residual_in_fp32"),
+    [
+        ("residual", torch.float16, False),
+        ("weight", torch.float32, False),
+        ("bias", torch.bfloat16, False),
+        ("nothing", torch.float16, True),
+        ("nothing", torch.bfloat16, True),
+    ],
+)
+def test_triton_optional_inputs_and_fp32_residual(triton_backend, drop, dtype, residual_in_fp32):
+    x, residual, weight, bias = _inputs(3, 100, dtype)
+    inputs = dict(x=x, residual=residual, weight=weight, bias=bias)
+    if drop != "nothing":
+        inputs[drop] = None
+    if residual_in_fp32:
+        inputs["residual"] = residual.float()
+    _assert_triton_within_error_rule(list(inputs.values()), True, ATOL[dtype], residual_in_fp32)
+
+
+def test_triton_wide_rows(triton_backend):
+    _assert_triton_within_error_rule(_inputs(3, 4000), prenorm=True, atol=1e-5)
+
+
+def test_triton_dropout_keep_fraction_scaling_and_seed(triton_backend):
+    x = torch.ones(256, 1024)
+    torch.manual_seed(1)
+    _, h = add_layer_norm(x, torch.zeros_like(x), dropout_p=0.2)
+    kept = h != 0
+    assert abs(kept.float().mean().item() - 0.8) < 0.01
+    torch.testing.assert_close(h[kept], torch.full_like(h[kept], 1 / 0.8))
+    torch.manual_seed(1)
+    _, again = add_layer_norm(x, torch.zeros_like(x), dropout_p=0.2)
+    assert torch.equal(h, again)
+    _, other = add_layer_norm(x, torch.zeros_like(x), dropout_p=0.2)
+    assert not torch.equal(h, other)
+
+
+@pytest.mark.parametrize("prenorm", [True, False])
+def test_triton_dropout_backward_uses_the_forward_mask(triton_backend, prenorm):
+    """The kernel's mask, read off its h (x != 0 everywhere), fed to a float64 oracle."""
+    x, residual, weight, bias = _inputs(129, 1000, requires_grad=True)
+    y, h = add_layer_norm(x, residual, weight, bias, dropout_p=0.2)
+    keep = (h - residual).detach() != 0
+    assert abs(keep.double().mean().item() - 0.8) < 0.01
+    dy, dh = torch.randn_like(y), torch.randn_like(h) if prenorm else torch.zeros_like(h)
+    torch.autograd.backward([y, h], [dy, dh])
+    leaves = [t.detach().double().requires_grad_() for t in (x, residual, weight, bias)]
+    dropped = leaves[0] * keep / 0.8
+    expected_y, expected_h = layer_norm_oracle(dropped, *leaves[1:], 1e-5)
+    torch.autograd.backward([expected_y, expected_h], [dy.double(), dh.double()])
+    torch.testing.assert_close(h.double(), expected_h, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(y.double(), expected_y, atol=1e-4, rtol=1e-4)
+    for tensor, leaf in zip((x, residual, weight, bias), leaves, strict=True):
+        torch.testing.assert_close(tensor.grad.double(), leaf.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_triton_weight_gradient_is_deterministic(triton_backend):
+    x, residual, weight, bias = _inputs(129, 100, requires_grad=True)
+    gradients = []
+    for _ in range(2):
+        y, _ = add_layer_norm(x, residual, weight, bias)
+        gradients.append(torch.autograd.grad(y.sum(), (weight, bias)))
+    assert all(torch.equal(a, b) for a, b in zip(*gradients, strict=True))
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_triton_opcheck(triton_backend, affine):
+    x, residual, weight, bias = _inputs(3, 100, requires_grad=True)
+    weight, bias = (weight, bias) if affine else (None, None)
+    seed = triton_common.dropout_seed(x.device)
+    for dropout_p, seed_or_none in ((0.0, None), (0.2, seed)):
+        args = (x, residual, weight, bias, 1e-5, dropout_p, False, seed_or_none)
+        torch.library.opcheck(torch.ops.fastnmt.add_layer_norm_triton.default, args)
+        y, h, mean, rstd = (t.detach() for t in torch.ops.fastnmt.add_layer_norm_triton(*args))
+        backward_args = (
+            torch.randn_like(y),
+            torch.randn_like(h),
+            h,
+            None if weight is None else weight.detach(),
+            mean,
+            rstd,
+            seed_or_none,
+            dropout_p,
+            True,
+            affine,
+        )
+        torch.library.opcheck(
+            torch.ops.fastnmt.add_layer_norm_triton_backward.default, backward_args
+        )
+
+
+def test_triton_traced_by_torch_compile(triton_backend):
+    """Traced with fullgraph=True, dropout included: same seed, same loss and gradients."""
+    inputs = _inputs(3, 100, requires_grad=True)
+
+    def pre_norm_step(x, residual, weight, bias):
+        y, h = add_layer_norm(x, residual, weight, bias, dropout_p=0.2)
+        return (y * 2).sum() + (h * h).sum()
+
+    compiled = torch.compile(pre_norm_step, fullgraph=True, backend="aot_eager")
+    results = []
+    for step in (pre_norm_step, compiled):
+        torch.manual_seed(5)
+        loss = step(*inputs)
+        results.append((loss, *torch.autograd.grad(loss, inputs)))
+    for expected, got in zip(*results, strict=True):
+        torch.testing.assert_close(got, expected)
+
+
+def test_triton_reasons():
+    cpu = fastnmt.dispatch.explain("add_layer_norm", torch.randn(2, 8))
+    assert cpu["chosen"] == "reference" and "only when triton is forced" in cpu["triton"][0]
+    with fastnmt.backend("triton"):
+        with pytest.raises(fastnmt.BackendUnavailableError, match="a row must fit one Triton"):
+            add_layer_norm(torch.randn(1, 9000))
+        with pytest.raises(fastnmt.BackendUnavailableError, match=r"x has dtype torch\.float64"):
+            add_layer_norm(torch.randn(2, 8, dtype=torch.float64))
