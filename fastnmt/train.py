@@ -551,6 +551,8 @@ class Trainer:
         window = {"tokens": 0.0, "started": time.monotonic()}
         group = []
         for batch in self.batches.iterate(progress.epoch, start=progress.batch_in_epoch):
+            if args.max_steps and progress.step >= args.max_steps:  # e.g. resumed at the end
+                return True
             group.append(batch)
             if len(group) < args.update_freq and progress.batch_in_epoch + len(group) < total:
                 continue

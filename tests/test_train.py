@@ -237,3 +237,13 @@ class TestBadInput:
 
     def test_resume_without_checkpoint(self, corpus, tmp_path):
         assert "no checkpoint to resume" in self._error(_arguments(corpus, tmp_path, "--resume"))
+
+
+def test_resuming_a_finished_run_trains_no_further(corpus, tmp_path):
+    arguments = _arguments(corpus, tmp_path, "--max-steps", "3")
+    assert _run(arguments).returncode == 0
+    before = _weights(tmp_path)
+    result = _run(arguments)
+    assert result.returncode == 0, result.stderr
+    after = _weights(tmp_path)
+    assert all(torch.equal(before[k], after[k]) for k in before)
