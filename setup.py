@@ -45,10 +45,13 @@ def extension_build():
                     file=sys.stderr,
                 )
 
+    # The extension is compiled on the machine that runs it (pip install -e .), so it targets
+    # that CPU (AVX2 / AVX-512 where present); FASTNMT_PORTABLE=1 builds for any x86-64 instead.
+    target = [] if os.environ.get("FASTNMT_PORTABLE") == "1" else ["-march=native"]
     extension = CppExtension(
         "fastnmt._C",
         SOURCES,
-        extra_compile_args=["-O3", "-fopenmp"],
+        extra_compile_args=["-O3", "-fopenmp", *target],
         extra_link_args=["-fopenmp"],
     )
     return {

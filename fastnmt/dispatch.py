@@ -8,7 +8,8 @@ no reasons against it; ``reference`` runs everything, so a call always has a bac
 A backend can be forced with the environment variable ``FASTNMT_BACKEND`` or, taking precedence, the
 ``backend()`` context manager. Forcing a backend that cannot run the call raises
 ``BackendUnavailableError`` with the reasons: a forced backend never falls back silently.
-``explain()`` returns, for a call, every backend's reasons.
+``explain()`` returns, for a call, every backend's reasons. Under ``torch.compile`` the backend is
+chosen when the graph is traced and stays part of it: force a backend before compiling.
 """
 
 from __future__ import annotations

@@ -1,6 +1,11 @@
 """Oracles and comparisons shared by the tests."""
 
+import os
+
+import pytest
 import torch
+
+import fastnmt
 
 
 def assert_error_within(candidate, same_dtype_torch, oracle, factor, atol):
@@ -57,3 +62,12 @@ def multi30k_dir():
     folder = Path(os.environ.get("FASTNMT_DATA_DIR", default))
     assert (folder / "val.en.gz").exists(), f"Multi30k not found in {folder}; set FASTNMT_DATA_DIR"
     return folder
+
+
+def require_backend(name: str) -> None:
+    """Fail (never skip) when the C++ extension a test needs is missing, unless the build was
+    skipped on purpose with FASTNMT_SKIP_EXTENSION=1."""
+    if name == "cpp" and not fastnmt.extension_available():
+        if os.environ.get("FASTNMT_SKIP_EXTENSION") == "1":
+            pytest.skip("FASTNMT_SKIP_EXTENSION=1: the C++ kernels were not built")
+        pytest.fail(fastnmt.extension_status())

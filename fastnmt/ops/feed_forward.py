@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from fastnmt import _checks, dispatch
+from fastnmt._extension import extension_available
 from fastnmt.compile_check import CompileCase
 from fastnmt.ops import triton_common
 from fastnmt.ops.layer_norm import apply_dropout
@@ -386,8 +387,7 @@ def _feed_forward_op(
     return y.view(*x.shape[:-1], w2.shape[0]), z, a
 
 
-@_feed_forward_op.register_fake
-def _(x, w1, b1, w2, b2, activation, dropout_p, seed, fused_gemm):
+def _forward_fake(x, w1, b1, w2, b2, activation, dropout_p, seed, *path):
     tokens = x.numel() // x.shape[-1]
     z = x.new_empty(tokens, w1.shape[0])
     a = x.new_empty(tokens, w1.shape[0]) if activation == "gelu" else x.new_empty(0)
@@ -423,8 +423,7 @@ def _feed_forward_backward_op(
     return dx.view(x.shape), dw1, db1, dw2, db2
 
 
-@_feed_forward_backward_op.register_fake
-def _(dy, x, w1, w2, z, a, seed, activation, dropout_p, fused_gemm):
+def _backward_fake(dy, x, w1, w2, z, a, seed, activation, dropout_p, *path):
     return (
         x.new_empty(x.shape),
         w1.new_empty(w1.shape),
@@ -435,23 +434,46 @@ def _(dy, x, w1, w2, z, a, seed, activation, dropout_p, fused_gemm):
 
 
 def _setup_context(ctx, inputs, output):
-    x, w1, b1, w2, b2, activation, dropout_p, seed, fused_gemm = inputs
+    x, w1, b1, w2, b2, activation, dropout_p, seed, *path = inputs
     _, z, a = output
     ctx.save_for_backward(x, w1, w2, z, a, seed)
-    ctx.activation, ctx.dropout_p, ctx.fused_gemm = activation, dropout_p, fused_gemm
+    ctx.activation, ctx.dropout_p = activation, dropout_p
+    ctx.path = path  # the Triton ops' GEMM-path flag; the C++ ops have none
     ctx.has_bias = (b1 is not None, b2 is not None)
 
 
-def _autograd_backward(ctx, dy, _dz, _da):
-    x, w1, w2, z, a, seed = ctx.saved_tensors
-    dx, dw1, db1, dw2, db2 = _feed_forward_backward_op(
-        dy, x, w1, w2, z, a, seed, ctx.activation, ctx.dropout_p, ctx.fused_gemm
+def _make_backward(backward_op):
+    """The autograd backward of a forward op whose backward op is ``backward_op`` (the Triton and
+    C++ ops share their signatures but for the Triton ops' trailing GEMM-path flag)."""
+
+    def backward(ctx, dy, _dz, _da):
+        x, w1, w2, z, a, seed = ctx.saved_tensors
+        dx, dw1, db1, dw2, db2 = backward_op(
+            dy, x, w1, w2, z, a, seed, ctx.activation, ctx.dropout_p, *ctx.path
+        )
+        has_b1, has_b2 = ctx.has_bias
+        unused = [None] * (3 + len(ctx.path))  # activation, dropout_p, seed, path
+        return dx, dw1, db1 if has_b1 else None, dw2, db2 if has_b2 else None, *unused
+
+    return backward
+
+
+def _register_autograd(forward_op, backward_op) -> None:
+    torch.library.register_fake(forward_op)(_forward_fake)
+    torch.library.register_fake(backward_op)(_backward_fake)
+    torch.library.register_autograd(
+        forward_op, _make_backward(backward_op), setup_context=_setup_context
     )
-    has_b1, has_b2 = ctx.has_bias
-    return dx, dw1, db1 if has_b1 else None, dw2, db2 if has_b2 else None, None, None, None, None
 
 
-_feed_forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+_register_autograd(_feed_forward_op, _feed_forward_backward_op)
+
+# C++ CPU kernels (csrc/feed_forward.cpp): the same signatures, hence the same autograd.
+if extension_available():
+    _register_autograd(
+        torch.ops.fastnmt.feed_forward_cpp.default,
+        torch.ops.fastnmt.feed_forward_cpp_backward.default,
+    )
 
 
 def _autocast_operands(x, w1, b1, w2, b2):
@@ -471,12 +493,27 @@ def feed_forward_triton(x, w1, b1, w2, b2, activation, dropout_p, fused_gemm=Non
     return _feed_forward_op(x, w1, b1, w2, b2, activation, dropout_p, seed, fused_gemm)[0]
 
 
-def _triton_unsupported(x, w1, b1, w2, b2, activation, dropout_p):
+def _dtype_reasons(kernels: str, x, w1, b1, w2, b2):
     dtype = _autocast_operands(x, w1, b1, w2, b2)[0].dtype
     if dtype not in _SUPPORTED_DTYPES:
-        yield f"x has dtype {dtype}; the Triton kernels take fp32, fp16 and bf16"
+        yield f"x has dtype {dtype}; the {kernels} kernels take fp32, fp16 and bf16"
+
+
+def _triton_unsupported(x, w1, b1, w2, b2, activation, dropout_p):
+    yield from _dtype_reasons("Triton", x, w1, b1, w2, b2)
     if x.numel() == 0:
         yield "x is empty"
+
+
+def _cpp_unsupported(x, w1, b1, w2, b2, activation, dropout_p):
+    yield from _dtype_reasons("C++", x, w1, b1, w2, b2)
+
+
+def feed_forward_cpp(x, w1, b1, w2, b2, activation, dropout_p):
+    """The C++ backend: library GEMMs around one fused activation + dropout pass each way."""
+    x, w1, b1, w2, b2 = _autocast_operands(x, w1, b1, w2, b2)
+    seed = triton_common.dropout_seed(x.device) if dropout_p > 0.0 else None
+    return torch.ops.fastnmt.feed_forward_cpp(x, w1, b1, w2, b2, activation, dropout_p, seed)[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -524,6 +561,7 @@ def _prepare(x, w1, b1, w2, b2, activation="relu", dropout_p=0.0):
 
 FEED_FORWARD = dispatch.define("feed_forward", _prepare)
 FEED_FORWARD.register("triton", unsupported=_triton_unsupported)(feed_forward_triton)
+FEED_FORWARD.register("cpp", unsupported=_cpp_unsupported)(feed_forward_cpp)
 FEED_FORWARD.register("reference")(feed_forward_reference)
 
 

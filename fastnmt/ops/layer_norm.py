@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from fastnmt import _checks, dispatch
+from fastnmt._extension import extension_available
 from fastnmt.compile_check import CompileCase
 from fastnmt.ops import triton_common
 
@@ -308,8 +309,7 @@ def _add_layer_norm_op(
     return _launch_forward(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, seed)
 
 
-@_add_layer_norm_op.register_fake
-def _(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, seed):
+def _forward_fake(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, seed):
     rows = x.numel() // x.shape[-1]
     statistics = x.new_empty(rows, dtype=torch.float32)
     h = x.new_empty(x.shape, dtype=_h_dtype(x, residual, residual_in_fp32))
@@ -341,8 +341,7 @@ def _add_layer_norm_backward_op(
     )
 
 
-@_add_layer_norm_backward_op.register_fake
-def _(dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_residual, has_bias):
+def _backward_fake(dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_residual, has_bias):
     dweight, dbias = (
         h.new_empty(h.shape[-1] if wanted else 0, dtype=torch.float32)
         for wanted in (weight is not None, has_bias)
@@ -363,57 +362,95 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dy, dh_out, _dmean, _drstd):
-    h, weight, mean, rstd, seed = ctx.saved_tensors
-    if dy is None:
-        dy = torch.zeros_like(h, dtype=ctx.x_dtype)
-    dx, dh, dweight, dbias = _add_layer_norm_backward_op(
-        dy,
-        dh_out,
-        h,
-        weight,
-        mean,
-        rstd,
-        seed,
-        ctx.dropout_p,
-        ctx.has_residual,
-        ctx.bias_dtype is not None,
+def _make_backward(backward_op):
+    """The autograd backward of a forward op whose backward op is ``backward_op`` (the Triton and
+    C++ ops share their signatures)."""
+
+    def backward(ctx, dy, dh_out, _dmean, _drstd):
+        h, weight, mean, rstd, seed = ctx.saved_tensors
+        if dy is None:
+            dy = torch.zeros_like(h, dtype=ctx.x_dtype)
+        dx, dh, dweight, dbias = backward_op(
+            dy,
+            dh_out,
+            h,
+            weight,
+            mean,
+            rstd,
+            seed,
+            ctx.dropout_p,
+            ctx.has_residual,
+            ctx.bias_dtype is not None,
+        )
+        return (
+            dx,
+            dh if ctx.has_residual else None,
+            None if weight is None else dweight.to(weight.dtype),
+            None if ctx.bias_dtype is None else dbias.to(ctx.bias_dtype),
+            None,
+            None,
+            None,
+            None,
+        )
+
+    return backward
+
+
+def _register_autograd(forward_op, backward_op) -> None:
+    torch.library.register_fake(forward_op)(_forward_fake)
+    torch.library.register_fake(backward_op)(_backward_fake)
+    torch.library.register_autograd(
+        forward_op, _make_backward(backward_op), setup_context=_setup_context
     )
-    return (
-        dx,
-        dh if ctx.has_residual else None,
-        None if weight is None else dweight.to(weight.dtype),
-        None if ctx.bias_dtype is None else dbias.to(ctx.bias_dtype),
-        None,
-        None,
-        None,
-        None,
-    )
 
 
-_add_layer_norm_op.register_autograd(_backward, setup_context=_setup_context)
+_register_autograd(_add_layer_norm_op, _add_layer_norm_backward_op)
 
 
-def _argument_dtype_reasons(**tensors):
+def _argument_dtype_reasons(kernels: str, **tensors):
     for name, tensor in tensors.items():
         if tensor is not None and tensor.dtype not in _SUPPORTED_DTYPES:
-            yield f"{name} has dtype {tensor.dtype}; the Triton kernels take fp32, fp16 and bf16"
+            yield f"{name} has dtype {tensor.dtype}; the {kernels} kernels take fp32, fp16 and bf16"
 
 
 def _triton_unsupported(x, residual, weight, bias, eps, dropout_p, residual_in_fp32):
-    yield from _argument_dtype_reasons(x=x, residual=residual, weight=weight, bias=bias)
+    yield from _argument_dtype_reasons("Triton", x=x, residual=residual, weight=weight, bias=bias)
     if x.shape[-1] > MAX_WIDTH:
         yield f"width {x.shape[-1]} > {MAX_WIDTH}: a row must fit one Triton tile"
     if x.numel() == 0:
         yield "x is empty"
 
 
-def add_layer_norm_triton(x, residual, weight, bias, eps, dropout_p, residual_in_fp32):
-    seed = triton_common.dropout_seed(x.device) if dropout_p > 0.0 else None
-    y, h, _, _ = _add_layer_norm_op(
-        x, residual, weight, bias, eps, dropout_p, residual_in_fp32, seed
+def _running(forward_op):
+    """The implementation of the op on ``forward_op`` (a Triton or C++ registered op)."""
+
+    def implementation(x, residual, weight, bias, eps, dropout_p, residual_in_fp32):
+        seed = triton_common.dropout_seed(x.device) if dropout_p > 0.0 else None
+        y, h, _, _ = forward_op(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, seed)
+        return y, h
+
+    return implementation
+
+
+add_layer_norm_triton = _running(_add_layer_norm_op)
+
+# C++ CPU kernels (csrc/add_layer_norm.cpp): the same signatures, hence the same autograd.
+if extension_available():
+    _register_autograd(
+        torch.ops.fastnmt.add_layer_norm_cpp.default,
+        torch.ops.fastnmt.add_layer_norm_cpp_backward.default,
     )
-    return y, h
+
+
+def _cpp_unsupported(x, residual, weight, bias, eps, dropout_p, residual_in_fp32):
+    yield from _argument_dtype_reasons("C++", x=x, residual=residual, weight=weight, bias=bias)
+
+
+def _cpp_forward(*args):
+    return torch.ops.fastnmt.add_layer_norm_cpp(*args)  # looked up when called: built or not
+
+
+add_layer_norm_cpp = _running(_cpp_forward)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -457,6 +494,7 @@ def _prepare(
 
 ADD_LAYER_NORM = dispatch.define("add_layer_norm", _prepare)
 ADD_LAYER_NORM.register("triton", unsupported=_triton_unsupported)(add_layer_norm_triton)
+ADD_LAYER_NORM.register("cpp", unsupported=_cpp_unsupported)(add_layer_norm_cpp)
 ADD_LAYER_NORM.register("reference")(add_layer_norm_reference)
 
 

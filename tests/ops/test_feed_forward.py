@@ -10,7 +10,7 @@ import torch
 
 import fastnmt
 from fastnmt.ops import feed_forward, triton_common
-from tests.helpers import assert_error_within
+from tests.helpers import assert_error_within, require_backend
 
 feed_forward_module = importlib.import_module("fastnmt.ops.feed_forward")
 
@@ -220,6 +220,7 @@ def test_triton_traced_by_torch_compile(triton_backend, monkeypatch, fused_gemm)
     monkeypatch.setattr(feed_forward_module, "prefers_fused_gemm", lambda *_: fused_gemm)
     inputs = [t.requires_grad_() for t in _inputs(5, 8, 12)]
     step = lambda *a: (feed_forward(*a, "gelu", dropout_p=0.2) ** 2).sum()  # noqa: E731
+    torch._dynamo.reset()  # the backend is chosen at trace time: no graph from another backend
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     results = []
     for run in (step, compiled):
@@ -233,7 +234,9 @@ def test_triton_traced_by_torch_compile(triton_backend, monkeypatch, fused_gemm)
 def test_triton_reasons_and_path_rule():
     x, w1, b1, w2, b2 = _inputs(3, 8, 12)
     cpu = fastnmt.dispatch.explain("feed_forward", x, w1, b1, w2, b2)
-    assert cpu["chosen"] == "reference" and "only when triton is forced" in cpu["triton"][0]
+    assert (
+        cpu["chosen"] in ("cpp", "reference") and "only when triton is forced" in cpu["triton"][0]
+    )
     with (
         fastnmt.backend("triton"),
         pytest.raises(fastnmt.BackendUnavailableError, match=r"x has dtype torch\.float64"),
@@ -253,3 +256,85 @@ def test_triton_under_autocast_takes_the_autocast_dtype(triton_backend):
     torch.testing.assert_close(y, expected, atol=2e-2, rtol=2e-2)
     y.float().sum().backward()
     assert w1.grad.dtype == torch.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# C++ kernels: library GEMMs around one fused activation + dropout pass each way.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cpp_backend():
+    require_backend("cpp")
+    with fastnmt.backend("cpp"):
+        yield
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpp_matches_reference_error_rule(cpp_backend, shape, activation, dtype):
+    inputs = _inputs(*shape, dtype)
+    dy = torch.randn(shape[0], shape[1], dtype=torch.float64)
+    reference = lambda *a: feed_forward_module.feed_forward_reference(*a, activation, 0.0)  # noqa: E731
+    oracle = _run(reference, [t.double() for t in inputs], dy)
+    same_dtype = _run(reference, inputs, dy)
+    got = _run(lambda *a: feed_forward(*a, activation), inputs, dy)
+    assert got[0].dtype == dtype
+    assert_error_within(got[0], same_dtype[0], oracle[0], 2, ATOL[dtype])
+    for candidate, torch_result, expected in zip(got[1], same_dtype[1], oracle[1], strict=True):
+        assert candidate.dtype == dtype
+        assert_error_within(candidate, torch_result, expected, 3, ATOL[dtype])
+
+
+def test_cpp_dropout_keep_fraction_seed_and_backward_mask(cpp_backend):
+    x = torch.ones(512, 4)
+    w1, w2 = torch.ones(256, 4), torch.eye(256)
+    torch.manual_seed(1)
+    hidden = feed_forward(x, w1, None, w2, None, "relu", 0.2)  # z itself (W2 = I)
+    kept = hidden != 0
+    assert abs(kept.float().mean().item() - 0.8) < 0.01
+    torch.testing.assert_close(hidden[kept], torch.full_like(hidden[kept], 4 / 0.8))
+    torch.manual_seed(1)
+    assert torch.equal(feed_forward(x, w1, None, w2, None, "relu", 0.2), hidden)
+    assert not torch.equal(feed_forward(x, w1, None, w2, None, "relu", 0.2), hidden)
+    inputs = [t.requires_grad_() for t in _inputs(129, 72, 200)]
+    seed = triton_common.dropout_seed(inputs[0].device)
+    y, z, _ = torch.ops.fastnmt.feed_forward_cpp(*inputs, "gelu", 0.2, seed)
+    keep = z.detach() != 0
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    leaves = [t.detach().double().requires_grad_() for t in inputs]
+    x, w1, b1, w2, b2 = leaves
+    expected = (feed_forward_module.ACTIVATIONS["gelu"](x @ w1.T + b1) * keep / 0.8) @ w2.T + b2
+    expected.backward(dy.double())
+    torch.testing.assert_close(y.double(), expected, atol=1e-5, rtol=1e-5)
+    for tensor, leaf in zip(inputs, leaves, strict=True):
+        torch.testing.assert_close(tensor.grad.double(), leaf.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_cpp_opcheck(cpp_backend):
+    inputs = [t.requires_grad_() for t in _inputs(5, 8, 12)]
+    x, w1, _, w2, _ = (t.detach() for t in inputs)
+    seed = triton_common.dropout_seed(x.device)
+    for activation, dropout_p, seed_or_none in (("relu", 0.0, None), ("gelu", 0.2, seed)):
+        args = (*inputs, activation, dropout_p, seed_or_none)
+        torch.library.opcheck(torch.ops.fastnmt.feed_forward_cpp.default, args)
+        y, z, a = (t.detach() for t in torch.ops.fastnmt.feed_forward_cpp(*args))
+        backward_args = (torch.randn_like(y), x, w1, w2, z, a, seed_or_none, activation, dropout_p)
+        torch.library.opcheck(torch.ops.fastnmt.feed_forward_cpp_backward.default, backward_args)
+
+
+def test_cpp_under_autocast_and_independent_of_thread_count(cpp_backend):
+    x, w1, b1, w2, b2 = (t.requires_grad_() for t in _inputs(300, 64, 256))
+    results = []
+    threads = torch.get_num_threads()
+    for count in (1, 2):
+        torch.set_num_threads(count)
+        torch.manual_seed(3)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = feed_forward(x.bfloat16(), w1, b1, w2, b2, "relu", 0.1)
+        assert y.dtype == torch.bfloat16
+        results.append((y, *torch.autograd.grad(y.float().sum(), (x, w1, b1, w2, b2))))
+    torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))

@@ -7,7 +7,7 @@ import torch
 
 import fastnmt
 from fastnmt.ops import add_layer_norm, triton_common
-from tests.helpers import assert_error_within
+from tests.helpers import assert_error_within, require_backend
 
 
 def layer_norm_oracle(x, residual, weight, bias, eps):
@@ -95,16 +95,8 @@ def test_bad_inputs_name_the_argument(override, error, message):
 
 
 # ---------------------------------------------------------------------------------------------
-# Triton kernels (interpreter on a CPU), forced onto the triton backend.
+# Fused kernels, Triton (interpreter on a CPU) and C++, each forced by the ``fused`` fixture.
 # ---------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def triton_backend():
-    """Forces the Triton kernels; under the interpreter their output buffers start as NaN
-    (``triton_common.new_output``), so an element a kernel fails to write shows."""
-    with fastnmt.backend("triton"):
-        yield
 
 
 def _run(backend, inputs, upstream, dropout_p=0.0, residual_in_fp32=False):
@@ -119,7 +111,7 @@ def _run(backend, inputs, upstream, dropout_p=0.0, residual_in_fp32=False):
     return [y, h], [t.grad for t in leaves if t is not None]
 
 
-def _assert_triton_within_error_rule(inputs, prenorm, atol, residual_in_fp32=False):
+def _assert_within_error_rule(backend, inputs, prenorm, atol, residual_in_fp32=False):
     rows, width = inputs[0].shape
     upstream = (
         torch.randn(rows, width, dtype=torch.float64),
@@ -128,7 +120,7 @@ def _assert_triton_within_error_rule(inputs, prenorm, atol, residual_in_fp32=Fal
     double = [None if t is None else t.double() for t in inputs]
     expected = _run("reference", double, upstream)
     same_dtype = _run("reference", inputs, upstream, residual_in_fp32=residual_in_fp32)
-    got = _run("triton", inputs, upstream, residual_in_fp32=residual_in_fp32)
+    got = _run(backend, inputs, upstream, residual_in_fp32=residual_in_fp32)
     for results, factor in ((0, 2), (1, 3)):  # outputs within 2x, gradients within 3x
         for candidate, torch_result, oracle in zip(
             got[results], same_dtype[results], expected[results], strict=True
@@ -141,17 +133,17 @@ ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Every width with every row count, dtypes and pre/post-norm cycling so that every pair of
 # values meets (pairwise, not the full product).
-TRITON_CASES = [
+FUSED_CASES = [
     (width, rows, DTYPES[(i + j) % 3], (i + j) % 2 == 0)
     for i, width in enumerate([64, 100, 256, 512, 1000])
     for j, rows in enumerate([1, 3, 129])
 ]
 
 
-@pytest.mark.parametrize(("width", "rows", "dtype", "prenorm"), TRITON_CASES)
-def test_triton_matches_reference_error_rule(triton_backend, width, rows, dtype, prenorm):
+@pytest.mark.parametrize(("width", "rows", "dtype", "prenorm"), FUSED_CASES)
+def test_fused_matches_reference_error_rule(fused, width, rows, dtype, prenorm):
     inputs = _inputs(rows, width, dtype)
-    _assert_triton_within_error_rule(inputs, prenorm, ATOL[dtype])
+    _assert_within_error_rule(fused, inputs, prenorm, ATOL[dtype])
 
 
 @pytest.mark.parametrize(
@@ -164,21 +156,21 @@ def test_triton_matches_reference_error_rule(triton_backend, width, rows, dtype,
         ("nothing", torch.bfloat16, True),
     ],
 )
-def test_triton_optional_inputs_and_fp32_residual(triton_backend, drop, dtype, residual_in_fp32):
+def test_fused_optional_inputs_and_fp32_residual(fused, drop, dtype, residual_in_fp32):
     x, residual, weight, bias = _inputs(3, 100, dtype)
     inputs = dict(x=x, residual=residual, weight=weight, bias=bias)
     if drop != "nothing":
         inputs[drop] = None
     if residual_in_fp32:
         inputs["residual"] = residual.float()
-    _assert_triton_within_error_rule(list(inputs.values()), True, ATOL[dtype], residual_in_fp32)
+    _assert_within_error_rule(fused, list(inputs.values()), True, ATOL[dtype], residual_in_fp32)
 
 
-def test_triton_wide_rows(triton_backend):
-    _assert_triton_within_error_rule(_inputs(3, 4000), prenorm=True, atol=1e-5)
+def test_fused_wide_rows(fused):
+    _assert_within_error_rule(fused, _inputs(3, 4000), prenorm=True, atol=1e-5)
 
 
-def test_triton_dropout_keep_fraction_scaling_and_seed(triton_backend):
+def test_fused_dropout_keep_fraction_scaling_and_seed(fused):
     x = torch.ones(256, 1024)
     torch.manual_seed(1)
     _, h = add_layer_norm(x, torch.zeros_like(x), dropout_p=0.2)
@@ -193,7 +185,7 @@ def test_triton_dropout_keep_fraction_scaling_and_seed(triton_backend):
 
 
 @pytest.mark.parametrize("prenorm", [True, False])
-def test_triton_dropout_backward_uses_the_forward_mask(triton_backend, prenorm):
+def test_fused_dropout_backward_uses_the_forward_mask(fused, prenorm):
     """The kernel's mask, read off its h (x != 0 everywhere), fed to a float64 oracle."""
     x, residual, weight, bias = _inputs(129, 1000, requires_grad=True)
     y, h = add_layer_norm(x, residual, weight, bias, dropout_p=0.2)
@@ -211,7 +203,7 @@ def test_triton_dropout_backward_uses_the_forward_mask(triton_backend, prenorm):
         torch.testing.assert_close(tensor.grad.double(), leaf.grad, atol=1e-4, rtol=1e-4)
 
 
-def test_triton_weight_gradient_is_deterministic(triton_backend):
+def test_fused_weight_gradient_is_deterministic(fused):
     x, residual, weight, bias = _inputs(129, 100, requires_grad=True)
     gradients = []
     for _ in range(2):
@@ -221,14 +213,15 @@ def test_triton_weight_gradient_is_deterministic(triton_backend):
 
 
 @pytest.mark.parametrize("affine", [True, False])
-def test_triton_opcheck(triton_backend, affine):
+def test_fused_opcheck(fused, affine):
     x, residual, weight, bias = _inputs(3, 100, requires_grad=True)
     weight, bias = (weight, bias) if affine else (None, None)
     seed = triton_common.dropout_seed(x.device)
     for dropout_p, seed_or_none in ((0.0, None), (0.2, seed)):
         args = (x, residual, weight, bias, 1e-5, dropout_p, False, seed_or_none)
-        torch.library.opcheck(torch.ops.fastnmt.add_layer_norm_triton.default, args)
-        y, h, mean, rstd = (t.detach() for t in torch.ops.fastnmt.add_layer_norm_triton(*args))
+        torch.library.opcheck(getattr(torch.ops.fastnmt, f"add_layer_norm_{fused}").default, args)
+        forward = getattr(torch.ops.fastnmt, f"add_layer_norm_{fused}")
+        y, h, mean, rstd = (t.detach() for t in forward(*args))
         backward_args = (
             torch.randn_like(y),
             torch.randn_like(h),
@@ -241,12 +234,11 @@ def test_triton_opcheck(triton_backend, affine):
             True,
             affine,
         )
-        torch.library.opcheck(
-            torch.ops.fastnmt.add_layer_norm_triton_backward.default, backward_args
-        )
+        backward = getattr(torch.ops.fastnmt, f"add_layer_norm_{fused}_backward")
+        torch.library.opcheck(backward.default, backward_args)
 
 
-def test_triton_traced_by_torch_compile(triton_backend):
+def test_fused_traced_by_torch_compile(fused):
     """Traced with fullgraph=True, dropout included: same seed, same loss and gradients."""
     inputs = _inputs(3, 100, requires_grad=True)
 
@@ -254,6 +246,7 @@ def test_triton_traced_by_torch_compile(triton_backend):
         y, h = add_layer_norm(x, residual, weight, bias, dropout_p=0.2)
         return (y * 2).sum() + (h * h).sum()
 
+    torch._dynamo.reset()  # the backend is chosen at trace time: no graph from another backend
     compiled = torch.compile(pre_norm_step, fullgraph=True, backend="aot_eager")
     results = []
     for step in (pre_norm_step, compiled):
@@ -266,9 +259,29 @@ def test_triton_traced_by_torch_compile(triton_backend):
 
 def test_triton_reasons():
     cpu = fastnmt.dispatch.explain("add_layer_norm", torch.randn(2, 8))
-    assert cpu["chosen"] == "reference" and "only when triton is forced" in cpu["triton"][0]
+    assert (
+        cpu["chosen"] in ("cpp", "reference") and "only when triton is forced" in cpu["triton"][0]
+    )
     with fastnmt.backend("triton"):
         with pytest.raises(fastnmt.BackendUnavailableError, match="a row must fit one Triton"):
             add_layer_norm(torch.randn(1, 9000))
         with pytest.raises(fastnmt.BackendUnavailableError, match=r"x has dtype torch\.float64"):
             add_layer_norm(torch.randn(2, 8, dtype=torch.float64))
+
+
+def test_cpp_is_chosen_for_cpu_tensors_and_independent_of_thread_count():
+    require_backend("cpp")
+    assert fastnmt.dispatch.explain("add_layer_norm", torch.randn(2, 8))["chosen"] == "cpp"
+    x, residual, weight, bias = _inputs(300, 512, torch.bfloat16, requires_grad=True)
+    results = []
+    threads = torch.get_num_threads()
+    for count in (1, 2):
+        torch.set_num_threads(count)
+        torch.manual_seed(3)
+        y, h = add_layer_norm(x, residual, weight, bias, dropout_p=0.1)
+        grads = torch.autograd.grad(
+            (y.float().sum() + h.float().pow(2).sum()), (x, residual, weight, bias)
+        )
+        results.append((y, h, *grads))
+    torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))

@@ -1,0 +1,82 @@
+// Shared pieces of fastnmt's C++ CPU kernels: the counter-based dropout stream, float
+// conversions, and argument checks.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+namespace fastnmt {
+
+// Dropout keep decisions are a pure function of (seed, element index): the backward pass
+// regenerates the forward's mask exactly, whatever the thread count or loop order. The hash is
+// Chris Wellons' "lowbias32" (two multiply-xorshift rounds), cheap enough to vectorise with
+// 32-bit integer lanes; the seed's two halves are folded into a per-call base value.
+inline uint32_t lowbias32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352dU;
+  x ^= x >> 15;
+  x *= 0x846ca68bU;
+  x ^= x >> 16;
+  return x;
+}
+
+struct DropoutStream {
+  uint32_t base = 0;        // mixed seed
+  uint32_t threshold = 0;   // an element is kept when its hash >= threshold, i.e. with prob 1-p
+  float scale = 1.0f;       // 1 / (1 - p)
+  bool active = false;
+
+  // seed: int64 (2,) = (seed, offset) drawn from torch's generator (fastnmt/ops/triton_common.py's
+  // dropout_seed), so torch.manual_seed makes runs reproducible.
+  DropoutStream(const c10::optional<at::Tensor>& seed, double p) {
+    active = p > 0.0;
+    if (!active) return;
+    TORCH_CHECK(seed.has_value() && seed->scalar_type() == at::kLong && seed->numel() == 2,
+                "dropout needs a seed: an int64 tensor of 2 elements");
+    const auto* values = seed->contiguous().data_ptr<int64_t>();
+    uint32_t mixed = 0x9e3779b9U;
+    for (int i = 0; i < 2; ++i) {
+      const auto v = static_cast<uint64_t>(values[i]);
+      mixed = lowbias32(mixed ^ static_cast<uint32_t>(v));
+      mixed = lowbias32(mixed ^ static_cast<uint32_t>(v >> 32));
+    }
+    base = mixed;
+    threshold = static_cast<uint32_t>(p * 4294967296.0);
+    scale = static_cast<float>(1.0 / (1.0 - p));
+  }
+
+  // The factor element `index` is multiplied by: 0 (dropped) or 1 / (1 - p).
+  inline float factor(uint32_t index) const {
+    return lowbias32(base ^ index) >= threshold ? scale : 0.0f;
+  }
+};
+
+template <typename T>
+inline float to_float(T value) { return static_cast<float>(value); }
+
+// A dtype passed to generic lambdas: body(Type<float>{}) and `using T = typename
+// decltype(tag)::type;` inside (C++17, the standard torch extensions are built with).
+template <typename T>
+struct Type {
+  using type = T;
+};
+
+// Calls body(Type<T>{}) for the floating dtypes the kernels support.
+template <typename Body>
+void dispatch_float(at::ScalarType type, const char* op, Body body) {
+  switch (type) {
+    case at::kFloat: return body(Type<float>{});
+    case at::kBFloat16: return body(Type<c10::BFloat16>{});
+    case at::kHalf: return body(Type<c10::Half>{});
+    default: TORCH_CHECK(false, op, ": unsupported dtype ", type);
+  }
+}
+
+inline void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
+}
+
+}  // namespace fastnmt

@@ -1,0 +1,133 @@
+// Position-wise feed-forward block around library GEMMs (see fastnmt/ops/feed_forward.py for
+// the math): y = act(x W1^T + b1) * keep / (1 - p) W2^T + b2.
+//
+// The GEMMs (with their bias) are at::addmm (oneDNN / MKL). What is fused is everything between
+// them: activation and dropout in one pass over the hidden activations forward, and their
+// derivative in one pass backward. The dropout mask is never stored: it is regenerated from the
+// seed. Saved for backward: ReLU saves only z = relu(a) * keep * scale (needed for dW2 anyway;
+// z > 0 exactly where the gradient flows); GELU saves the pre-activation a and recomputes z.
+#include "common.h"
+
+#include <cmath>
+
+namespace fastnmt {
+namespace {
+
+enum Activation : int64_t { kRelu = 0, kGelu = 1 };
+
+constexpr float kInvSqrt2 = 0.70710678118654752f;
+constexpr float kInvSqrt2Pi = 0.39894228040143268f;
+
+inline float gelu(float a) { return 0.5f * a * (1.0f + std::erf(a * kInvSqrt2)); }
+
+inline float gelu_derivative(float a) {
+  const float cdf = 0.5f * (1.0f + std::erf(a * kInvSqrt2));
+  return cdf + a * kInvSqrt2Pi * std::exp(-0.5f * a * a);
+}
+
+// z = act(a) * dropout factor, element by element (in place when z aliases a).
+template <typename T>
+void activation_dropout(const T* a, T* z, int64_t n, Activation act, const DropoutStream& drop) {
+  at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
+    for (int64_t e = begin; e < end; ++e) {
+      const float value = to_float(a[e]);
+      float out = act == kRelu ? std::max(value, 0.0f) : gelu(value);
+      if (drop.active) out *= drop.factor(static_cast<uint32_t>(e));
+      z[e] = static_cast<T>(out);
+    }
+  });
+}
+
+// da = dz * dropout factor * act'(a), from what the forward saved (ReLU: z; GELU: a).
+template <typename T>
+void activation_dropout_backward(const T* dz, const T* saved, T* da, int64_t n, Activation act,
+                                 const DropoutStream& drop) {
+  at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
+    for (int64_t e = begin; e < end; ++e) {
+      const float grad = to_float(dz[e]);
+      float out;
+      if (act == kRelu) {
+        out = to_float(saved[e]) > 0.0f ? grad * drop.scale : 0.0f;  // z > 0: kept and a > 0
+      } else {
+        out = grad * gelu_derivative(to_float(saved[e]));
+        if (drop.active) out *= drop.factor(static_cast<uint32_t>(e));
+      }
+      da[e] = static_cast<T>(out);
+    }
+  });
+}
+
+at::Tensor affine(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b) {
+  return b.has_value() ? at::addmm(*b, x, w.t()) : at::mm(x, w.t());
+}
+
+}  // namespace
+
+Activation parse_activation(c10::string_view name) {
+  if (name == "relu") return kRelu;
+  TORCH_CHECK(name == "gelu", "feed_forward: activation must be relu or gelu, got ", name);
+  return kGelu;
+}
+
+// Returns (y (..., N), z (M, F), a (M, F) for GELU, else empty): the signature of
+// fastnmt::feed_forward_triton without its GEMM-path flag, so both share their Python autograd.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> feed_forward_forward(
+    const at::Tensor& x_in, const at::Tensor& w1, const c10::optional<at::Tensor>& b1,
+    const at::Tensor& w2, const c10::optional<at::Tensor>& b2, c10::string_view activation,
+    double dropout_p, const c10::optional<at::Tensor>& seed) {
+  check_cpu(x_in, "x");
+  const auto act = parse_activation(activation);
+  const DropoutStream drop(seed, dropout_p);
+  const auto x = x_in.reshape({-1, x_in.size(-1)});
+  auto a = affine(x, w1, b1);  // (M, F)
+  auto z = act == kRelu ? a : at::empty_like(a);  // ReLU: in place, a is not kept
+  dispatch_float(a.scalar_type(), "feed_forward", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    activation_dropout<T>(a.data_ptr<T>(), z.data_ptr<T>(), a.numel(), act, drop);
+  });
+  auto sizes = x_in.sizes().vec();
+  sizes.back() = w2.size(0);
+  auto y = affine(z, w2, b2).view(sizes);  // (..., N)
+  return {y, z, act == kRelu ? a.new_empty({0}) : a};
+}
+
+// Returns (dx, dw1, db1, dw2, db2).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feed_forward_backward(
+    const at::Tensor& dy_in, const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& w2,
+    const at::Tensor& z, const at::Tensor& a, const c10::optional<at::Tensor>& seed,
+    c10::string_view activation, double dropout_p) {
+  check_cpu(dy_in, "dy");
+  const auto act = parse_activation(activation);
+  const DropoutStream drop(seed, dropout_p);
+  const auto dy = dy_in.reshape({-1, dy_in.size(-1)});
+  const auto x = x_in.reshape({-1, x_in.size(-1)});
+  auto dw2 = at::mm(dy.t(), z);  // (N, F)
+  auto db2 = dy.sum(0);
+  auto da = at::mm(dy, w2);  // dz (M, F), turned into da in place
+  const auto& saved = act == kRelu ? z : a;  // ReLU: z > 0 exactly where the gradient flows
+  dispatch_float(da.scalar_type(), "feed_forward", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    activation_dropout_backward<T>(da.data_ptr<T>(), saved.data_ptr<T>(), da.data_ptr<T>(),
+                                   da.numel(), act, drop);
+  });
+  auto dw1 = at::mm(da.t(), x);  // (F, K)
+  auto db1 = da.sum(0);
+  auto dx = at::mm(da, w1).view(x_in.sizes());  // (..., K)
+  return {dx, dw1, db1, dw2, db2};
+}
+
+TORCH_LIBRARY_FRAGMENT(fastnmt, m) {
+  m.def(
+      "feed_forward_cpp(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, str activation, "
+      "float dropout_p, Tensor? seed) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "feed_forward_cpp_backward(Tensor dy, Tensor x, Tensor w1, Tensor w2, Tensor z, Tensor a, "
+      "Tensor? seed, str activation, float dropout_p) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(fastnmt, CPU, m) {
+  m.impl("feed_forward_cpp", &feed_forward_forward);
+  m.impl("feed_forward_cpp_backward", &feed_forward_backward);
+}
+
+}  // namespace fastnmt
