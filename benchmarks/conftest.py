@@ -246,8 +246,20 @@ class Bench:
         if reasons:
             pytest.skip(f"{self.impl} cannot run {op_name}: " + "; ".join(reasons))
 
-    def run(self, op: str, label: str, forward: Callable[[], torch.Tensor]) -> None:
-        """Time ``forward`` (which calls ``label``) and record the results in extra_info."""
+    def run(
+        self,
+        op: str,
+        label: str,
+        forward: Callable[[], torch.Tensor],
+        *,
+        forward_flops: float = 0.0,
+        forward_bytes: float = 0.0,
+    ) -> None:
+        """Time ``forward`` (which calls ``label``) and record the results in extra_info.
+
+        ``forward_flops`` / ``forward_bytes``: the forward's arithmetic / minimal memory traffic,
+        reported as TFLOP/s / GB/s; a backward counts as 2.5x the forward's FLOPs (FlashAttention's
+        convention) and 1.5x its bytes (it reads the gradients besides the saved tensors)."""
         forced = self.impl in fastnmt.BACKENDS
         with fastnmt.backend(self.impl) if forced else contextlib.nullcontext():
             step = self._step(forward)
@@ -263,6 +275,12 @@ class Bench:
         if self.benchmark.stats is not None:  # None under --benchmark-disable: a single call
             median = self.benchmark.stats.stats.median
             info["tokens_per_s"] = round(self.case.tokens / median)
+            flops = forward_flops * (3.5 if self.backward else 1.0)
+            traffic = forward_bytes * (2.5 if self.backward else 1.0)
+            if flops:
+                info["tflops"] = round(flops / median / 1e12, 4)
+            if traffic:
+                info["gb_per_s"] = round(traffic / median / 1e9, 2)
         self.benchmark.extra_info.update(info)
 
     def _step(self, forward: Callable[[], torch.Tensor]) -> Callable[[], None]:

@@ -24,4 +24,5 @@ def test_attention(bench):
             return attention(q, k, v, key_lengths=key_lengths)
 
         label = "fastnmt.ops.attention(key_lengths=)"
-    bench.run("attention", label, forward)
+    flops = 4 * case.batch * case.heads * case.max_len**2 * case.head_dim  # QK^T and PV
+    bench.run("attention", label, forward, forward_flops=flops)

@@ -29,4 +29,5 @@ def test_feed_forward(bench):
             return feed_forward(*args)
 
         label = "fastnmt.ops.feed_forward"
-    bench.run("feed_forward", label, forward)
+    flops = 2 * 2 * x.shape[0] * width * hidden  # two GEMMs of M x K x F
+    bench.run("feed_forward", label, forward, forward_flops=flops)
