@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from fastnmt import _checks, dispatch
+from fastnmt._extension import extension_available
 from fastnmt.compile_check import CompileCase
 from fastnmt.ops.triton_common import (
     INTERPRETER,
@@ -1044,6 +1045,64 @@ def attention_triton(
     seed = dropout_seed(q.device) if dropout_p > 0.0 else None
     out, lse = _attention_forward_op(
         q, k, v, key_lengths, key_padding_mask, seed, causal, dropout_p, scale
+    )
+    return out, (lse if return_lse else None)
+
+
+# The C++ backend (csrc/attention.cpp): ops fastnmt::attention_cpp (returns out, lse) and
+# fastnmt::attention_cpp_backward (recomputes P from the LSE and the dropout mask from the seed,
+# and delta_i = sum_j P_ij dP_ij from them, so it needs no O), defined in C++ for CPU tensors;
+# their fake implementations and autograd are registered here.
+_CPP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _cpp_forward_fake(q, k, v, key_lengths, key_padding_mask, causal, scale, dropout_p, seed):
+    out = q.new_empty((*q.shape[:3], v.shape[3]))
+    return out, q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+def _cpp_backward_fake(grad_out, grad_lse, q, k, v, *_):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous
+
+
+def _cpp_setup_context(ctx, inputs, output):
+    q, k, v, key_lengths, key_padding_mask, causal, scale, dropout_p, seed = inputs
+    ctx.save_for_backward(q, k, v, output[1], key_lengths, key_padding_mask, seed)
+    ctx.causal, ctx.scale, ctx.dropout_p = causal, scale, dropout_p
+
+
+def _cpp_backward(ctx, grad_out, grad_lse):
+    q, k, v, lse, key_lengths, key_padding_mask, seed = ctx.saved_tensors
+    grads = torch.ops.fastnmt.attention_cpp_backward(
+        grad_out, grad_lse, q, k, v, lse, key_lengths, key_padding_mask, ctx.causal,
+        ctx.scale, ctx.dropout_p, seed,
+    )  # fmt: skip
+    return *grads, None, None, None, None, None, None
+
+
+if extension_available():
+    torch.library.register_fake("fastnmt::attention_cpp")(_cpp_forward_fake)
+    torch.library.register_fake("fastnmt::attention_cpp_backward")(_cpp_backward_fake)
+    torch.library.register_autograd(
+        "fastnmt::attention_cpp", _cpp_backward, setup_context=_cpp_setup_context
+    )
+
+
+def _cpp_unsupported(q, attn_mask, **_):
+    if attn_mask is not None:
+        yield "attn_mask: the C++ kernel takes key_lengths / key_padding_mask and causal only"
+    if q.dtype not in _CPP_DTYPES:
+        yield f"dtype {q.dtype}: the C++ kernel runs {', '.join(map(str, _CPP_DTYPES))}"
+
+
+@ATTENTION.register("cpp", unsupported=_cpp_unsupported)
+def attention_cpp(
+    q, k, v, key_lengths, key_padding_mask, attn_mask, causal, dropout_p, scale, return_lse
+):
+    # Without dropout the seed is never read; the op's schema still takes a tensor.
+    seed = dropout_seed(q.device) if dropout_p > 0.0 else q.new_zeros(2, dtype=torch.int64)
+    out, lse = torch.ops.fastnmt.attention_cpp(
+        q, k, v, key_lengths, key_padding_mask, causal, scale, dropout_p, seed
     )
     return out, (lse if return_lse else None)
 

@@ -1,12 +1,14 @@
 """fastnmt.ops.attention against an independent float64 oracle: the reference backend, then the
 Triton backend, forced, in the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1)."""
 
+import functools
 import importlib
+import os
 
 import pytest
 import torch
 
-from fastnmt import dispatch
+from fastnmt import dispatch, extension_available, extension_status
 from fastnmt.ops import attention, attention_probabilities
 from fastnmt.ops.triton_common import dropout_seed
 from tests.helpers import assert_error_within, attention_oracle, random_lengths
@@ -238,9 +240,12 @@ def _plain_torch(q, k, v, keep, dropout_p, causal=False, **masks):
     return probs @ v, None
 
 
-def _triton(q, k, v, dropout_p, causal=False, **masks):
-    with dispatch.backend("triton"):
+def _forced(backend, q, k, v, dropout_p, causal=False, **masks):
+    with dispatch.backend(backend):
         return attention(q, k, v, causal=causal, dropout_p=dropout_p, return_lse=True, **masks)
+
+
+_triton = functools.partial(_forced, "triton")
 
 
 def _with_grads(function, inputs, grad_out, *args, **kwargs):
@@ -251,22 +256,33 @@ def _with_grads(function, inputs, grad_out, *args, **kwargs):
     return out.detach(), lse, grads
 
 
-def _kernel_keep_mask(seed_state, shape, dropout_p):
-    """The mask of the Triton call made after ``torch.set_rng_state(seed_state)``: the backend's
-    first random draw is its seed (see ``dropout_keep_mask``)."""
+def _keep_mask_writer(backend):
+    """(seed, shape, dropout_p) -> the bool keep mask that ``backend``'s kernels draw."""
+    if backend == "triton":
+        return attention_module.dropout_keep_mask
+    return lambda seed, shape, p: torch.ops.fastnmt.attention_cpp_dropout_mask(seed, *shape, p)
+
+
+def _kernel_keep_mask(backend, seed_state, shape, dropout_p):
+    """The mask of the ``backend`` call made after ``torch.set_rng_state(seed_state)``: both
+    backends' first random draw is their seed (see ``dropout_keep_mask``)."""
     if dropout_p == 0.0:
         return None
     torch.set_rng_state(seed_state)
-    return attention_module.dropout_keep_mask(dropout_seed(torch.device("cpu")), shape, dropout_p)
+    seed = dropout_seed(torch.device("cpu"))
+    return _keep_mask_writer(backend)(seed, shape, dropout_p)
 
 
-def _check_triton_case(batch, heads, lq, lk, head_dim, causal, masks, dtype, dropout_p):
+def _check_case(backend, batch, heads, lq, lk, head_dim, causal, masks, dtype, dropout_p):
+    """``backend`` forced against the float64 oracle given the kernel's own dropout mask, with
+    FlashAttention's error rule against plain PyTorch in the same dtype."""
     q, k, v = _qkv(batch, heads, lq, lk, head_dim, dtype=dtype)
     grad_out = torch.randn(batch, heads, lq, head_dim, dtype=dtype)
     masks = _masks(masks, batch, lk)
     state = torch.get_rng_state()
-    out, lse, grads = _with_grads(_triton, (q, k, v), grad_out, dropout_p, causal, **masks)
-    keep = _kernel_keep_mask(state, (batch, heads, lq, lk), dropout_p)
+    run = functools.partial(_forced, backend)
+    out, lse, grads = _with_grads(run, (q, k, v), grad_out, dropout_p, causal, **masks)
+    keep = _kernel_keep_mask(backend, state, (batch, heads, lq, lk), dropout_p)
     expected, expected_lse, expected_grads = _with_grads(
         _oracle, (q, k, v), grad_out, keep, dropout_p, causal=causal, **masks
     )
@@ -282,6 +298,9 @@ def _check_triton_case(batch, heads, lq, lk, head_dim, causal, masks, dtype, dro
     finite = torch.isfinite(expected_lse)
     assert lse.dtype == torch.float32 and torch.equal(torch.isfinite(lse), finite)
     torch.testing.assert_close(lse.double()[finite], expected_lse[finite], atol=1e-4, rtol=1e-4)
+
+
+_check_triton_case = functools.partial(_check_case, "triton")
 
 
 @pytest.mark.parametrize(
@@ -394,7 +413,7 @@ def test_triton_steps_aside_with_a_reason(override, reason):
     if arguments["q"].dtype == torch.float64:
         arguments["k"], arguments["v"] = arguments["k"].double(), arguments["v"].double()
     q, k, v = arguments.pop("q"), arguments.pop("k"), arguments.pop("v")
-    assert dispatch.explain("attention", q, k, v, **arguments)["chosen"] == "reference"
+    assert dispatch.explain("attention", q, k, v, **arguments)["chosen"] != "triton"
     with dispatch.backend("triton"), pytest.raises(dispatch.BackendUnavailableError, match=reason):
         attention(q, k, v, **arguments)
 
@@ -419,3 +438,159 @@ def test_opcheck_forward_and_backward_ops():
     backward = (torch.randn_like(out), torch.randn_like(lse), q.detach(), k, v, out.detach())
     backward += (lse.detach(), lengths, padding, seed, True, 0.3, 0.25)
     torch.library.opcheck(torch.ops.fastnmt.attention_backward.default, backward)
+
+
+# ---------------------------------------------------------------------------------------------
+# C++ backend (csrc/attention.cpp, in fastnmt._C). Fast enough for a wide selection of the edge
+# matrix. Without the extension these tests fail, unless FASTNMT_SKIP_EXTENSION=1 says it was
+# skipped on purpose.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cpp_extension():
+    if os.environ.get("FASTNMT_SKIP_EXTENSION") == "1":
+        pytest.skip("FASTNMT_SKIP_EXTENSION=1: fastnmt._C was not built")
+    assert extension_available(), extension_status()
+
+
+CPP_CASES = [  # B, H, Lq, Lk, D, causal, masks, dtype, dropout_p
+    (1, 1, 1, 1, 16, False, "none", FP32, 0.0),
+    (1, 1, 1, 1, 128, True, "none", BF16, 0.3),
+    (3, 2, 1, 19, 64, False, "lengths", FP32, 0.0),  # a decoding step against a cache
+    (3, 2, 1, 64, 80, True, "padding", BF16, 0.3),
+    (3, 1, 7, 1, 48, False, "lengths", FP32, 0.3),  # Lk = 1: lengths 1 and 0
+    (2, 3, 7, 19, 48, True, "lengths", BF16, 0.0),
+    (3, 2, 7, 19, 16, False, "padding", FP32, 0.3),
+    (1, 1, 7, 64, 128, False, "none", FP32, 0.0),
+    (2, 2, 33, 33, 64, True, "lengths", FP32, 0.3),  # self-attention
+    (3, 2, 33, 33, 64, False, "padding", BF16, 0.3),
+    (1, 2, 33, 19, 16, True, "none", BF16, 0.0),  # Lq > Lk
+    (3, 1, 33, 64, 80, True, "padding", FP32, 0.0),
+    (1, 1, 33, 64, 128, False, "lengths", BF16, 0.3),
+    (2, 2, 33, 1, 48, True, "padding", FP32, 0.0),
+    (3, 4, 70, 130, 64, True, "lengths", FP32, 0.3),  # several query blocks, Lk > one block
+    (2, 2, 70, 70, 80, False, "padding", BF16, 0.0),
+]
+
+
+@pytest.mark.usefixtures("cpp_extension")
+class TestCpp:
+    @pytest.mark.parametrize(
+        "case", CPP_CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c)
+    )
+    def test_matches_float64_oracle(self, case):
+        _check_case("cpp", *case)
+
+    def test_chosen_for_cpu_tensors(self):
+        q, k, v = _qkv(2, 2, 3, 5, 16)
+        lengths = torch.tensor([5, 2])
+        explained = dispatch.explain("attention", q, k, v, key_lengths=lengths, causal=True)
+        assert explained["chosen"] == "cpp" and explained["cpp"] == []
+
+    @pytest.mark.parametrize(
+        ("override", "reason"),
+        [
+            (dict(attn_mask=torch.ones(1, 1, 3, 5, dtype=torch.bool)), "attn_mask"),
+            (dict(dtype=torch.float64), "dtype torch.float64"),
+        ],
+    )
+    def test_steps_aside_with_a_reason(self, override, reason):
+        dtype = override.pop("dtype", torch.float32)
+        q, k, v = (torch.randn(1, 2, length, 8, dtype=dtype) for length in (3, 5, 5))
+        assert dispatch.explain("attention", q, k, v, **override)["chosen"] == "reference"
+        with dispatch.backend("cpp"), pytest.raises(dispatch.BackendUnavailableError, match=reason):
+            attention(q, k, v, **override)
+
+    @pytest.mark.parametrize("dtype", [FP32, BF16])
+    def test_strided_inputs_and_output_gradient(self, dtype):
+        packed = torch.randn(2, 9, 3, 2, 48, dtype=dtype)  # (B, L, 3, H, D): a fused projection
+        q, k, v = (packed[:, :, i].transpose(1, 2) for i in range(3))
+        grad_out = torch.randn(2, 9, 2, 48, dtype=dtype).transpose(1, 2)
+        lengths = torch.tensor([9, 4])
+        cpp = functools.partial(_forced, "cpp")
+        out, _, grads = _with_grads(cpp, (q, k, v), grad_out, 0.0, key_lengths=lengths)
+        contiguous = [x.contiguous() for x in (q, k, v)]
+        expected, _, expected_grads = _with_grads(
+            cpp, contiguous, grad_out.contiguous(), 0.0, key_lengths=lengths
+        )
+        assert torch.equal(out, expected)
+        for grad, expected_grad in zip(grads, expected_grads, strict=True):
+            assert torch.equal(grad, expected_grad)
+
+    def test_gradient_through_lse(self):
+        q, k, v = (x.requires_grad_() for x in _qkv(2, 2, 7, 19, 16))
+        lengths = torch.tensor([19, 5])
+        upstream = torch.randn(2, 2, 7, 16), torch.randn(2, 2, 7)
+        out, lse = _forced("cpp", q, k, v, 0.0, True, key_lengths=lengths)
+        grads = torch.autograd.grad((out, lse), (q, k, v), upstream)
+        expected_out, expected_lse = _oracle(q, k, v, None, 0.0, key_lengths=lengths, causal=True)
+        upstream64 = tuple(u.double() for u in upstream)
+        expected = torch.autograd.grad((expected_out, expected_lse), (q, k, v), upstream64)
+        for grad, expected_grad in zip(grads, expected, strict=True):
+            torch.testing.assert_close(grad, expected_grad, atol=1e-5, rtol=1e-5)
+
+    def test_rows_that_see_no_key_give_zero_output_and_zero_grad(self):
+        q, k, v = _qkv(3, 2, 4, 5, 16, requires_grad=True)
+        padding = torch.zeros(3, 5, dtype=torch.bool)
+        padding[1] = True
+        out, lse = _forced("cpp", q, k, v, 0.3, key_padding_mask=padding)
+        out.backward(torch.randn_like(out))
+        assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()
+        for grad in (q.grad, k.grad, v.grad):
+            assert torch.isfinite(grad).all() and (grad[1] == 0).all()
+
+    def test_results_do_not_depend_on_the_thread_count(self):
+        q, k, v = _qkv(3, 5, 70, 70, 48)
+        grad_out = torch.randn(3, 5, 70, 48)
+        masks = _masks("padding", 3, 70)
+        threads = torch.get_num_threads()
+        results = []
+        try:
+            for count in (1, 2):
+                torch.set_num_threads(count)
+                torch.manual_seed(3)
+                cpp = functools.partial(_forced, "cpp")
+                results.append(_with_grads(cpp, (q, k, v), grad_out, 0.3, True, **masks))
+        finally:
+            torch.set_num_threads(threads)
+        (out1, lse1, grads1), (out2, lse2, grads2) = results
+        assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
+        assert all(torch.equal(a, b) for a, b in zip(grads1, grads2, strict=True))
+
+    def test_dropout_keep_fraction_and_seed_dependence(self):
+        shape, p = (4, 4, 64, 64), 0.3
+        seed = dropout_seed(torch.device("cpu"))
+        keep = torch.ops.fastnmt.attention_cpp_dropout_mask(seed, *shape, p)
+        assert abs(keep.float().mean().item() - (1 - p)) < 0.01
+        assert torch.equal(torch.ops.fastnmt.attention_cpp_dropout_mask(seed, *shape, p), keep)
+        other = torch.ops.fastnmt.attention_cpp_dropout_mask(dropout_seed(seed.device), *shape, p)
+        assert abs((other == keep).float().mean().item() - (p**2 + (1 - p) ** 2)) < 0.01
+
+    def test_dropout_output_keeps_one_minus_p_of_the_mass(self):
+        q, k, v = _qkv(4, 4, 64, 64, 16)
+        out = _forced("cpp", q, torch.zeros_like(k), torch.ones_like(v), 0.3)[0]  # P = 1/64
+        assert abs((out[..., 0] * 0.7).mean().item() - 0.7) < 0.01
+
+    def test_dropout_same_seed_same_output(self):
+        q, k, v = _qkv(2, 2, 8, 8, 16)
+        torch.manual_seed(5)
+        first = _forced("cpp", q, k, v, 0.3)[0]
+        second = _forced("cpp", q, k, v, 0.3)[0]
+        torch.manual_seed(5)
+        assert torch.equal(first, _forced("cpp", q, k, v, 0.3)[0])
+        assert not torch.equal(first, second)
+
+    def test_opcheck_forward_and_backward_ops(self):
+        q = torch.randn(2, 5, 2, 16).transpose(1, 2)  # strided, as MultiheadAttention's heads
+        _, k, v = _qkv(2, 2, 5, 7, 16)
+        lengths = torch.tensor([7, 2])
+        padding = torch.rand(2, 7) < 0.3
+        seed = dropout_seed(q.device)
+        for masks in ((lengths, None), (None, padding)):
+            forward = (q.requires_grad_(), k, v, *masks, True, 0.25, 0.3, seed)
+            torch.library.opcheck(torch.ops.fastnmt.attention_cpp.default, forward)
+            out, lse = torch.ops.fastnmt.attention_cpp(*forward)
+            backward = (torch.randn_like(out), torch.randn_like(lse), q.detach(), k, v)
+            backward += (lse.detach(), *masks, True, 0.25, 0.3, seed)
+            torch.library.opcheck(torch.ops.fastnmt.attention_cpp_backward.default, backward)

@@ -1,0 +1,525 @@
+// Fused masked scaled-dot-product attention for CPU tensors, forward and backward (the math and
+// the masking contract are in fastnmt/ops/attention.py's docstring).
+//
+// Translation batches are many short sequences (B * H in the hundreds, L <= a few hundred), so a
+// unit of work is one (b, h) and one block of up to kBlockM queries, against all the keys that
+// block sees: keys past key_length[b] (or past the last unpadded key) are never read, and causal
+// blocks stop at their last query. A block's scores fit in a per-thread buffer (kBlockM x Lk), so
+// the softmax is exact in two passes over that buffer (no online rescaling), and the full
+// (B, H, Lq, Lk) tensor is never formed. Inputs of any dtype are converted once per (b, h) into
+// fp32 panels (K transposed, V row-major; zero-padded to whole vectors), and every product is a
+// register-blocked fp32 micro-kernel: kTileRows rows x kTileVectors 16-lane vectors of
+// accumulators, one broadcast scalar of A and one vector row of B per step of the reduction.
+//
+// Backward (FlashAttention-2): one thread owns one (b, h) and walks its query blocks, recomputing
+// P = exp(S - lse) and the dropout mask, and accumulating dK and dV in fp32 panels; dQ of a block
+// is complete once the block is done. No atomics, and no result depends on which thread ran what.
+// Threads pull work units from a shared counter, which balances uneven sentence lengths without
+// changing any result.
+#include "common.h"
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <utility>
+#include <vector>
+
+namespace fastnmt {
+namespace {
+
+// GCC/Clang vector extensions: 16 fp32 lanes, one AVX-512 register (split by the compiler on
+// narrower targets).
+typedef float Vec __attribute__((vector_size(64)));
+typedef int32_t IntVec __attribute__((vector_size(64)));
+
+constexpr int64_t kLanes = 16;
+constexpr int64_t kBlockM = 64;  // query rows per work unit
+constexpr int kTileRows = 4;     // accumulator rows of the micro-kernel
+constexpr int kTileVectors = 4;  // accumulator vectors per row: 64 columns
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+inline int64_t whole_vectors(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
+
+inline Vec load(const float* p) {
+  Vec v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store(float* p, Vec v) { __builtin_memcpy(p, &v, sizeof v); }
+
+inline Vec splat(float x) { return Vec{} + x; }
+
+inline Vec lane_indices() { return Vec{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
+
+inline float horizontal_max(Vec v) {
+  float m = v[0];
+  for (int l = 1; l < kLanes; ++l) m = std::max(m, v[l]);
+  return m;
+}
+
+inline float horizontal_sum(Vec v) {
+  float s = 0.0f;
+  for (int l = 0; l < kLanes; ++l) s += v[l];
+  return s;
+}
+
+// exp(x) (Cephes' expf polynomial after x = n ln2 + r, |r| <= ln2 / 2; ~2 ulp). x is clamped to
+// [-87.3, 88]: exp(-inf) gives ~1e-38, so callers select 0 for hidden keys themselves.
+inline Vec vector_exp(Vec x) {
+  x = x < -87.3f ? splat(-87.3f) : x;
+  x = x > 88.0f ? splat(88.0f) : x;
+  const Vec round = splat(12582912.0f);  // 1.5 * 2^23: adding and subtracting it rounds
+  const Vec n = (x * 1.44269504088896341f + round) - round;
+  const Vec r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  Vec p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const IntVec exponent = (__builtin_convertvector(n, IntVec) + 127) << 23;  // 2^n
+  Vec two_n;
+  __builtin_memcpy(&two_n, &exponent, sizeof two_n);
+  return p * two_n;
+}
+
+// C(R x 16 NV) (+)= sum_k A(r, k) B(k, :) with A(r, k) = a[r * a_row + k * a_col] and B
+// row-major: each step of k loads NV vectors of B and broadcasts R scalars of A.
+template <int R, int NV>
+void micro_kernel(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb,
+                  int64_t depth, float* c, int64_t ldc, bool accumulate) {
+  Vec acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = accumulate ? load(c + r * ldc + v * kLanes) : Vec{};
+  for (int64_t k = 0; k < depth; ++k) {
+    Vec row[NV];
+    for (int v = 0; v < NV; ++v) row[v] = load(b + k * ldb + v * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const Vec scalar = splat(a[r * a_row + k * a_col]);
+      for (int v = 0; v < NV; ++v) acc[r][v] += scalar * row[v];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) store(c + r * ldc + v * kLanes, acc[r][v]);
+}
+
+using MicroKernel = void (*)(const float*, int64_t, int64_t, const float*, int64_t, int64_t,
+                             float*, int64_t, bool);
+
+template <int R, int... NV>
+constexpr std::array<MicroKernel, kTileVectors> kernels_of_rows(std::integer_sequence<int, NV...>) {
+  return {micro_kernel<R, NV + 1>...};
+}
+
+template <int... R>
+constexpr std::array<std::array<MicroKernel, kTileVectors>, kTileRows> kernel_table(
+    std::integer_sequence<int, R...>) {
+  return {kernels_of_rows<R + 1>(std::make_integer_sequence<int, kTileVectors>{})...};
+}
+
+// micro_kernel<R, NV> for R = 1..kTileRows, NV = 1..kTileVectors: the edges of a product.
+constexpr auto kMicroKernels = kernel_table(std::make_integer_sequence<int, kTileRows>{});
+
+// C (rows x cols, cols a multiple of 16) (+)= A (rows x depth, strides a_row, a_col) B (depth x
+// cols, row-major). Column blocks outermost, so a block of B stays in L1 across the rows.
+void gemm(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb,
+          int64_t depth, float* c, int64_t ldc, int64_t rows, int64_t cols, bool accumulate) {
+  for (int64_t c0 = 0; c0 < cols; c0 += kTileVectors * kLanes) {
+    const int64_t vectors = std::min<int64_t>(kTileVectors, (cols - c0) / kLanes);
+    for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
+      const int64_t tile_rows = std::min<int64_t>(kTileRows, rows - r0);
+      kMicroKernels[tile_rows - 1][vectors - 1](a + r0 * a_row, a_row, a_col, b + c0, ldb, depth,
+                                                c + r0 * ldc + c0, ldc, accumulate);
+    }
+  }
+}
+
+// A (B, H, L, width) tensor with a contiguous last dim, read by (b, h, row).
+template <typename T>
+struct Rows {
+  const T* data;
+  int64_t stride_b, stride_h, stride_row;
+
+  explicit Rows(const at::Tensor& t)
+      : data(t.data_ptr<T>()), stride_b(t.stride(0)), stride_h(t.stride(1)),
+        stride_row(t.stride(2)) {}
+
+  const T* at(int64_t b, int64_t h, int64_t row) const {
+    return data + b * stride_b + h * stride_h + row * stride_row;
+  }
+};
+
+// Rows [first, first + n) of a (b, h) as fp32, row-major with `ld` >= width columns, zero-padded.
+template <typename T>
+void load_rows(const Rows<T>& src, int64_t b, int64_t h, int64_t first, int64_t n, int64_t width,
+               float* dst, int64_t ld) {
+  for (int64_t r = 0; r < n; ++r) {
+    const T* row = src.at(b, h, first + r);
+    float* out = dst + r * ld;
+    for (int64_t d = 0; d < width; ++d) out[d] = to_float(row[d]);
+    std::fill(out + width, out + ld, 0.0f);
+  }
+}
+
+// Rows [0, n) of a (b, h) transposed to fp32 (width x ld), columns n..ld zero.
+template <typename T>
+void load_transposed(const Rows<T>& src, int64_t b, int64_t h, int64_t n, int64_t width,
+                     float* dst, int64_t ld) {
+  std::fill(dst, dst + width * ld, 0.0f);
+  for (int64_t j = 0; j < n; ++j) {
+    const T* row = src.at(b, h, j);
+    for (int64_t d = 0; d < width; ++d) dst[d * ld + j] = to_float(row[d]);
+  }
+}
+
+// Which keys each batch entry shows: the keys past key_end[b] are padding for every query; the
+// bool mask can also hide keys before it. Built once per call from key_lengths / the mask.
+struct KeyMask {
+  std::vector<int64_t> key_end;  // (B,) 1 + the last visible key
+  const bool* padding = nullptr;  // (B, Lk) True = padding, or nullptr
+  int64_t stride_b = 0, stride_j = 0;
+  bool causal = false;
+
+  KeyMask(const c10::optional<at::Tensor>& key_lengths,
+          const c10::optional<at::Tensor>& key_padding_mask, int64_t batch, int64_t lk,
+          bool causal_)
+      : key_end(batch, lk), causal(causal_) {
+    if (key_lengths.has_value()) {
+      const auto lengths = key_lengths->to(at::kLong).contiguous();
+      const int64_t* values = lengths.data_ptr<int64_t>();
+      for (int64_t b = 0; b < batch; ++b) key_end[b] = std::clamp<int64_t>(values[b], 0, lk);
+    }
+    if (key_padding_mask.has_value()) {
+      padding = key_padding_mask->data_ptr<bool>();
+      stride_b = key_padding_mask->stride(0);
+      stride_j = key_padding_mask->stride(1);
+      for (int64_t b = 0; b < batch; ++b) {
+        while (key_end[b] > 0 && padding[b * stride_b + (key_end[b] - 1) * stride_j]) --key_end[b];
+      }
+    }
+  }
+
+  // Keys a block of queries ending before `query_end` may see.
+  int64_t keys_of_block(int64_t b, int64_t query_end) const {
+    return causal ? std::min(key_end[b], query_end) : key_end[b];
+  }
+
+  // bias[j] = 0 for a key b shows, -inf otherwise, for j < width (a multiple of 16).
+  void bias(int64_t b, float* out, int64_t width) const {
+    for (int64_t j = 0; j < width; ++j) {
+      const bool shown = j < key_end[b] && (padding == nullptr || !padding[b * stride_b + j * stride_j]);
+      out[j] = shown ? 0.0f : -kInf;
+    }
+  }
+};
+
+// The scores of query row i over `width` keys: scale * S + bias, -inf past i when causal.
+inline Vec masked_scores(const float* s, const float* bias, int64_t v, int64_t i, float scale,
+                         bool causal) {
+  Vec x = load(s + v) * scale + load(bias + v);
+  if (causal) x = lane_indices() + static_cast<float>(v) > static_cast<float>(i) ? splat(-kInf) : x;
+  return x;
+}
+
+// Dropout factors keep_ij / (1 - p) of row i (global element index first + j) for j < width.
+inline void dropout_row(const DropoutStream& drop, uint32_t first, float* out, int64_t width) {
+  for (int64_t j = 0; j < width; ++j) out[j] = drop.factor(first + static_cast<uint32_t>(j));
+}
+
+inline uint32_t element_index(int64_t bh, int64_t i, int64_t lq, int64_t lk) {
+  return static_cast<uint32_t>((bh * lq + i) * lk);  // + j; wraps modulo 2^32
+}
+
+// Calls worker(next) once on each intra-op thread; next() hands out work units 0, 1, 2, ...
+// (a unit number past the last means none is left), so fast threads take more units.
+template <typename Worker>
+void run_workers(const Worker& worker) {
+  std::atomic<int64_t> counter{0};
+  const auto next = [&counter] { return counter++; };
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) { worker(next); });
+}
+
+struct Shape {
+  int64_t batch, heads, lq, lk, d, dv;
+
+  explicit Shape(const at::Tensor& q, const at::Tensor& v)
+      : batch(q.size(0)), heads(q.size(1)), lq(q.size(2)), lk(v.size(2)), d(q.size(3)),
+        dv(v.size(3)) {}
+};
+
+at::Tensor last_dim_contiguous(const at::Tensor& t) {
+  return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous();
+}
+
+template <typename T>
+void forward_kernel(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
+                    const KeyMask& mask, float scale, const DropoutStream& drop, at::Tensor& out_,
+                    at::Tensor& lse_) {
+  const Shape n(q_, v_);
+  const Rows<T> q(q_), k(k_), v(v_);
+  T* out = out_.data_ptr<T>();
+  float* lse = lse_.data_ptr<float>();
+  const int64_t blocks = (n.lq + kBlockM - 1) / kBlockM;
+  const int64_t lk_vectors = whole_vectors(n.lk), dv_vectors = whole_vectors(n.dv);
+  const int64_t units = n.batch * n.heads * blocks;
+  run_workers([&](const auto& next) {
+    // Workspace: K^T (D x lk_vectors), V (Lk x dv_vectors), Q block, scores, bias, factors, O.
+    std::vector<float> work(n.d * lk_vectors + n.lk * dv_vectors + kBlockM * n.d + kBlockM * lk_vectors +
+                2 * lk_vectors + kBlockM * dv_vectors);
+    float* kt = work.data();
+    float* vb = kt + n.d * lk_vectors;
+    float* qb = vb + n.lk * dv_vectors;
+    float* s = qb + kBlockM * n.d;
+    float* bias = s + kBlockM * lk_vectors;
+    float* factors = bias + lk_vectors;
+    float* o = factors + lk_vectors;
+    int64_t loaded_bh = -1;
+    for (int64_t t = next(); t < units; t = next()) {
+      const int64_t bh = t / blocks, b = bh / n.heads, h = bh % n.heads;
+      const int64_t i0 = (t % blocks) * kBlockM, rows = std::min(kBlockM, n.lq - i0);
+      const int64_t keys = mask.keys_of_block(b, i0 + rows), width = whole_vectors(keys);
+      if (bh != loaded_bh) {  // the blocks of one (b, h) share its panels
+        load_transposed(k, b, h, mask.key_end[b], n.d, kt, lk_vectors);
+        load_rows(v, b, h, 0, mask.key_end[b], n.dv, vb, dv_vectors);
+        loaded_bh = bh;
+      }
+      mask.bias(b, bias, width);
+      load_rows(q, b, h, i0, rows, n.d, qb, n.d);
+      gemm(qb, n.d, 1, kt, lk_vectors, n.d, s, lk_vectors, rows, width, false);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t i = i0 + r;
+        float* row = s + r * lk_vectors;
+        Vec running_max = splat(-kInf);
+        for (int64_t c = 0; c < width; c += kLanes) {
+          const Vec x = masked_scores(row, bias, c, i, scale, mask.causal);
+          store(row + c, x);
+          running_max = x > running_max ? x : running_max;
+        }
+        const float row_max = horizontal_max(running_max);
+        float* lse_i = lse + bh * n.lq + i;
+        if (row_max == -kInf) {  // sees no key: P = 0, lse = -inf
+          std::fill(row, row + width, 0.0f);
+          *lse_i = -kInf;
+          continue;
+        }
+        Vec total = Vec{};
+        for (int64_t c = 0; c < width; c += kLanes) {
+          const Vec x = load(row + c);
+          const Vec e = x > -kInf ? vector_exp(x - row_max) : Vec{};
+          store(row + c, e);
+          total += e;
+        }
+        const float sum = horizontal_sum(total);
+        *lse_i = row_max + std::log(sum);
+        const float inverse_sum = 1.0f / sum;
+        if (drop.active) {
+          dropout_row(drop, element_index(bh, i, n.lq, n.lk), factors, width);
+          for (int64_t c = 0; c < width; c += kLanes)
+            store(row + c, load(row + c) * load(factors + c) * inverse_sum);
+        } else {
+          for (int64_t c = 0; c < width; c += kLanes) store(row + c, load(row + c) * inverse_sum);
+        }
+      }
+      if (keys > 0) {
+        gemm(s, lk_vectors, 1, vb, dv_vectors, keys, o, dv_vectors, rows, dv_vectors, false);
+      } else {
+        std::fill(o, o + rows * dv_vectors, 0.0f);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        T* dst = out + (bh * n.lq + i0 + r) * n.dv;
+        for (int64_t d = 0; d < n.dv; ++d) dst[d] = static_cast<T>(o[r * dv_vectors + d]);
+      }
+    }
+  });
+}
+
+// Writes a (rows x width) fp32 panel (leading dim ld) to rows [first, first + rows) of a
+// contiguous (B, H, L, width) tensor's (b, h), and zeros to rows [first + rows, last).
+template <typename T>
+void store_rows(const float* src, int64_t ld, T* dst, int64_t bh, int64_t length, int64_t first,
+                int64_t rows, int64_t last, int64_t width) {
+  T* base = dst + bh * length * width;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t d = 0; d < width; ++d) base[(first + r) * width + d] = static_cast<T>(src[r * ld + d]);
+  std::fill(base + (first + rows) * width, base + last * width, static_cast<T>(0.0f));
+}
+
+template <typename T>
+void backward_kernel(const at::Tensor& grad_out_, const float* grad_lse, const at::Tensor& q_,
+                     const at::Tensor& k_, const at::Tensor& v_, const at::Tensor& lse_, const KeyMask& mask, float scale,
+                     const DropoutStream& drop, at::Tensor& dq_, at::Tensor& dk_,
+                     at::Tensor& dv_) {
+  const Shape n(q_, v_);
+  const Rows<T> q(q_), k(k_), v(v_), grad_out(grad_out_);
+  const float* lse = lse_.data_ptr<float>();
+  T* dq = dq_.data_ptr<T>();
+  T* dk = dk_.data_ptr<T>();
+  T* dv = dv_.data_ptr<T>();
+  const int64_t lkv = whole_vectors(n.lk), dvec = whole_vectors(n.d), dvvec = whole_vectors(n.dv);
+  const int64_t units = n.batch * n.heads;
+  run_workers([&](const auto& next) {
+    // Workspace: K^T, K, V^T panels; Q and dO blocks; P and dP/dS blocks; bias, factors; dK
+    // and dV accumulators; the dQ block.
+    std::vector<float> work(n.d * lkv + n.lk * dvec + n.dv * lkv + kBlockM * (dvec + dvvec) +
+                            2 * kBlockM * lkv + 2 * lkv + n.lk * (dvec + dvvec) +
+                            kBlockM * dvec);
+    float* kt = work.data();
+    float* kb = kt + n.d * lkv;
+    float* vt = kb + n.lk * dvec;
+    float* qb = vt + n.dv * lkv;
+    float* dob = qb + kBlockM * dvec;
+    float* p = dob + kBlockM * dvvec;
+    float* ds = p + kBlockM * lkv;
+    float* bias = ds + kBlockM * lkv;
+    float* factors = bias + lkv;
+    float* dk_acc = factors + lkv;
+    float* dv_acc = dk_acc + n.lk * dvec;
+    float* dq_block = dv_acc + n.lk * dvvec;
+    for (int64_t bh = next(); bh < units; bh = next()) {
+      const int64_t b = bh / n.heads, h = bh % n.heads, key_end = mask.key_end[b];
+      load_transposed(k, b, h, key_end, n.d, kt, lkv);
+      load_rows(k, b, h, 0, key_end, n.d, kb, dvec);
+      load_transposed(v, b, h, key_end, n.dv, vt, lkv);
+      std::fill(dk_acc, dk_acc + key_end * dvec, 0.0f);
+      std::fill(dv_acc, dv_acc + key_end * dvvec, 0.0f);
+      mask.bias(b, bias, whole_vectors(key_end));
+      for (int64_t i0 = 0; i0 < n.lq; i0 += kBlockM) {
+        const int64_t rows = std::min(kBlockM, n.lq - i0);
+        const int64_t keys = mask.keys_of_block(b, i0 + rows), width = whole_vectors(keys);
+        if (keys == 0) {  // no query of the block sees a key: dQ = 0
+          store_rows(dq_block, dvec, dq, bh, n.lq, i0, 0, i0 + rows, n.d);
+          continue;
+        }
+        load_rows(q, b, h, i0, rows, n.d, qb, dvec);
+        load_rows(grad_out, b, h, i0, rows, n.dv, dob, dvvec);
+        gemm(qb, dvec, 1, kt, lkv, n.d, p, lkv, rows, width, false);     // S
+        gemm(dob, dvvec, 1, vt, lkv, n.dv, ds, lkv, rows, width, false);  // dPd = dO V^T
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t i = i0 + r;
+          float* p_row = p + r * lkv;
+          float* ds_row = ds + r * lkv;
+          const float lse_i = lse[bh * n.lq + i];
+          if (lse_i == -kInf) {  // sees no key: P = 0, dS = 0
+            std::fill(p_row, p_row + width, 0.0f);
+            std::fill(ds_row, ds_row + width, 0.0f);
+            continue;
+          }
+          if (drop.active) dropout_row(drop, element_index(bh, i, n.lq, n.lk), factors, width);
+          // P and dP = dPd * keep / (1 - p); delta_i = sum_j P_ij dP_ij, which equals dO_i . O_i
+          // but is exact here in fp32 (O is rounded to the output dtype).
+          Vec delta_sum = Vec{};
+          for (int64_t c = 0; c < width; c += kLanes) {
+            const Vec x = masked_scores(p_row, bias, c, i, scale, mask.causal);
+            const Vec prob = x > -kInf ? vector_exp(x - lse_i) : Vec{};
+            Vec dprob = load(ds_row + c);
+            if (drop.active) dprob = dprob * load(factors + c);
+            store(p_row + c, prob);
+            store(ds_row + c, dprob);
+            delta_sum += prob * dprob;
+          }
+          const float delta = horizontal_sum(delta_sum) - (grad_lse == nullptr ? 0.0f : grad_lse[bh * n.lq + i]);
+          for (int64_t c = 0; c < width; c += kLanes) {
+            const Vec prob = load(p_row + c);
+            store(ds_row + c, prob * (load(ds_row + c) - delta) * scale);  // scale * dS
+            if (drop.active) store(p_row + c, prob * load(factors + c));     // Pd
+          }
+        }
+        gemm(p, 1, lkv, dob, dvvec, rows, dv_acc, dvvec, keys, dvvec, true);  // dV += Pd^T dO
+        gemm(ds, 1, lkv, qb, dvec, rows, dk_acc, dvec, keys, dvec, true);     // dK += dS^T Q
+        gemm(ds, lkv, 1, kb, dvec, keys, dq_block, dvec, rows, dvec, false);  // dQ = dS K
+        store_rows(dq_block, dvec, dq, bh, n.lq, i0, rows, i0 + rows, n.d);
+      }
+      store_rows(dk_acc, dvec, dk, bh, n.lk, 0, key_end, n.lk, n.d);
+      store_rows(dv_acc, dvvec, dv, bh, n.lk, 0, key_end, n.lk, n.dv);
+    }
+  });
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> attention_cpp(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const c10::optional<at::Tensor>& key_lengths,
+    const c10::optional<at::Tensor>& key_padding_mask, bool causal, double scale,
+    double dropout_p, const at::Tensor& seed) {
+  check_cpu(q_in, "q");
+  const auto q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),
+             v = last_dim_contiguous(v_in);
+  const Shape n(q, v);
+  auto out = at::empty({n.batch, n.heads, n.lq, n.dv}, q.options());
+  auto lse = at::empty({n.batch, n.heads, n.lq}, q.options().dtype(at::kFloat));
+  const KeyMask mask(key_lengths, key_padding_mask, n.batch, n.lk, causal);
+  const DropoutStream drop(seed, dropout_p);
+  dispatch_float(q.scalar_type(), "attention_cpp", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    forward_kernel<T>(q, k, v, mask, static_cast<float>(scale), drop, out, lse);
+  });
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_cpp_backward(
+    const at::Tensor& grad_out_in, const c10::optional<at::Tensor>& grad_lse,
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& lse_in, const c10::optional<at::Tensor>& key_lengths,
+    const c10::optional<at::Tensor>& key_padding_mask, bool causal, double scale,
+    double dropout_p, const at::Tensor& seed) {
+  check_cpu(grad_out_in, "grad_out");
+  const auto q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),
+             v = last_dim_contiguous(v_in),
+             grad_out = last_dim_contiguous(grad_out_in.to(q_in.scalar_type()));
+  const auto lse = lse_in.to(at::kFloat).contiguous();
+  at::Tensor grad_lse_values;
+  if (grad_lse.has_value()) grad_lse_values = grad_lse->to(at::kFloat).contiguous();
+  const Shape n(q, v);
+  auto dq = at::empty(q.sizes(), q.options());
+  auto dk = at::empty(k.sizes(), k.options());
+  auto dv = at::empty(v.sizes(), v.options());
+  const KeyMask mask(key_lengths, key_padding_mask, n.batch, n.lk, causal);
+  const DropoutStream drop(seed, dropout_p);
+  dispatch_float(q.scalar_type(), "attention_cpp_backward", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    backward_kernel<T>(grad_out, grad_lse.has_value() ? grad_lse_values.data_ptr<float>() : nullptr,
+                       q, k, v, lse, mask, static_cast<float>(scale), drop, dq, dk, dv);
+  });
+  return {dq, dk, dv};
+}
+
+// keep_ij (bool (B, H, Lq, Lk)) that the kernels draw for `seed`: for tests and debugging.
+at::Tensor attention_cpp_dropout_mask(const at::Tensor& seed, int64_t batch, int64_t heads,
+                                      int64_t lq, int64_t lk, double dropout_p) {
+  const DropoutStream drop(seed, dropout_p);
+  auto keep = at::ones({batch, heads, lq, lk}, at::kBool);
+  if (!drop.active) return keep;
+  bool* data = keep.data_ptr<bool>();
+  for (int64_t bh = 0; bh < batch * heads; ++bh)
+    for (int64_t i = 0; i < lq; ++i)
+      for (int64_t j = 0; j < lk; ++j)
+        data[(bh * lq + i) * lk + j] =
+            drop.factor(element_index(bh, i, lq, lk) + static_cast<uint32_t>(j)) != 0.0f;
+  return keep;
+}
+
+TORCH_LIBRARY_FRAGMENT(fastnmt, m) {
+  m.def(
+      "attention_cpp(Tensor q, Tensor k, Tensor v, Tensor? key_lengths, "
+      "Tensor? key_padding_mask, bool causal, float scale, float dropout_p, Tensor seed) "
+      "-> (Tensor, Tensor)");
+  m.def(
+      "attention_cpp_backward(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, "
+      "Tensor lse, Tensor? key_lengths, Tensor? key_padding_mask, bool causal, "
+      "float scale, float dropout_p, Tensor seed) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "attention_cpp_dropout_mask(Tensor seed, int batch, int heads, int lq, int lk, "
+      "float dropout_p) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(fastnmt, CPU, m) {
+  m.impl("attention_cpp", &attention_cpp);
+  m.impl("attention_cpp_backward", &attention_cpp_backward);
+  m.impl("attention_cpp_dropout_mask", &attention_cpp_dropout_mask);
+}
+
+}  // namespace fastnmt
