@@ -1,5 +1,7 @@
 """The compiled extension: built by the install, loaded in one place, explained in one line."""
 
+import os
+
 import torch
 
 import fastnmt
@@ -18,3 +20,22 @@ def test_the_install_built_the_cpp_kernels():
     require_backend("cpp")
     for op in ("add_layer_norm_cpp", "feed_forward_cpp"):
         assert hasattr(torch.ops.fastnmt, op)
+
+
+def test_a_missing_extension_warns_once_at_import_and_the_package_works():
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, torch; sys.modules['fastnmt._C'] = None\n"  # as if the build had failed
+        "import fastnmt\n"
+        "print(fastnmt.ops.add_layer_norm(torch.randn(2, 8))[0].shape)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "FASTNMT_SKIP_EXTENSION"}
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert "torch.Size([2, 8])" in result.stdout
+    warnings = [line for line in result.stderr.splitlines() if "RuntimeWarning" in line]
+    assert len(warnings) == 1 and "pip install --no-build-isolation -e ." in warnings[0]
