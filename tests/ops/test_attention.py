@@ -3,15 +3,14 @@ Triton backend, forced, in the Triton interpreter (tests/conftest.py sets TRITON
 
 import functools
 import importlib
-import os
 
 import pytest
 import torch
 
-from fastnmt import dispatch, extension_available, extension_status
+from fastnmt import dispatch
 from fastnmt.ops import attention, attention_probabilities
 from fastnmt.ops.triton_common import dropout_seed
-from tests.helpers import assert_error_within, attention_oracle, random_lengths
+from tests.helpers import assert_error_within, attention_oracle, random_lengths, require_backend
 
 attention_module = importlib.import_module("fastnmt.ops.attention")
 
@@ -339,30 +338,6 @@ def test_triton_strided_inputs_and_output_gradient():
         torch.testing.assert_close(grad, expected_grad, atol=1e-5, rtol=1e-5)
 
 
-def test_triton_gradient_through_lse():
-    q, k, v = (x.requires_grad_() for x in _qkv(2, 2, 7, 19, 16))
-    lengths = torch.tensor([19, 5])
-    upstream = torch.randn(2, 2, 7, 16), torch.randn(2, 2, 7)
-    out, lse = _triton(q, k, v, 0.0, True, key_lengths=lengths)
-    grads = torch.autograd.grad((out, lse), (q, k, v), upstream)
-    expected_out, expected_lse = _oracle(q, k, v, None, 0.0, key_lengths=lengths, causal=True)
-    upstream64 = tuple(u.double() for u in upstream)
-    expected = torch.autograd.grad((expected_out, expected_lse), (q, k, v), upstream64)
-    for grad, expected_grad in zip(grads, expected, strict=True):
-        torch.testing.assert_close(grad, expected_grad, atol=1e-5, rtol=1e-5)
-
-
-def test_triton_rows_that_see_no_key_give_zero_output_and_zero_grad():
-    q, k, v = _qkv(3, 2, 4, 5, 16, requires_grad=True)
-    padding = torch.zeros(3, 5, dtype=torch.bool)
-    padding[1] = True
-    out, lse = _triton(q, k, v, 0.3, key_padding_mask=padding)
-    out.backward(torch.randn_like(out))
-    assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()
-    for grad in (q.grad, k.grad, v.grad):
-        assert torch.isfinite(grad).all() and (grad[1] == 0).all()
-
-
 def test_triton_probabilities_from_lse():
     q, k, v = _qkv(2, 3, 7, 19, 48)
     lengths = torch.tensor([19, 0])
@@ -370,31 +345,6 @@ def test_triton_probabilities_from_lse():
     probs = attention_probabilities(q, k, key_lengths=lengths, causal=True, lse=lse)
     _, _, expected = attention_oracle(q, k, v, key_lengths=lengths, causal=True)
     torch.testing.assert_close(probs.double(), expected, atol=1e-6, rtol=1e-6)
-
-
-class TestTritonDropout:
-    def test_keep_fraction_and_seed_dependence(self):
-        shape, p = (4, 4, 64, 64), 0.3
-        seed = dropout_seed(torch.device("cpu"))
-        keep = attention_module.dropout_keep_mask(seed, shape, p)
-        assert abs(keep.float().mean().item() - (1 - p)) < 0.01
-        assert torch.equal(attention_module.dropout_keep_mask(seed, shape, p), keep)
-        other = attention_module.dropout_keep_mask(dropout_seed(seed.device), shape, p)
-        assert abs((other == keep).float().mean().item() - (p**2 + (1 - p) ** 2)) < 0.01
-
-    def test_output_keeps_one_minus_p_of_the_mass(self):
-        q, k, v = _qkv(4, 4, 64, 64, 16)
-        out = _triton(q, torch.zeros_like(k), torch.ones_like(v), 0.3)[0]  # uniform P = 1/64
-        assert abs((out[..., 0] * 0.7).mean().item() - 0.7) < 0.01
-
-    def test_same_seed_same_output(self):
-        q, k, v = _qkv(2, 2, 8, 8, 16)
-        torch.manual_seed(5)
-        first = _triton(q, k, v, 0.3)[0]
-        second = _triton(q, k, v, 0.3)[0]
-        torch.manual_seed(5)
-        assert torch.equal(first, _triton(q, k, v, 0.3)[0])
-        assert not torch.equal(first, second)
 
 
 @pytest.mark.parametrize(
@@ -449,9 +399,7 @@ def test_opcheck_forward_and_backward_ops():
 
 @pytest.fixture
 def cpp_extension():
-    if os.environ.get("FASTNMT_SKIP_EXTENSION") == "1":
-        pytest.skip("FASTNMT_SKIP_EXTENSION=1: fastnmt._C was not built")
-    assert extension_available(), extension_status()
+    require_backend("cpp")
 
 
 CPP_CASES = [  # B, H, Lq, Lk, D, causal, masks, dtype, dropout_p
@@ -518,28 +466,6 @@ class TestCpp:
         for grad, expected_grad in zip(grads, expected_grads, strict=True):
             assert torch.equal(grad, expected_grad)
 
-    def test_gradient_through_lse(self):
-        q, k, v = (x.requires_grad_() for x in _qkv(2, 2, 7, 19, 16))
-        lengths = torch.tensor([19, 5])
-        upstream = torch.randn(2, 2, 7, 16), torch.randn(2, 2, 7)
-        out, lse = _forced("cpp", q, k, v, 0.0, True, key_lengths=lengths)
-        grads = torch.autograd.grad((out, lse), (q, k, v), upstream)
-        expected_out, expected_lse = _oracle(q, k, v, None, 0.0, key_lengths=lengths, causal=True)
-        upstream64 = tuple(u.double() for u in upstream)
-        expected = torch.autograd.grad((expected_out, expected_lse), (q, k, v), upstream64)
-        for grad, expected_grad in zip(grads, expected, strict=True):
-            torch.testing.assert_close(grad, expected_grad, atol=1e-5, rtol=1e-5)
-
-    def test_rows_that_see_no_key_give_zero_output_and_zero_grad(self):
-        q, k, v = _qkv(3, 2, 4, 5, 16, requires_grad=True)
-        padding = torch.zeros(3, 5, dtype=torch.bool)
-        padding[1] = True
-        out, lse = _forced("cpp", q, k, v, 0.3, key_padding_mask=padding)
-        out.backward(torch.randn_like(out))
-        assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()
-        for grad in (q.grad, k.grad, v.grad):
-            assert torch.isfinite(grad).all() and (grad[1] == 0).all()
-
     def test_results_do_not_depend_on_the_thread_count(self):
         q, k, v = _qkv(3, 5, 70, 70, 48)
         grad_out = torch.randn(3, 5, 70, 48)
@@ -558,29 +484,6 @@ class TestCpp:
         assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
         assert all(torch.equal(a, b) for a, b in zip(grads1, grads2, strict=True))
 
-    def test_dropout_keep_fraction_and_seed_dependence(self):
-        shape, p = (4, 4, 64, 64), 0.3
-        seed = dropout_seed(torch.device("cpu"))
-        keep = torch.ops.fastnmt.attention_cpp_dropout_mask(seed, *shape, p)
-        assert abs(keep.float().mean().item() - (1 - p)) < 0.01
-        assert torch.equal(torch.ops.fastnmt.attention_cpp_dropout_mask(seed, *shape, p), keep)
-        other = torch.ops.fastnmt.attention_cpp_dropout_mask(dropout_seed(seed.device), *shape, p)
-        assert abs((other == keep).float().mean().item() - (p**2 + (1 - p) ** 2)) < 0.01
-
-    def test_dropout_output_keeps_one_minus_p_of_the_mass(self):
-        q, k, v = _qkv(4, 4, 64, 64, 16)
-        out = _forced("cpp", q, torch.zeros_like(k), torch.ones_like(v), 0.3)[0]  # P = 1/64
-        assert abs((out[..., 0] * 0.7).mean().item() - 0.7) < 0.01
-
-    def test_dropout_same_seed_same_output(self):
-        q, k, v = _qkv(2, 2, 8, 8, 16)
-        torch.manual_seed(5)
-        first = _forced("cpp", q, k, v, 0.3)[0]
-        second = _forced("cpp", q, k, v, 0.3)[0]
-        torch.manual_seed(5)
-        assert torch.equal(first, _forced("cpp", q, k, v, 0.3)[0])
-        assert not torch.equal(first, second)
-
     def test_opcheck_forward_and_backward_ops(self):
         q = torch.randn(2, 5, 2, 16).transpose(1, 2)  # strided, as MultiheadAttention's heads
         _, k, v = _qkv(2, 2, 5, 7, 16)
@@ -594,3 +497,58 @@ class TestCpp:
             backward = (torch.randn_like(out), torch.randn_like(lse), q.detach(), k, v)
             backward += (lse.detach(), *masks, True, 0.25, 0.3, seed)
             torch.library.opcheck(torch.ops.fastnmt.attention_cpp_backward.default, backward)
+
+
+# ---------------------------------------------------------------------------------------------
+# Both fused backends (the ``fused`` fixture forces each in turn).
+# ---------------------------------------------------------------------------------------------
+
+
+def test_fused_gradient_through_lse(fused):
+    q, k, v = (x.requires_grad_() for x in _qkv(2, 2, 7, 19, 16))
+    lengths = torch.tensor([19, 5])
+    upstream = torch.randn(2, 2, 7, 16), torch.randn(2, 2, 7)
+    out, lse = _forced(fused, q, k, v, 0.0, True, key_lengths=lengths)
+    grads = torch.autograd.grad((out, lse), (q, k, v), upstream)
+    expected_out, expected_lse = _oracle(q, k, v, None, 0.0, key_lengths=lengths, causal=True)
+    upstream64 = tuple(u.double() for u in upstream)
+    expected = torch.autograd.grad((expected_out, expected_lse), (q, k, v), upstream64)
+    for grad, expected_grad in zip(grads, expected, strict=True):
+        torch.testing.assert_close(grad, expected_grad, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_rows_that_see_no_key_give_zero_output_and_zero_grad(fused):
+    q, k, v = _qkv(3, 2, 4, 5, 16, requires_grad=True)
+    padding = torch.zeros(3, 5, dtype=torch.bool)
+    padding[1] = True
+    out, lse = _forced(fused, q, k, v, 0.3, key_padding_mask=padding)
+    out.backward(torch.randn_like(out))
+    assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()
+    for grad in (q.grad, k.grad, v.grad):
+        assert torch.isfinite(grad).all() and (grad[1] == 0).all()
+
+
+class TestFusedDropout:
+    def test_keep_fraction_and_seed_dependence(self, fused):
+        shape, p = (4, 4, 64, 64), 0.3
+        keep_mask = _keep_mask_writer(fused)
+        seed = dropout_seed(torch.device("cpu"))
+        keep = keep_mask(seed, shape, p)
+        assert abs(keep.float().mean().item() - (1 - p)) < 0.01
+        assert torch.equal(keep_mask(seed, shape, p), keep)
+        other = keep_mask(dropout_seed(seed.device), shape, p)
+        assert abs((other == keep).float().mean().item() - (p**2 + (1 - p) ** 2)) < 0.01
+
+    def test_output_keeps_one_minus_p_of_the_mass(self, fused):
+        q, k, v = _qkv(4, 4, 64, 64, 16)
+        out = _forced(fused, q, torch.zeros_like(k), torch.ones_like(v), 0.3)[0]  # P = 1/64
+        assert abs((out[..., 0] * 0.7).mean().item() - 0.7) < 0.01
+
+    def test_same_seed_same_output(self, fused):
+        q, k, v = _qkv(2, 2, 8, 8, 16)
+        torch.manual_seed(5)
+        first = _forced(fused, q, k, v, 0.3)[0]
+        second = _forced(fused, q, k, v, 0.3)[0]
+        torch.manual_seed(5)
+        assert torch.equal(first, _forced(fused, q, k, v, 0.3)[0])
+        assert not torch.equal(first, second)
