@@ -413,7 +413,7 @@ class Trainer:
                 )
             # DDP averages gradients over ranks; scaling by world_size makes that a global sum.
             self.scaler.scale(loss * self.world.world_size / total_tokens).backward()
-            sums += torch.tensor([loss.item(), nll.item(), correct.item()], dtype=torch.float64)
+            sums += torch.stack([loss.detach(), nll, correct]).to(torch.float64).cpu()  # one sync
         loss_sum, nll_sum, correct_sum = self.world.sum(sums.tolist())
         if not math.isfinite(loss_sum) and not self.scaler.is_enabled():
             raise NonFiniteLoss(f"loss became {loss_sum} at step {self.progress.step + 1}")
@@ -454,7 +454,8 @@ class Trainer:
             bos_id=self.vocab.bos_id,
             eos_id=self.vocab.eos_id,
         )
-        sums = torch.zeros(4, dtype=torch.float64)  # loss, nll, correct, tokens
+        sums = torch.zeros(3, dtype=torch.float64)  # loss, nll, correct
+        tokens = 0
         for batch in batches.iterate(epoch=1):
             batch = batch.to(self.device)
             with autocast(self.device, self.autocast_dtype):
@@ -462,8 +463,9 @@ class Trainer:
                 loss, nll, correct = label_smoothed_loss(
                     self.model, states, batch.tgt_out, self.vocab.pad_id, self.args.label_smoothing
                 )
-            sums += torch.tensor([loss.item(), nll.item(), correct.item(), batch.num_tgt_tokens])
-        loss, nll, correct, tokens = sums.tolist()
+            sums += torch.stack([loss, nll, correct]).to(torch.float64).cpu()  # one sync
+            tokens += batch.num_tgt_tokens
+        loss, nll, correct = sums.tolist()
         base2 = tokens * math.log(2)
         return {
             "loss": loss / base2,
