@@ -17,6 +17,7 @@
 // Threads pull work units from a shared counter, which balances uneven sentence lengths without
 // changing any result.
 #include "common.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <array>
@@ -29,63 +30,9 @@
 namespace fastnmt {
 namespace {
 
-// GCC/Clang vector extensions: 16 fp32 lanes, one AVX-512 register (split by the compiler on
-// narrower targets).
-typedef float Vec __attribute__((vector_size(64)));
-typedef int32_t IntVec __attribute__((vector_size(64)));
-
-constexpr int64_t kLanes = 16;
 constexpr int64_t kBlockM = 64;  // query rows per work unit
 constexpr int kTileRows = 4;     // accumulator rows of the micro-kernel
 constexpr int kTileVectors = 4;  // accumulator vectors per row: 64 columns
-constexpr float kInf = std::numeric_limits<float>::infinity();
-
-inline int64_t whole_vectors(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
-
-inline Vec load(const float* p) {
-  Vec v;
-  __builtin_memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store(float* p, Vec v) { __builtin_memcpy(p, &v, sizeof v); }
-
-inline Vec splat(float x) { return Vec{} + x; }
-
-inline Vec lane_indices() { return Vec{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
-
-inline float horizontal_max(Vec v) {
-  float m = v[0];
-  for (int l = 1; l < kLanes; ++l) m = std::max(m, v[l]);
-  return m;
-}
-
-inline float horizontal_sum(Vec v) {
-  float s = 0.0f;
-  for (int l = 0; l < kLanes; ++l) s += v[l];
-  return s;
-}
-
-// exp(x) (Cephes' expf polynomial after x = n ln2 + r, |r| <= ln2 / 2; ~2 ulp). x is clamped to
-// [-87.3, 88]: exp(-inf) gives ~1e-38, so callers select 0 for hidden keys themselves.
-inline Vec vector_exp(Vec x) {
-  x = x < -87.3f ? splat(-87.3f) : x;
-  x = x > 88.0f ? splat(88.0f) : x;
-  const Vec round = splat(12582912.0f);  // 1.5 * 2^23: adding and subtracting it rounds
-  const Vec n = (x * 1.44269504088896341f + round) - round;
-  const Vec r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  Vec p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const IntVec exponent = (__builtin_convertvector(n, IntVec) + 127) << 23;  // 2^n
-  Vec two_n;
-  __builtin_memcpy(&two_n, &exponent, sizeof two_n);
-  return p * two_n;
-}
 
 // C(R x 16 NV) (+)= sum_k A(r, k) B(k, :) with A(r, k) = a[r * a_row + k * a_col] and B
 // row-major: each step of k loads NV vectors of B and broadcasts R scalars of A.

@@ -1,0 +1,112 @@
+// 16-lane fp32 vectors (GCC/Clang vector extensions) and the few vector functions the kernels
+// share: loads/stores, horizontal reductions and a polynomial exp. The extension is compiled for
+// the CPU that runs it (setup.py), so one Vec is one AVX-512 register there, and the compiler
+// splits it on narrower targets.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+namespace fastnmt {
+
+typedef float Vec __attribute__((vector_size(64)));
+typedef int32_t IntVec __attribute__((vector_size(64)));
+
+constexpr int64_t kLanes = 16;
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+inline int64_t whole_vectors(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
+
+inline Vec load(const float* p) {
+  Vec v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store(float* p, Vec v) { __builtin_memcpy(p, &v, sizeof v); }
+
+// 16 values of any kernel dtype as fp32 lanes, and back (bf16 rounds to nearest even, as
+// c10::BFloat16 does; NaN payloads are not preserved). The bf16 paths are integer shifts the
+// compiler keeps in vector registers; fp16 goes through c10::Half lane by lane (F16C).
+template <typename T>
+inline Vec load_float(const T* p) {
+  Vec v;
+  for (int l = 0; l < kLanes; ++l) v[l] = static_cast<float>(p[l]);
+  return v;
+}
+
+template <>
+inline Vec load_float(const float* p) { return load(p); }
+
+typedef uint16_t HalfWordVec __attribute__((vector_size(32)));
+typedef uint32_t WordVec __attribute__((vector_size(64)));
+
+template <>
+inline Vec load_float(const c10::BFloat16* p) {
+  HalfWordVec bits;
+  __builtin_memcpy(&bits, p, sizeof bits);
+  const WordVec widened = __builtin_convertvector(bits, WordVec) << 16;
+  Vec v;
+  __builtin_memcpy(&v, &widened, sizeof v);
+  return v;
+}
+
+template <typename T>
+inline void store_float(T* p, Vec v) {
+  for (int l = 0; l < kLanes; ++l) p[l] = static_cast<T>(v[l]);
+}
+
+template <>
+inline void store_float(float* p, Vec v) { store(p, v); }
+
+template <>
+inline void store_float(c10::BFloat16* p, Vec v) {
+  WordVec bits;
+  __builtin_memcpy(&bits, &v, sizeof bits);
+  bits += 0x7fffU + ((bits >> 16) & 1U);
+  const HalfWordVec rounded = __builtin_convertvector(bits >> 16, HalfWordVec);
+  __builtin_memcpy(p, &rounded, sizeof rounded);
+}
+
+inline Vec splat(float x) { return Vec{} + x; }
+
+inline Vec lane_indices() { return Vec{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
+
+inline float horizontal_max(Vec v) {
+  float m = v[0];
+  for (int l = 1; l < kLanes; ++l) m = std::max(m, v[l]);
+  return m;
+}
+
+inline float horizontal_sum(Vec v) {
+  float s = 0.0f;
+  for (int l = 0; l < kLanes; ++l) s += v[l];
+  return s;
+}
+
+// exp(x) (Cephes' expf polynomial after x = n ln2 + r, |r| <= ln2 / 2; ~2 ulp). x is clamped to
+// [-87.3, 88]: exp(-inf) gives ~1e-38, so callers select 0 for hidden keys themselves.
+inline Vec vector_exp(Vec x) {
+  x = x < -87.3f ? splat(-87.3f) : x;
+  x = x > 88.0f ? splat(88.0f) : x;
+  const Vec round = splat(12582912.0f);  // 1.5 * 2^23: adding and subtracting it rounds
+  const Vec n = (x * 1.44269504088896341f + round) - round;
+  const Vec r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  Vec p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const IntVec exponent = (__builtin_convertvector(n, IntVec) + 127) << 23;  // 2^n
+  Vec two_n;
+  __builtin_memcpy(&two_n, &exponent, sizeof two_n);
+  return p * two_n;
+}
+
+}  // namespace fastnmt
