@@ -3,12 +3,14 @@
 from fastnmt import ops
 from fastnmt._extension import extension_available, extension_status
 from fastnmt.dispatch import BACKENDS, BackendUnavailableError, backend, explain
+from fastnmt.translator import Translator
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BACKENDS",
     "BackendUnavailableError",
+    "Translator",
     "backend",
     "explain",
     "extension_available",

@@ -1,8 +1,9 @@
 """Encoder-decoder Transformer for translation, built from fastnmt's ops.
 
 Reads top-down: config and presets, the residual stack shared by encoder and decoder, the layers,
-the model (training forward, logits, incremental decoding with a KV cache, batched greedy search).
-Shapes: B sentences, S source tokens, T target tokens, E = d_model, V = vocabulary.
+the model (training forward, logits, incremental decoding with a KV cache; the searches that use
+it are in ``fastnmt.search``).
+Shapes: B sentences, S source tokens, T target tokens, E = d_model, V = vocabulary, H heads.
 Padding travels as lengths (B,), never as dense masks.
 """
 
@@ -109,6 +110,27 @@ class FeedForward(nn.Module):
         )
 
 
+@dataclass
+class AttentionRecord:
+    """Per-head attention probabilities of every layer, in layer order, each (B, H, Lq, Lk):
+    filled by ``encode``/``decode`` when one is passed (for plots and alignments)."""
+
+    encoder: list[torch.Tensor] = field(default_factory=list)  # self-attention, (B, H, S, S)
+    decoder: list[torch.Tensor] = field(default_factory=list)  # self-attention, (B, H, T, T)
+    cross: list[torch.Tensor] = field(default_factory=list)  # (B, H, T, S)
+
+
+def _attend(module: MultiheadAttention, query, key, record: list | None, **kwargs):
+    """Attention output; with ``record`` a list, also append the probabilities (B, H, Lq, Lk),
+    which the fused path computes exactly from the log-sum-exp it returns."""
+    out, weights = module(
+        query, key, key, need_weights=record is not None, average_attn_weights=False, **kwargs
+    )
+    if record is not None:
+        record.append(weights)
+    return out
+
+
 def _attention(cfg: ModelConfig) -> MultiheadAttention:
     return MultiheadAttention(
         cfg.d_model, cfg.heads, dropout=cfg.attention_dropout, batch_first=True
@@ -121,9 +143,10 @@ class EncoderLayer(nn.Module):
         self.self_attn, self.self_attn_norm = _attention(cfg), LayerNorm(cfg.d_model)
         self.ffn, self.ffn_norm = FeedForward(cfg), LayerNorm(cfg.d_model)
 
-    def sublayers(self, src_lengths) -> list[Sublayer]:
+    def sublayers(self, src_lengths, record: AttentionRecord | None) -> list[Sublayer]:
         def self_attention(y):
-            return self.self_attn(y, y, y, key_lengths=src_lengths, need_weights=False)[0]
+            weights = None if record is None else record.encoder
+            return _attend(self.self_attn, y, y, weights, key_lengths=src_lengths)
 
         return [(self.self_attn_norm, self_attention), (self.ffn_norm, self.ffn)]
 
@@ -147,18 +170,31 @@ class DecoderLayer(nn.Module):
         self.cross_attn, self.cross_attn_norm = _attention(cfg), LayerNorm(cfg.d_model)
         self.ffn, self.ffn_norm = FeedForward(cfg), LayerNorm(cfg.d_model)
 
-    def sublayers(self, memory, src_lengths, cache: LayerCache | None) -> list[Sublayer]:
+    def sublayers(
+        self, memory, src_lengths, cache: LayerCache | None, record: AttentionRecord | None
+    ) -> list[Sublayer]:
         # Padded target positions need no mask: causal queries never see later (padded) keys,
         # and the loss ignores padded queries.
         def self_attention(y):
             cached = None if cache is None else cache.self_attn
-            return self.self_attn(y, y, y, is_causal=True, need_weights=False, cache=cached)[0]
+            weights = None if record is None else record.decoder
+            return _attend(self.self_attn, y, y, weights, is_causal=True, cache=cached)
 
-        def cross_attention(y):
+        def cross_attention(y):  # y (B*K, T, E): K hypotheses of each sentence, sentence-major
             cached = None if cache is None else cache.cross_attn
-            return self.cross_attn(
-                y, memory, memory, key_lengths=src_lengths, need_weights=False, cache=cached
-            )[0]
+            weights = None if record is None else []
+            rows, length, width = y.shape
+            # Cross-attention has no mask between queries, so the K*T queries of one sentence
+            # can share its keys: memory and the cross-attention cache stay (B, S, E) for any K.
+            queries = y.reshape(src_lengths.shape[0], -1, width)  # (B, K*T, E)
+            out = _attend(
+                self.cross_attn, queries, memory, weights, key_lengths=src_lengths, cache=cached
+            )
+            if record is not None:  # (B, H, K*T, S) -> (B*K, H, T, S)
+                sentences, heads, _, keys = weights[0].shape
+                per_sentence = weights[0].view(sentences, heads, -1, length, keys)
+                record.cross.append(per_sentence.transpose(1, 2).reshape(rows, heads, length, keys))
+            return out.reshape(rows, length, width)
 
         return [
             (self.self_attn_norm, self_attention),
@@ -211,19 +247,31 @@ class Transformer(nn.Module):
         scaled = self.embedding(tokens) * math.sqrt(self.cfg.d_model)
         return scaled + self.positions[start : start + tokens.shape[1]]
 
-    def encode(self, src, src_lengths):  # (B, S) -> (B, S, E)
-        sublayers = [s for layer in self.encoder for s in layer.sublayers(src_lengths)]
+    def encode(self, src, src_lengths, record: AttentionRecord | None = None):  # -> (B, S, E)
+        sublayers = [s for layer in self.encoder for s in layer.sublayers(src_lengths, record)]
         return residual_stack(
             self.embed(src), sublayers, self.encoder_norm, self.cfg, self.training
         )
 
-    def decode(self, tgt_in, memory, src_lengths, caches=None, start: int = 0):
-        """Decoder states (B, T, E) for target inputs at positions start.. (with caches: the
-        cached steps are positions 0..start-1)."""
+    def decode(
+        self,
+        tgt_in,
+        memory,
+        src_lengths,
+        caches=None,
+        start: int = 0,
+        record: AttentionRecord | None = None,
+    ):
+        """Decoder states (B*K, T, E) for target inputs (B*K, T) at positions start.. (with
+        caches: the cached steps are positions 0..start-1). ``memory`` (B, S, E) and
+        ``src_lengths`` (B,) are per sentence: rows b*K .. b*K+K-1 of ``tgt_in`` are K
+        hypotheses of sentence b (K = 1 in training)."""
         sublayers = [
             s
             for i, layer in enumerate(self.decoder)
-            for s in layer.sublayers(memory, src_lengths, None if caches is None else caches[i])
+            for s in layer.sublayers(
+                memory, src_lengths, None if caches is None else caches[i], record
+            )
         ]
         x = self.embed(tgt_in, start)
         return residual_stack(x, sublayers, self.decoder_norm, self.cfg, self.training)
@@ -236,27 +284,3 @@ class Transformer(nn.Module):
 
     def new_caches(self) -> list[LayerCache]:
         return [LayerCache() for _ in self.decoder]
-
-    @torch.no_grad()
-    def greedy(self, src, src_lengths, max_len: int) -> list[list[int]]:
-        """Batched greedy decoding with the KV cache; token ids per sentence, without eos."""
-        memory = self.encode(src, src_lengths)
-        caches = self.new_caches()
-        batch = src.shape[0]
-        tokens = torch.full((batch, 1), self.cfg.bos_id, dtype=torch.long, device=src.device)
-        finished = torch.zeros(batch, dtype=torch.bool, device=src.device)
-        output = []
-        for step in range(max_len):
-            states = self.decode(tokens, memory, src_lengths, caches, start=step)  # (B, 1, E)
-            tokens = self.logits(states[:, -1]).argmax(-1, keepdim=True)  # (B, 1)
-            tokens = tokens.masked_fill(finished[:, None], self.cfg.pad_id)
-            output.append(tokens)
-            finished |= tokens[:, 0] == self.cfg.eos_id
-            if finished.all():
-                break
-        ids = torch.cat(output, dim=1).tolist()
-        return [_until_eos(row, self.cfg.eos_id) for row in ids]
-
-
-def _until_eos(ids: list[int], eos_id: int) -> list[int]:
-    return ids[: ids.index(eos_id)] if eos_id in ids else ids

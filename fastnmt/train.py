@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import fastnmt
@@ -40,7 +39,8 @@ from fastnmt.data import (
     read_tsv,
 )
 from fastnmt.model import PRESETS, ModelConfig, Transformer, preset
-from fastnmt.translator import autocast, greedy_translate
+from fastnmt.ops import linear_cross_entropy
+from fastnmt.translator import Translator, autocast
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Arguments that must match an existing checkpoint for training to continue from it.
@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--log-interval", type=int, default=50, help="steps between log lines")
     out.add_argument("--no-progress", action="store_true", help="no progress bar on a terminal")
     out.add_argument(
+        "--beam", type=int, default=4, help="beam of the final test score (validation is greedy)"
+    )
+    out.add_argument(
         "--check-replicas", action="store_true", help="with DDP: verify ranks agree at the end"
     )
     return p
@@ -160,6 +163,7 @@ def check_arguments(args) -> None:
         ("--keep-last", args.keep_last),
         ("--log-interval", args.log_interval),
         ("--max-len", args.max_len),
+        ("--beam", args.beam),
     ):
         if value <= 0:
             raise UsageError(f"{flag} must be positive, got {value}")
@@ -222,15 +226,12 @@ def inverse_sqrt_lr(step: int, peak: float, warmup: int) -> float:
 def label_smoothed_loss(model: Transformer, states, targets, pad_id: int, smoothing: float):
     """Summed label-smoothed cross entropy over non-pad targets (the definition of
     ``F.cross_entropy(label_smoothing=)``), the summed nll, and the count of correct argmaxes.
-    Logits are computed for non-pad positions only."""
+    Only non-pad positions are projected, by the fused op that never forms all their logits."""
     keep = targets != pad_id
-    logits = model.logits(states[keep]).float()  # (N, V)
-    log_probs = F.log_softmax(logits, dim=-1)
-    gold = targets[keep]
-    nll = -log_probs.gather(1, gold[:, None]).squeeze(1)
-    loss = (1 - smoothing) * nll - smoothing * log_probs.mean(dim=-1)
-    correct = (logits.argmax(dim=-1) == gold).sum()
-    return loss.sum(), nll.sum().detach(), correct
+    out = linear_cross_entropy(
+        states[keep], model.embedding.weight, None, targets[keep], smoothing, reduction="sum"
+    )
+    return out.loss, out.nll, out.correct
 
 
 @dataclass
@@ -474,15 +475,16 @@ class Trainer:
             "accuracy": correct / tokens,
         }
 
-    def translate(self, sentences: list[str]) -> list[str]:
-        return greedy_translate(
+    def translate(self, sentences: list[str], beam: int = 1) -> list[str]:
+        """Translations by the model being trained (greedy unless ``beam`` > 1)."""
+        translator = Translator(
             self.model,
             self.vocab,
-            sentences,
-            max_tokens=self.args.max_tokens,
             device=self.device,
-            autocast_dtype=self.autocast_dtype,
+            dtype=self.autocast_dtype,
+            max_tokens=self.args.max_tokens,
         )
+        return translator.translate(sentences, beam=beam)
 
     def validate(self) -> dict:
         """Validation loss and greedy sacreBLEU, computed on rank 0 and shared with all ranks."""
@@ -622,7 +624,7 @@ class Trainer:
         best = checkpoint.load(checkpoint.resolve(self.output_dir), with_trainer_state=False)
         self.model.load_state_dict(best.weights)
         started = time.monotonic()
-        hypotheses = self.translate(test.src)
+        hypotheses = self.translate(test.src, beam=self.args.beam)
         seconds = time.monotonic() - started
         output = self.output_dir / f"test.{self.args.tgt_lang}.hyp"
         output.write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
@@ -632,8 +634,10 @@ class Trainer:
             **{s.name: s.score for s in scores},
             signatures={s.name: s.signature for s in scores},
             seconds=seconds,
+            beam=self.args.beam,
         )
-        self.log.line(f"test ({test.name}, greedy): " + " | ".join(map(str, scores)))
+        search = "greedy" if self.args.beam == 1 else f"beam {self.args.beam}"
+        self.log.line(f"test ({test.name}, {search}): " + " | ".join(map(str, scores)))
         self.log.line(f"translations written to {output}")
 
 

@@ -1,13 +1,32 @@
-"""Batched translation with a trained model: sort by length, batch by tokens, restore order."""
+"""Translating text with a trained model: ``Translator.from_checkpoint(path).translate(lines)``.
+
+Sentences are encoded, truncated to what the model can take (with a warning naming the line),
+sorted by length and packed into batches by tokens, searched (greedy for beam 1, else beam search;
+``fastnmt.search``), decoded, and returned in input order. Empty lines translate to empty lines
+without running the model.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from fastnmt.data import Vocabulary, make_batch, pack_by_tokens
-from fastnmt.model import Transformer
+from fastnmt import checkpoint
+from fastnmt.checkpoint import CheckpointError
+from fastnmt.data import DataError, Vocabulary, make_batch
+from fastnmt.model import AttentionRecord, ModelConfig, Transformer
+from fastnmt.search import Hypothesis, LengthPenalty, beam_search, greedy
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class TruncationWarning(UserWarning):
+    """An input longer than the model's positions was cut to fit."""
 
 
 def autocast(device: torch.device | str, dtype: torch.dtype | None):
@@ -17,39 +36,235 @@ def autocast(device: torch.device | str, dtype: torch.dtype | None):
     return torch.autocast(torch.device(device).type, dtype)
 
 
-@torch.no_grad()
-def greedy_translate(
-    model: Transformer,
-    vocab: Vocabulary,
-    sentences: list[str],
-    *,
-    max_tokens: int = 4096,
-    max_len_a: float = 1.2,
-    max_len_b: int = 10,
-    device: torch.device | str = "cpu",
-    autocast_dtype: torch.dtype | None = None,
-) -> list[str]:
-    """Greedy translations of ``sentences``, in input order; output length is capped at
-    ``max_len_a * source_length + max_len_b`` tokens."""
-    encoded = vocab.encode(sentences)
-    sizes = [len(ids) + 1 for ids in encoded]  # + eos
-    order = sorted(range(len(sizes)), key=sizes.__getitem__)
-    output: list[str] = [""] * len(sentences)
-    was_training = model.training
-    model.eval()
-    for indices in pack_by_tokens(order, sizes, max_tokens):
+def fastest_dtype(device: torch.device | str) -> torch.dtype | None:
+    """bf16 where the hardware computes in it (AMX / AVX512-BF16 CPUs, recent GPUs), else fp32."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
+
+
+@dataclass
+class Candidate:
+    """One translation of a sentence."""
+
+    text: str
+    tokens: list[int]  # target subword ids, without eos
+    score: float  # log_prob / length penalty: the ranking
+    log_prob: float  # summed token log-probabilities, eos included when generated
+    ended: bool  # False when cut by the length limit before eos
+
+
+@dataclass
+class Translation:
+    source: str
+    source_tokens: list[int]  # subword ids given to the model (after truncation), without eos
+    candidates: list[Candidate] = field(default_factory=list)  # n-best, best first
+    truncated: bool = False
+    # Of the best candidate, with attention=True: per layer (H, Lq, Lk) without padding. Queries
+    # and keys are the tokens with eos: target rows are the generated tokens (+ eos), source
+    # columns the source tokens + eos.
+    attention: AttentionRecord | None = None
+
+    @property
+    def text(self) -> str:
+        return self.candidates[0].text if self.candidates else ""
+
+
+class Translator:
+    """A model and its vocabulary ready to translate. ``max_tokens`` bounds a batch's padded
+    source tokens, ``max_sentences`` its sentences (times ``beam`` hypotheses each)."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        vocab: Vocabulary,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+        max_tokens: int = 6000,
+        max_sentences: int = 256,
+    ):
+        if max_tokens < 1 or max_sentences < 1:
+            raise ValueError(
+                f"max_tokens and max_sentences must be positive, got {max_tokens}, {max_sentences}"
+            )
+        self.model, self.vocab = model, vocab
+        self.device, self.dtype = torch.device(device), dtype
+        self.max_tokens, self.max_sentences = max_tokens, max_sentences
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str | Path,
+        *,
+        device: torch.device | str | None = None,
+        precision: str = "auto",
+        **options,
+    ) -> Translator:
+        """Load a checkpoint directory (or a training output directory: its best checkpoint).
+        Loading executes no code (safetensors, json). ``precision``: auto, fp32, bf16 or fp16.
+        Raises CheckpointError (one line) for a missing, corrupt or incompatible checkpoint."""
+        if precision != "auto" and precision not in PRECISIONS:
+            choices = ", ".join(PRECISIONS)
+            raise ValueError(f"precision must be auto, {choices}; got {precision!r}")
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        resolved = checkpoint.resolve(Path(path))
+        loaded = checkpoint.load(resolved, with_trainer_state=False)
+        try:
+            cfg = ModelConfig(**loaded.config["model"])
+            model = Transformer(cfg)
+            model.load_state_dict(loaded.weights)
+            vocab = Vocabulary.from_bytes(loaded.spm_model)
+        except (KeyError, TypeError, RuntimeError, DataError) as error:
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+            raise CheckpointError(f"cannot load checkpoint {resolved}: {reason}") from None
+        if len(vocab) != cfg.vocab_size:
+            raise CheckpointError(
+                f"cannot load checkpoint {resolved}: spm.model has {len(vocab)} pieces, the "
+                f"model {cfg.vocab_size}"
+            )
+        dtype = fastest_dtype(device) if precision == "auto" else PRECISIONS[precision]
+        return cls(model.to(device).eval(), vocab, device=device, dtype=dtype, **options)
+
+    @property
+    def max_source_tokens(self) -> int:
+        """Subword tokens of a source sentence the model can take (the eos takes one more)."""
+        return self.model.cfg.max_positions - 1
+
+    def translate(self, sentences: list[str], **options) -> list[str]:
+        """The best translation of each sentence, in input order; options as ``translate_full``."""
+        return [t.text for t in self.translate_full(sentences, **options)]
+
+    @torch.no_grad()
+    def translate_full(
+        self,
+        sentences: list[str],
+        *,
+        beam: int = 4,
+        nbest: int = 1,
+        lenpen: float = 1.0,
+        alpha: float | None = None,
+        max_len_a: float = 1.2,
+        max_len_b: int = 10,
+        attention: bool = False,
+        incremental: bool = True,
+        eos: bool = True,
+        first_line: int = 1,
+    ) -> list[Translation]:
+        """Translations with their n-best candidates and scores, in input order.
+
+        beam: 1 is greedy search. lenpen / alpha: the length penalty (``search.LengthPenalty``).
+        A sentence of S source tokens (eos included) gets at most max_len_a * S + max_len_b
+        target tokens (eos included). attention: also the attention probabilities of every layer
+        and head for the best candidate. incremental=False recomputes the whole prefix every step
+        and eos=False forces every output to its length limit (both for benchmarks). first_line:
+        the line number of sentences[0] in warnings.
+        """
+        if max_len_a < 0 or max_len_b < 0 or max_len_a * 1 + max_len_b < 1:
+            raise ValueError(
+                f"max_len_a and max_len_b must be >= 0 with room for a token, got "
+                f"{max_len_a}, {max_len_b}"
+            )
+        penalty = LengthPenalty(lenpen, alpha)
+        translations = [self._encoded(text, first_line + i) for i, text in enumerate(sentences)]
+        todo = [i for i, t in enumerate(translations) if t.source.strip()]
+        with self._inference():
+            for indices in self._batches(todo, translations):
+                batch = make_batch(
+                    [translations[i].source_tokens for i in indices],
+                    None,
+                    indices,
+                    pad_id=self.vocab.pad_id,
+                    bos_id=self.vocab.bos_id,
+                    eos_id=self.vocab.eos_id,
+                ).to(self.device)
+                limit = (max_len_a * batch.src_lengths + max_len_b).long()
+                max_lens = limit.clamp(1, self.model.cfg.max_positions)
+                inputs = (self.model, batch.src, batch.src_lengths, max_lens)
+                search = dict(penalty=penalty, incremental=incremental, eos=eos)
+                if beam == 1 and nbest == 1:  # the same search; greedy skips beam bookkeeping
+                    found = [[h] for h in greedy(*inputs, **search)]
+                else:
+                    found = beam_search(*inputs, beam=beam, nbest=nbest, **search)
+                for index, hypotheses in zip(indices, found, strict=True):
+                    translations[index].candidates = self._candidates(hypotheses)
+                if attention:
+                    self._attach_attention([translations[i] for i in indices])
+        return translations
+
+    def _encoded(self, text: str, line: int) -> Translation:
+        """``text`` encoded for the search, truncated to fit (with a warning)."""
+        tokens = self.vocab.encode([text])[0] if text.strip() else []
+        translation = Translation(text, tokens)
+        if len(tokens) > self.max_source_tokens:
+            warnings.warn(
+                f"line {line}: {len(tokens)} subword tokens, truncated to the model's limit of "
+                f"{self.max_source_tokens}",
+                TruncationWarning,
+                stacklevel=4,
+            )
+            translation.source_tokens = tokens[: self.max_source_tokens]
+            translation.truncated = True
+        return translation
+
+    def _batches(self, todo: list[int], translations: list[Translation]) -> Iterator[list[int]]:
+        """Runs of sentences of similar length (sorted), each within max_tokens padded source
+        tokens and max_sentences sentences."""
+        sizes = {i: len(translations[i].source_tokens) + 1 for i in todo}  # + eos
+        batch: list[int] = []
+        for index in sorted(todo, key=sizes.__getitem__):
+            # Sorted by size: the sentence being added is the batch's longest.
+            full = len(batch) >= self.max_sentences
+            if batch and (full or (len(batch) + 1) * sizes[index] > self.max_tokens):
+                yield batch
+                batch = []
+            batch.append(index)
+        if batch:
+            yield batch
+
+    def _candidates(self, hypotheses: list[Hypothesis]) -> list[Candidate]:
+        texts = self.vocab.decode([h.tokens for h in hypotheses])
+        return [
+            Candidate(text, h.tokens, h.score, h.log_prob, h.ended)
+            for text, h in zip(texts, hypotheses, strict=True)
+        ]
+
+    def _attach_attention(self, translations: list[Translation]) -> None:
+        """The attention probabilities of each best candidate, from one teacher-forced pass
+        over the batch (the same probabilities as during the search, all layers and heads)."""
+        best = [t.candidates[0] for t in translations]
         batch = make_batch(
-            [encoded[i] for i in indices],
-            None,
-            indices,
-            pad_id=vocab.pad_id,
-            bos_id=vocab.bos_id,
-            eos_id=vocab.eos_id,
-        ).to(device)
-        max_len = min(int(max_len_a * batch.src.shape[1] + max_len_b), model.cfg.max_positions)
-        with autocast(device, autocast_dtype):
-            hypotheses = model.greedy(batch.src, batch.src_lengths, max_len)
-        for index, text in zip(indices, vocab.decode(hypotheses), strict=True):
-            output[index] = text
-    model.train(was_training)
-    return output
+            [t.source_tokens for t in translations],
+            [c.tokens for c in best],
+            list(range(len(translations))),
+            pad_id=self.vocab.pad_id,
+            bos_id=self.vocab.bos_id,
+            eos_id=self.vocab.eos_id,
+        ).to(self.device)
+        record = AttentionRecord()
+        memory = self.model.encode(batch.src, batch.src_lengths, record)
+        self.model.decode(batch.tgt_in, memory, batch.src_lengths, record=record)
+        for row, (translation, candidate) in enumerate(zip(translations, best, strict=True)):
+            source = len(translation.source_tokens) + 1  # + eos
+            target = len(candidate.tokens) + candidate.ended
+
+            def crop(weights, queries, keys, row=row):
+                return [w[row, :, :queries, :keys].float().cpu() for w in weights]
+
+            translation.attention = AttentionRecord(
+                encoder=crop(record.encoder, source, source),
+                decoder=crop(record.decoder, target, target),
+                cross=crop(record.cross, target, source),
+            )
+
+    @contextlib.contextmanager
+    def _inference(self):
+        """Eval mode and autocast for the block; the model's mode is restored after it."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with autocast(self.device, self.dtype):
+                yield
+        finally:
+            self.model.train(was_training)

@@ -56,24 +56,6 @@ def test_cached_decoding_equals_full_recomputation():
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
-def test_greedy_equals_argmax_of_full_recomputation():
-    model = Transformer(SMALL).eval()
-    src, src_lengths, _ = _batch()
-    hypotheses = model.greedy(src, src_lengths, max_len=6)
-    memory = model.encode(src, src_lengths)
-    for row, hypothesis in enumerate(hypotheses):
-        prefix = [SMALL.bos_id]
-        for _ in range(6):
-            states = model.decode(
-                torch.tensor([prefix]), memory[row : row + 1], src_lengths[row : row + 1]
-            )
-            token = model.logits(states[0, -1]).argmax().item()
-            if token == SMALL.eos_id:
-                break
-            prefix.append(token)
-        assert hypothesis == prefix[1:]
-
-
 def test_sinusoidal_positions():
     table = sinusoidal_positions(10, 8)
     torch.testing.assert_close(table[:, 0], torch.sin(torch.arange(10.0)))

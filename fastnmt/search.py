@@ -1,0 +1,223 @@
+"""Greedy and beam search on the KV-cache incremental decoder, batched across sentences.
+
+Shapes: B sentences, of which A are still being searched; K beams per sentence; N = A*K hypothesis
+rows, sentence-major (row a*K + k is beam k of active sentence a); V vocabulary; S source tokens.
+
+A sentence's search runs at most ``max_lens[b]`` steps. A hypothesis ends with eos, or is kept
+without it (truncated) when it reaches that limit, as greedy keeps it. Lengths count generated
+tokens, eos included. Hypotheses are ranked by ``log_prob / LengthPenalty(length)``. pad and bos
+are never generated. Sentences leave the batch as soon as their search is over, so the decoder
+only computes for live hypotheses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fastnmt.model import Transformer
+
+
+@dataclass(frozen=True)
+class LengthPenalty:
+    """The divisor of a hypothesis' log-probability. fairseq's ``lenpen``: length ** lenpen
+    (0 ranks by raw log-probability, 1 by the per-token average, more favours longer output).
+    GNMT's ``alpha`` (Wu et al. 2016), when given, replaces it: ((5 + length) / 6) ** alpha."""
+
+    lenpen: float = 1.0
+    alpha: float | None = None
+
+    def __call__(self, length: int) -> float:
+        if self.alpha is not None:
+            return ((5 + length) / 6) ** self.alpha
+        return length**self.lenpen
+
+
+@dataclass
+class Hypothesis:
+    tokens: list[int]  # generated ids, without eos
+    log_prob: float  # summed log-probabilities of the generated tokens, eos included if generated
+    score: float  # log_prob / LengthPenalty(length): the ranking
+    ended: bool  # eos generated (False: cut at the length limit)
+
+
+class _Batch:
+    """The sentences still being searched and everything the decoder keeps for them."""
+
+    def __init__(self, model: Transformer, src, src_lengths, max_lens, beam, incremental, eos):
+        cfg = model.cfg
+        self.model, self.beam = model, beam
+        self.memory = model.encode(src, src_lengths)  # (A, S, E)
+        self.src_lengths = src_lengths  # (A,)
+        self.max_lens = max_lens.to(src.device)  # (A,)
+        self.sentences = torch.arange(src.shape[0], device=src.device)  # (A,) input positions
+        self.caches = model.new_caches() if incremental else None
+        self.history = src.new_full((src.shape[0] * beam, 1), cfg.bos_id)  # (N, step + 1)
+        banned = [cfg.pad_id, cfg.bos_id] + ([] if eos else [cfg.eos_id])
+        self.banned = torch.tensor(banned, device=src.device)
+
+    @property
+    def size(self) -> int:
+        return self.sentences.shape[0]
+
+    def next_log_probs(self, step: int) -> torch.Tensor:
+        """(N, V) float32 log-probabilities of the next token of every hypothesis."""
+        if self.caches is None:  # recompute the whole prefix: the baseline the cache is for
+            states = self.model.decode(self.history, self.memory, self.src_lengths)
+        else:
+            last = self.history[:, -1:]
+            states = self.model.decode(last, self.memory, self.src_lengths, self.caches, start=step)
+        logits = self.model.logits(states[:, -1]).float()  # (N, V)
+        return logits.index_fill_(1, self.banned, float("-inf")).log_softmax(-1)
+
+    def keep_sentences(self, kept: torch.Tensor) -> None:
+        """Keep active sentences ``kept`` (A',); ``advance`` then picks their rows."""
+        self.memory = self.memory.index_select(0, kept)
+        self.src_lengths = self.src_lengths.index_select(0, kept)
+        self.max_lens = self.max_lens.index_select(0, kept)
+        self.sentences = self.sentences.index_select(0, kept)
+        for cache in self.caches or ():
+            cache.cross_attn.reorder(kept)  # one entry per sentence, shared by its beams
+
+    def advance(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Continue hypotheses ``rows`` (N',) of the previous step with ``tokens`` (N',)."""
+        if rows.shape[0] != self.history.shape[0] or not torch.equal(
+            rows, torch.arange(rows.shape[0], device=rows.device)
+        ):  # copy the self-attention caches only when hypotheses moved
+            self.history = self.history.index_select(0, rows)
+            for cache in self.caches or ():
+                cache.self_attn.reorder(rows)
+        self.history = torch.cat([self.history, tokens[:, None]], dim=1)
+
+
+def _check(max_lens: torch.Tensor, src: torch.Tensor, beam: int = 1, nbest: int = 1) -> None:
+    if beam < 1:
+        raise ValueError(f"beam must be at least 1, got {beam}")
+    if not 1 <= nbest <= beam:
+        raise ValueError(f"nbest must be between 1 and beam ({beam}), got {nbest}")
+    if max_lens.shape != src.shape[:1] or (max_lens.numel() and int(max_lens.min()) < 1):
+        raise ValueError(f"max_lens must be ({src.shape[0]},) positive lengths, got {max_lens}")
+
+
+@torch.no_grad()
+def greedy(
+    model: Transformer,
+    src: torch.Tensor,
+    src_lengths: torch.Tensor,
+    max_lens: torch.Tensor,
+    *,
+    penalty: LengthPenalty = LengthPenalty(),
+    incremental: bool = True,
+    eos: bool = True,
+) -> list[Hypothesis]:
+    """The most probable next token at every step, for src (B, S) with lengths (B,); at most
+    ``max_lens`` (B,) tokens each. ``incremental=False`` recomputes the whole prefix every step
+    (no KV cache); ``eos=False`` never ends a hypothesis early (fixed-length benchmarks)."""
+    _check(max_lens, src)
+    batch = _Batch(model, src, src_lengths, max_lens, 1, incremental, eos)
+    log_probs = torch.zeros(batch.size, device=src.device)  # (A,)
+    results: list[Hypothesis | None] = [None] * src.shape[0]
+    for step in range(int(max_lens.max()) if src.shape[0] else 0):
+        best, tokens = batch.next_log_probs(step).max(dim=-1)  # (A,), (A,)
+        log_probs += best
+        done = (tokens == model.cfg.eos_id) | (batch.max_lens <= step + 1)  # (A,)
+        rows = torch.arange(batch.size, device=src.device)
+        if done.any():
+            ended = done.nonzero()[:, 0]
+            generated = torch.cat([batch.history[ended, 1:], tokens[ended, None]], dim=1)
+            finished = zip(
+                batch.sentences[ended].tolist(),
+                generated.tolist(),
+                log_probs[ended].tolist(),
+                strict=True,
+            )
+            for sentence, ids, log_prob in finished:
+                results[sentence] = _hypothesis(ids, log_prob, model.cfg.eos_id, penalty)
+            rows = (~done).nonzero()[:, 0]
+            if not rows.numel():
+                break
+            batch.keep_sentences(rows)
+            log_probs, tokens = log_probs[rows], tokens[rows]
+        batch.advance(rows, tokens)
+    return results
+
+
+@torch.no_grad()
+def beam_search(
+    model: Transformer,
+    src: torch.Tensor,
+    src_lengths: torch.Tensor,
+    max_lens: torch.Tensor,
+    *,
+    beam: int,
+    nbest: int = 1,
+    penalty: LengthPenalty = LengthPenalty(),
+    incremental: bool = True,
+    eos: bool = True,
+) -> list[list[Hypothesis]]:
+    """The ``nbest`` best hypotheses per sentence (best first) of a beam search of width
+    ``beam``, arguments as ``greedy``'s.
+
+    fairseq's algorithm: each step takes the 2K best continuations of a sentence's K beams; those
+    ending in eos among the best K are finished, the best K others go on. A sentence is done with
+    K finished hypotheses, or at its length limit, where its best K continuations are finished as
+    they are. With K as large as the number of possible prefixes the search is exhaustive.
+    """
+    _check(max_lens, src, beam, nbest)
+    k, eos_id = beam, model.cfg.eos_id
+    batch = _Batch(model, src, src_lengths, max_lens, k, incremental, eos)
+    scores = torch.full((batch.size, k), float("-inf"), device=src.device)  # (A, K)
+    scores[:, 0] = 0.0  # all beams start as the same empty prefix: expand only one of them
+    finished: list[list[Hypothesis]] = [[] for _ in range(src.shape[0])]
+    for step in range(int(max_lens.max()) if src.shape[0] else 0):
+        log_probs = batch.next_log_probs(step)  # (N, V)
+        vocab = log_probs.shape[1]
+        candidates = (scores.view(-1, 1) + log_probs).view(batch.size, k * vocab)
+        top, index = candidates.topk(2 * k, dim=1)  # (A, 2K), best first
+        origin, tokens = index // vocab, index % vocab  # beam within the sentence, next token
+        ends = tokens == eos_id
+        last = batch.max_lens <= step + 1  # (A,)
+        finishing = (ends[:, :k] | last[:, None]) & (top[:, :k] > float("-inf"))  # (A, K)
+        done = _finish(batch, finished, finishing, top, origin, tokens, k, eos_id, penalty)
+        scores, pick = top.masked_fill(ends, float("-inf")).topk(k, dim=1)  # (A, K)
+        first_row = torch.arange(0, batch.size * k, k, device=src.device)[:, None]
+        rows, tokens = first_row + origin.gather(1, pick), tokens.gather(1, pick)  # (A, K)
+        if done is not None:
+            kept = (~done).nonzero()[:, 0]
+            if not kept.numel():
+                break
+            batch.keep_sentences(kept)
+            rows, tokens, scores = rows[kept], tokens[kept], scores[kept]
+        batch.advance(rows.view(-1), tokens.view(-1))
+    return [sorted(h, key=lambda h: h.score, reverse=True)[:nbest] for h in finished]
+
+
+def _finish(batch, finished, finishing, top, origin, tokens, k, eos_id, penalty):
+    """Record the hypotheses marked ``finishing`` (A, K) (the first K candidates of each active
+    sentence) that their sentence still has room for; the (A,) bool of sentences now done, or
+    None when nothing finished."""
+    if not finishing.any():
+        return None
+    sentence, rank = finishing.nonzero(as_tuple=True)
+    rows = sentence * k + origin[sentence, rank]
+    generated = torch.cat([batch.history[rows, 1:], tokens[sentence, rank, None]], dim=1)
+    ended = zip(
+        batch.sentences[sentence].tolist(),
+        generated.tolist(),
+        top[sentence, rank].tolist(),
+        strict=True,
+    )
+    for index, ids, log_prob in ended:
+        if len(finished[index]) < k:
+            finished[index].append(_hypothesis(ids, log_prob, eos_id, penalty))
+    full = [len(finished[index]) >= k for index in batch.sentences.tolist()]
+    last = batch.max_lens <= batch.history.shape[1]
+    return torch.tensor(full, device=last.device) | last
+
+
+def _hypothesis(ids: list[int], log_prob: float, eos_id: int, penalty) -> Hypothesis:
+    """A finished hypothesis from its generated ids (ending with eos unless truncated)."""
+    ended = eos_id in ids
+    tokens = ids[: ids.index(eos_id)] if ended else ids
+    return Hypothesis(tokens, log_prob, log_prob / penalty(len(ids)), ended)

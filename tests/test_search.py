@@ -1,0 +1,208 @@
+"""Greedy and beam search against independent oracles: the argmax of full recomputation, and the
+exhaustive enumeration of every output over a two-word vocabulary."""
+
+import itertools
+
+import pytest
+import torch
+
+from fastnmt.model import ModelConfig, Transformer
+from fastnmt.search import LengthPenalty, beam_search, greedy
+
+SMALL = ModelConfig(vocab_size=50, d_model=32, heads=2, d_ff=64, encoder_layers=1, decoder_layers=1)
+# pad, bos, eos and two words: few enough outputs to enumerate them all.
+TWO_WORDS = ModelConfig(
+    vocab_size=5, d_model=32, heads=2, d_ff=64, encoder_layers=1, decoder_layers=2
+)
+WORDS = (3, 4)
+
+
+def _model(cfg: ModelConfig) -> Transformer:
+    model = Transformer(cfg).eval()
+    with torch.no_grad():  # larger logits than at initialisation: peaked, varied choices
+        model.embedding.weight.mul_(4.0)
+    return model
+
+
+def _sources(cfg: ModelConfig, lengths=(7, 3, 5, 1)):
+    """A padded batch of random source sentences, each ending with eos."""
+    src = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    for row, length in enumerate(lengths):
+        src[row, : length - 1] = torch.randint(3, cfg.vocab_size, (length - 1,))
+        src[row, length - 1] = cfg.eos_id
+    return src, torch.tensor(lengths)
+
+
+@torch.no_grad()
+def _log_probs(model, src, src_lengths, row: int, prefixes: list[list[int]]) -> torch.Tensor:
+    """(P, L + 1, V) next-token log-probabilities after bos + each prefix of each of the P
+    ``prefixes`` (right-padded to L tokens) for sentence ``row``, by one full forward pass (no
+    cache); pad and bos are excluded from the distribution, as in the searches."""
+    cfg = model.cfg
+    memory = model.encode(src[row : row + 1], src_lengths[row : row + 1])
+    width = max(map(len, prefixes))
+    tgt_in = torch.tensor([[cfg.bos_id, *p] + [cfg.pad_id] * (width - len(p)) for p in prefixes])
+    states = model.decode(tgt_in, memory, src_lengths[row : row + 1])  # K = P rows per sentence
+    logits = model.logits(states)
+    logits[..., [cfg.pad_id, cfg.bos_id]] = float("-inf")
+    return logits.log_softmax(-1)
+
+
+def _sequence_log_probs(model, src, src_lengths, row: int, outputs) -> list[float]:
+    log_probs = _log_probs(model, src, src_lengths, row, [ids[:-1] for ids in outputs])
+    return [
+        sum(log_probs[i, t, token].item() for t, token in enumerate(ids))
+        for i, ids in enumerate(outputs)
+    ]
+
+
+def _all_outputs(max_len: int, eos_id: int) -> list[list[int]]:
+    """Every output of at most max_len tokens: words then eos, or max_len words (truncated)."""
+    ended = [[*w, eos_id] for n in range(max_len) for w in itertools.product(WORDS, repeat=n)]
+    return ended + [list(w) for w in itertools.product(WORDS, repeat=max_len)]
+
+
+def _brute_force(model, src, src_lengths, row, max_len, penalty) -> list[tuple[list[int], float]]:
+    """(tokens without eos, score) of every possible output, best first."""
+    outputs = _all_outputs(max_len, model.cfg.eos_id)
+    log_probs = _sequence_log_probs(model, src, src_lengths, row, outputs)
+    scored = [
+        ([t for t in ids if t != model.cfg.eos_id], log_prob / penalty(len(ids)))
+        for ids, log_prob in zip(outputs, log_probs, strict=True)
+    ]
+    return sorted(scored, key=lambda item: item[1], reverse=True)
+
+
+def test_greedy_equals_argmax_of_full_recomputation_and_beam_1():
+    model = _model(SMALL)
+    src, src_lengths = _sources(SMALL)
+    max_lens = torch.tensor([6, 6, 3, 6])
+    hypotheses = greedy(model, src, src_lengths, max_lens)
+    for row, hypothesis in enumerate(hypotheses):
+        prefix = []
+        while len(prefix) < max_lens[row] and SMALL.eos_id not in prefix:
+            log_probs = _log_probs(model, src, src_lengths, row, [prefix])
+            prefix.append(log_probs[0, -1].argmax().item())
+        assert hypothesis.tokens == [t for t in prefix if t != SMALL.eos_id]
+        [log_prob] = _sequence_log_probs(model, src, src_lengths, row, [prefix])
+        assert hypothesis.log_prob == pytest.approx(log_prob, abs=1e-4)
+    assert {len(h.tokens) for h in hypotheses} != {0}, "a test of nothing: all outputs empty"
+    beam_1 = beam_search(model, src, src_lengths, max_lens, beam=1)
+    assert [b[0].tokens for b in beam_1] == [h.tokens for h in hypotheses]
+    assert [b[0].score for b in beam_1] == pytest.approx([h.score for h in hypotheses], abs=1e-5)
+
+
+PENALTIES = [LengthPenalty(0.0), LengthPenalty(1.0), LengthPenalty(2.0), LengthPenalty(alpha=0.6)]
+
+
+@pytest.mark.parametrize("penalty", PENALTIES)
+def test_wide_beam_finds_every_output_in_brute_force_order(penalty):
+    """With a beam as wide as the number of outputs (31 of at most 4 tokens over 2 words), beam
+    search is exhaustive: its n-best list is the brute-force ranking, scores included."""
+    model = _model(TWO_WORDS)
+    src, src_lengths = _sources(TWO_WORDS, lengths=(4, 2))
+    max_len = 4
+    nbest = beam_search(
+        model, src, src_lengths, torch.tensor([max_len] * 2), beam=32, nbest=31, penalty=penalty
+    )
+    for row, hypotheses in enumerate(nbest):
+        expected = _brute_force(model, src, src_lengths, row, max_len, penalty)
+        assert [h.tokens for h in hypotheses] == [tokens for tokens, _ in expected]
+        assert [h.score for h in hypotheses] == pytest.approx([s for _, s in expected], abs=1e-4)
+
+
+def test_narrow_beam_scores_its_outputs_exactly_and_ranks_them():
+    model = _model(TWO_WORDS)
+    src, src_lengths = _sources(TWO_WORDS, lengths=(4,))
+    penalty = LengthPenalty(1.0)
+    hypotheses = beam_search(model, src, src_lengths, torch.tensor([5]), beam=3, nbest=3)[0]
+    best = _brute_force(model, src, src_lengths, 0, 5, penalty)[0][1]
+    scores = [h.score for h in hypotheses]
+    assert scores == sorted(scores, reverse=True) and scores[0] <= best + 1e-5
+    for h in hypotheses:
+        ids = h.tokens + ([TWO_WORDS.eos_id] if len(h.tokens) < 5 else [])
+        [log_prob] = _sequence_log_probs(model, src, src_lengths, 0, [ids])
+        assert h.log_prob == pytest.approx(log_prob, abs=1e-4)
+        assert h.score == pytest.approx(log_prob / penalty(len(ids)), abs=1e-4)
+
+
+def test_length_penalty_formulas_and_effect():
+    assert LengthPenalty(0.0)(7) == 1.0 and LengthPenalty(1.0)(7) == 7.0
+    assert LengthPenalty(0.5)(4) == 2.0
+    assert LengthPenalty(alpha=1.0)(7) == pytest.approx(2.0)  # (5 + 7) / 6
+    model = _model(TWO_WORDS)
+    src, src_lengths = _sources(TWO_WORDS, lengths=(4,))
+    lengths = []
+    for lenpen in (0.0, 5.0):
+        found = beam_search(
+            model, src, src_lengths, torch.tensor([6]), beam=8, penalty=LengthPenalty(lenpen)
+        )
+        lengths.append(len(found[0][0].tokens))
+    assert lengths[0] < lengths[1], "a larger lenpen must favour a longer output here"
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_batched_search_equals_one_sentence_at_a_time(beam):
+    model = _model(SMALL)
+    src, src_lengths = _sources(SMALL)
+    max_lens = torch.tensor([8, 2, 5, 8])
+    batched = beam_search(model, src, src_lengths, max_lens, beam=beam, nbest=beam)
+    for row in range(src.shape[0]):
+        one = slice(row, row + 1)
+        alone = beam_search(
+            model, src[one, : src_lengths[row]], src_lengths[one], max_lens[one], beam=beam,
+            nbest=beam,
+        )[0]  # fmt: skip
+        assert [h.tokens for h in batched[row]] == [h.tokens for h in alone]
+        assert [h.score for h in batched[row]] == pytest.approx([h.score for h in alone], abs=1e-4)
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_recomputing_the_prefix_equals_the_kv_cache(beam):
+    model = _model(SMALL)
+    src, src_lengths = _sources(SMALL)
+    max_lens = torch.tensor([9, 4, 6, 9])
+    cached = beam_search(model, src, src_lengths, max_lens, beam=beam, nbest=beam)
+    recomputed = beam_search(
+        model, src, src_lengths, max_lens, beam=beam, nbest=beam, incremental=False
+    )
+    assert [[h.tokens for h in n] for n in cached] == [[h.tokens for h in n] for n in recomputed]
+    g_cached = greedy(model, src, src_lengths, max_lens)
+    g_recomputed = greedy(model, src, src_lengths, max_lens, incremental=False)
+    assert [h.tokens for h in g_cached] == [h.tokens for h in g_recomputed]
+
+
+def test_without_eos_every_output_has_its_full_length():
+    model = _model(SMALL)
+    src, src_lengths = _sources(SMALL)
+    max_lens = torch.tensor([5, 2, 7, 1])
+    for hypotheses in (
+        greedy(model, src, src_lengths, max_lens, eos=False),
+        [n[0] for n in beam_search(model, src, src_lengths, max_lens, beam=2, eos=False)],
+    ):
+        assert [len(h.tokens) for h in hypotheses] == max_lens.tolist()
+
+
+def test_beams_share_one_cross_attention_entry_per_sentence():
+    """decode with K rows per sentence and per-sentence memory == memory repeated per row."""
+    model = _model(SMALL)
+    src, src_lengths = _sources(SMALL)
+    memory = model.encode(src, src_lengths)
+    tgt = torch.randint(3, SMALL.vocab_size, (src.shape[0] * 3, 4))
+    shared = model.decode(tgt, memory, src_lengths)
+    repeated = model.decode(
+        tgt, memory.repeat_interleave(3, 0), src_lengths.repeat_interleave(3, 0)
+    )
+    torch.testing.assert_close(shared, repeated, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_arguments_are_named():
+    model = _model(SMALL)
+    src, src_lengths = _sources(SMALL)
+    max_lens = torch.tensor([3] * 4)
+    with pytest.raises(ValueError, match="beam must be at least 1"):
+        beam_search(model, src, src_lengths, max_lens, beam=0)
+    with pytest.raises(ValueError, match="nbest must be between 1 and beam"):
+        beam_search(model, src, src_lengths, max_lens, beam=2, nbest=3)
+    with pytest.raises(ValueError, match="max_lens must be"):
+        greedy(model, src, src_lengths, torch.tensor([3, 0, 1, 1]))
