@@ -22,7 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-KERNEL_MODULES = ("fastnmt.ops.attention", "fastnmt.ops.layer_norm", "fastnmt.ops.feed_forward")
+KERNEL_MODULES = (
+    "fastnmt.ops.attention",
+    "fastnmt.ops.layer_norm",
+    "fastnmt.ops.feed_forward",
+    "fastnmt.ops.linear_cross_entropy",
+)
 TARGETS = {80: 163 * 1024, 90: 227 * 1024}  # compute capability -> shared memory per block
 DTYPES = ("fp16", "bf16")
 

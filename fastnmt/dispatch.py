@@ -6,8 +6,10 @@ xformers' ``not_supported_reasons()``. A call runs on the first backend, in ``BA
 no reasons against it; ``reference`` runs everything, so a call always has a backend.
 
 A backend can be forced with the environment variable ``FASTNMT_BACKEND`` or, taking precedence, the
-``backend()`` context manager. Forcing a backend that cannot run the call raises
-``BackendUnavailableError`` with the reasons: a forced backend never falls back silently.
+``backend()`` context manager, for every op or only for some (``backend("reference",
+ops=["linear_cross_entropy"])``: A/B comparisons of one op inside a whole model). Forcing a
+backend that cannot run the call raises ``BackendUnavailableError`` with the reasons: a forced
+backend never falls back silently.
 ``explain()`` returns, for a call, every backend's reasons. Under ``torch.compile`` the backend is
 chosen when the graph is traced and stays part of it: force a backend before compiling.
 """
@@ -28,7 +30,10 @@ BACKENDS = ("triton", "cpp", "reference")
 ENV_VAR = "FASTNMT_BACKEND"
 _AUTO = "auto"
 
-_forced: ContextVar[str | None] = ContextVar("fastnmt_forced_backend", default=None)
+# The active backend() blocks, innermost last: (backend name, op names or None for every op).
+_forced: ContextVar[tuple[tuple[str, frozenset[str] | None], ...]] = ContextVar(
+    "fastnmt_forced_backends", default=()
+)
 
 
 class BackendUnavailableError(RuntimeError):
@@ -42,9 +47,16 @@ def _check_backend_name(name: str, source: str) -> str:
 
 
 @contextlib.contextmanager
-def backend(name: str) -> Iterator[None]:
-    """Force every fastnmt op called inside the block onto backend ``name`` ("auto" to choose)."""
-    token = _forced.set(_check_backend_name(name, "backend()'s name"))
+def backend(name: str, ops: Iterable[str] | None = None) -> Iterator[None]:
+    """Force the fastnmt ops called inside the block onto backend ``name`` ("auto" to choose):
+    every op, or only those named in ``ops`` (others keep what an outer block or the environment
+    says)."""
+    _check_backend_name(name, "backend()'s name")
+    if ops is not None:
+        ops = frozenset([ops] if isinstance(ops, str) else ops)
+        if unknown := ops - OPS.keys():
+            raise ValueError(f"backend()'s ops must be among {sorted(OPS)}, got {sorted(unknown)}")
+    token = _forced.set((*_forced.get(), (name, ops)))
     try:
         yield
     finally:
@@ -53,9 +65,13 @@ def backend(name: str) -> Iterator[None]:
 
 # torch.compile cannot trace a ContextVar; the forced backend is a constant of the compiled graph.
 @torch.compiler.assume_constant_result
-def forced_backend() -> str | None:
-    """The backend forced by ``backend()`` or ``FASTNMT_BACKEND``, or None when choosing freely."""
-    name = _forced.get()
+def forced_backend(op_name: str) -> str | None:
+    """The backend forced for op ``op_name`` by ``backend()`` or ``FASTNMT_BACKEND``, or None
+    when choosing freely."""
+    name = next(
+        (name for name, ops in reversed(_forced.get()) if ops is None or op_name in ops),
+        None,
+    )
     if name is None:
         name = _check_backend_name(os.environ.get(ENV_VAR, _AUTO), ENV_VAR)
     return None if name == _AUTO else name
@@ -128,7 +144,7 @@ class Op:
         return found
 
     def _choose(self, device: torch.device, prepared: dict) -> str:
-        forced = forced_backend()
+        forced = forced_backend(self.name)
         reasons = self._reasons(device, prepared, forced)
         if forced is None:
             return next(name for name in BACKENDS if not reasons[name])
@@ -143,7 +159,7 @@ class Op:
         """For each backend, the reasons it cannot run this call (empty: it can), plus the
         chosen backend under the key "chosen"."""
         device, prepared = self.prepare(*args, **kwargs)
-        reasons: dict = self._reasons(device, prepared, forced_backend())
+        reasons: dict = self._reasons(device, prepared, forced_backend(self.name))
         reasons["chosen"] = self._choose(device, prepared)
         return reasons
 

@@ -63,12 +63,33 @@ def test_forcing_a_backend_that_cannot_run_raises_with_reasons(extension_built):
         fastnmt.ops.attention(q, q, q)
 
 
+def test_forcing_some_ops_leaves_the_others_alone(monkeypatch, extension_built):
+    x = torch.randn(4, 8)
+    loss_args = (x, torch.randn(11, 8), None, torch.tensor([1, 2, 3, 4]))
+    with fastnmt.backend("reference", ops=["linear_cross_entropy"]):
+        assert fastnmt.explain("linear_cross_entropy", *loss_args)["chosen"] == "reference"
+        assert fastnmt.explain("add_layer_norm", x)["chosen"] == "cpp"
+        with fastnmt.backend("auto"):  # an inner block for every op wins
+            assert fastnmt.explain("linear_cross_entropy", *loss_args)["chosen"] == "cpp"
+    monkeypatch.setenv("FASTNMT_BACKEND", "reference")
+    with fastnmt.backend("cpp", ops="add_layer_norm"):  # the environment covers the rest
+        assert fastnmt.explain("add_layer_norm", x)["chosen"] == "cpp"
+        assert (
+            fastnmt.explain("feed_forward", x, torch.randn(16, 8), None, torch.randn(8, 16), None)[
+                "chosen"
+            ]
+            == "reference"
+        )
+    with pytest.raises(ValueError, match=r"ops must be among .* got \['softmax'\]"):
+        fastnmt.backend("cpp", ops=["softmax"]).__enter__()
+
+
 def test_unknown_backend_names_are_rejected(monkeypatch):
     with pytest.raises(ValueError, match="backend\\(\\)'s name must be one of"):
         fastnmt.backend("cuda").__enter__()
     monkeypatch.setenv("FASTNMT_BACKEND", "fast")
     with pytest.raises(ValueError, match="FASTNMT_BACKEND must be one of"):
-        dispatch.forced_backend()
+        dispatch.forced_backend("toy")
 
 
 def test_triton_needs_cuda_or_the_interpreter_and_force(monkeypatch):
@@ -88,6 +109,7 @@ def test_every_op_explains_itself():
         "attention": ((q, q, q), {"key_lengths": torch.tensor([2])}),
         "add_layer_norm": ((x, x), {}),
         "feed_forward": ((x, torch.randn(16, 8), None, torch.randn(8, 16), None), {}),
+        "linear_cross_entropy": ((x, torch.randn(11, 8), None, torch.tensor([1, 2, 3, 4])), {}),
     }
     assert set(calls) == set(dispatch.OPS)
     for name, (args, kwargs) in calls.items():

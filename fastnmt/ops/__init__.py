@@ -3,5 +3,13 @@
 from fastnmt.ops.attention import attention, attention_probabilities
 from fastnmt.ops.feed_forward import feed_forward
 from fastnmt.ops.layer_norm import add_layer_norm
+from fastnmt.ops.linear_cross_entropy import CrossEntropyOutput, linear_cross_entropy
 
-__all__ = ["add_layer_norm", "attention", "attention_probabilities", "feed_forward"]
+__all__ = [
+    "CrossEntropyOutput",
+    "add_layer_norm",
+    "attention",
+    "attention_probabilities",
+    "feed_forward",
+    "linear_cross_entropy",
+]

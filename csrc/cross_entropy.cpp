@@ -1,0 +1,152 @@
+// Label-smoothed cross entropy over rows of logits, turning each row into its gradient in place
+// (the row step of fastnmt/ops/linear_cross_entropy.py, whose docstring has the math).
+//
+// The caller computes a chunk of logits with a library GEMM and hands it here while it is still
+// in cache; this kernel makes three vectorised passes over each row (max/argmax, sums of
+// exponentials and of logits, gradient) and never writes a log-probability tensor. Rows are independent, so
+// the work is split over rows with at::parallel_for and no result depends on the thread count.
+#include "common.h"
+#include "vec.h"
+
+#include <cmath>
+
+namespace fastnmt {
+namespace {
+
+struct RowMax {
+  float max;
+  int64_t argmax;  // the first index of the max
+};
+
+template <typename T>
+RowMax max_argmax(const T* x, int64_t n) {
+  const int64_t whole = n / kLanes * kLanes;
+  Vec best = splat(-kInf), best_index = splat(0.0f);
+  const Vec lanes = lane_indices();
+  for (int64_t j = 0; j < whole; j += kLanes) {
+    const Vec v = load_float(x + j);
+    const auto greater = v > best;  // strict: each lane keeps its first maximum
+    best = greater ? v : best;
+    best_index = greater ? lanes + static_cast<float>(j) : best_index;
+  }
+  RowMax stats{-kInf, 0};
+  for (int l = 0; l < kLanes; ++l) {
+    const auto index = static_cast<int64_t>(best_index[l]);
+    if (best[l] > stats.max || (best[l] == stats.max && index < stats.argmax)) {
+      stats.max = best[l];
+      stats.argmax = index;
+    }
+  }
+  for (int64_t j = whole; j < n; ++j) {
+    const float v = to_float(x[j]);
+    if (v > stats.max) stats.max = v, stats.argmax = j;
+  }
+  return stats;
+}
+
+struct ShiftedSums {
+  float exp;      // sum of exp(x - shift)
+  float shifted;  // sum of (x - shift): no cancellation against V * lse, unlike sum of x
+};
+
+template <typename T>
+ShiftedSums shifted_sums(const T* x, int64_t n, float shift) {
+  const int64_t whole = n / kLanes * kLanes;
+  Vec exp_sum = splat(0.0f), shifted_sum = splat(0.0f);
+  for (int64_t j = 0; j < whole; j += kLanes) {
+    const Vec shifted = load_float(x + j) - shift;
+    exp_sum += vector_exp(shifted);
+    shifted_sum += shifted;
+  }
+  ShiftedSums sums{horizontal_sum(exp_sum), horizontal_sum(shifted_sum)};
+  for (int64_t j = whole; j < n; ++j) {
+    const float shifted = to_float(x[j]) - shift;
+    sums.exp += std::exp(shifted);
+    sums.shifted += shifted;
+  }
+  return sums;
+}
+
+// x <- scale * (softmax(x) - smoothing / n), written over x (the target's -(1 - smoothing) is
+// added by the caller).
+template <typename T>
+void write_gradient(T* x, int64_t n, float lse, float scale, float uniform) {
+  const int64_t whole = n / kLanes * kLanes;
+  for (int64_t j = 0; j < whole; j += kLanes) {
+    store_float(x + j, (vector_exp(load_float(x + j) - lse) - uniform) * scale);
+  }
+  for (int64_t j = whole; j < n; ++j) {
+    x[j] = static_cast<T>((std::exp(to_float(x[j]) - lse) - uniform) * scale);
+  }
+}
+
+template <typename T>
+void rows(T* logits, const int64_t* target, float* stats, int64_t count, int64_t vocab,
+          float smoothing, int64_t ignore_index, float grad_scale, bool compute_grad) {
+  const float uniform = smoothing / static_cast<float>(vocab);
+  at::parallel_for(0, count, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      T* x = logits + i * vocab;
+      float* out = stats + i * 3;  // loss, nll, correct
+      const int64_t gold = target[i];
+      if (gold == ignore_index) {
+        out[0] = out[1] = out[2] = 0.0f;
+        if (compute_grad) std::fill(x, x + vocab, static_cast<T>(0.0f));
+        continue;
+      }
+      const RowMax row = max_argmax(x, vocab);
+      const ShiftedSums sums = shifted_sums(x, vocab, row.max);
+      const float log_sum = std::log(sums.exp);
+      const float lse = row.max + log_sum;
+      const float gold_logit = to_float(x[gold]);
+      const float nll = lse - gold_logit;
+      // -sum_v log p_v = vocab * lse - sum_v x_v, computed relative to the max
+      const float smoothed = static_cast<float>(vocab) * log_sum - sums.shifted;
+      out[0] = (1.0f - smoothing) * nll + uniform * smoothed;
+      out[1] = nll;
+      out[2] = row.argmax == gold ? 1.0f : 0.0f;
+      if (!compute_grad) continue;
+      write_gradient(x, vocab, lse, grad_scale, uniform);
+      const float gold_probability = std::exp(gold_logit - lse);
+      x[gold] = static_cast<T>((gold_probability - uniform - (1.0f - smoothing)) * grad_scale);
+    }
+  });
+}
+
+at::Tensor cross_entropy_rows(at::Tensor logits, const at::Tensor& target, double label_smoothing,
+                              int64_t ignore_index, double grad_scale, bool compute_grad) {
+  check_cpu(logits, "logits");
+  check_cpu(target, "target");
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous(), "logits must be a contiguous 2-D tensor");
+  TORCH_CHECK(target.scalar_type() == at::kLong && target.dim() == 1 &&
+                  target.size(0) == logits.size(0),
+              "target must be int64 of shape (", logits.size(0), ",)");
+  const auto count = logits.size(0), vocab = logits.size(1);
+  const auto gold = target.contiguous();
+  const auto* gold_ids = gold.data_ptr<int64_t>();
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(gold_ids[i] == ignore_index || (gold_ids[i] >= 0 && gold_ids[i] < vocab),
+                "target ", gold_ids[i], " at row ", i, " is outside [0, ", vocab,
+                ") and is not ignore_index (", ignore_index, ")");
+  }
+  auto stats = at::empty({count, 3}, logits.options().dtype(at::kFloat));
+  dispatch_float(logits.scalar_type(), "cross_entropy_rows", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    rows(logits.data_ptr<T>(), gold_ids, stats.data_ptr<float>(), count, vocab,
+         static_cast<float>(label_smoothing), ignore_index, static_cast<float>(grad_scale),
+         compute_grad);
+  });
+  return stats;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(fastnmt, m) {
+  m.def(
+      "cross_entropy_rows_cpp(Tensor(a!) logits, Tensor target, float label_smoothing, "
+      "int ignore_index, float grad_scale, bool compute_grad) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(fastnmt, CPU, m) { m.impl("cross_entropy_rows_cpp", cross_entropy_rows); }
+
+}  // namespace fastnmt

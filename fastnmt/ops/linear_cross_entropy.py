@@ -1,0 +1,490 @@
+r"""Output projection + label-smoothed cross entropy, never materialising the (tokens x V) logits.
+
+``linear_cross_entropy(hidden, weight, bias, target, label_smoothing, ignore_index, reduction)``
+equals ``F.cross_entropy(F.linear(hidden, weight, bias), target, ...)`` and also returns the
+summed nll, the number of correct argmax predictions and the number of counted tokens.
+
+Math, for token i with hidden state h_i (E,), target t_i, vocabulary size V, smoothing eps:
+
+    z_i    = W h_i + b                                   logits (V,)
+    m_i    = max_v z_iv
+    lse_i  = m_i + log sum_v exp(z_iv - m_i)
+    nll_i  = lse_i - z_{i,t_i}
+    loss_i = (1 - eps) nll_i + (eps / V) sum_v (lse_i - z_iv)
+           = (1 - eps) nll_i + (eps / V) (V (lse_i - m_i) - sum_v (z_iv - m_i))
+           (the last form has no cancellation between V lse_i and sum_v z_iv in fp32)
+
+Tokens with t_i = ignore_index count for nothing. reduction="sum" adds loss_i; "mean" divides by
+the number of counted tokens, and is defined as 0 when there are none (``F.cross_entropy`` gives
+NaN there, which would poison a training run on an all-padding batch).
+
+Gradient, with p_i = softmax(z_i) and s = 1 (sum) or 1 / counted tokens (mean):
+
+    dz_iv = s (p_iv - eps / V - (1 - eps) [v = t_i])
+    dh_i  = sum_v dz_iv W_v,     dW = sum_i dz_i h_i^T,     db = sum_i dz_i
+
+Chunking (Liger-Kernel's fused linear cross entropy, here for CPUs too): the tokens are processed
+in chunks of about ``_CHUNK_ELEMENTS / V`` rows. For each chunk a library GEMM writes its logits,
+a row kernel (Triton, or C++ in csrc/cross_entropy.cpp) reads each row while it is in cache, writes
+the loss statistics and overwrites the row with dz, and two more GEMMs turn dz into the chunk's dh
+and its share of dW (accumulated in fp32). The loss is a scalar, so its gradient is computed in the
+forward and the backward only scales it by the incoming gradient: three GEMMs, as unfused, and one
+chunk of logits alive at a time instead of logits, fp32 logits, log-probabilities and their
+gradients over all tokens. reduction="none" needs each token's gradient scaled separately, so it
+runs on the reference path.
+
+The Triton row kernel makes two passes over a row in BLOCK_V blocks: an online max / sum of
+exponentials / sum / argmax, then the gradient.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from fastnmt import _checks, dispatch
+from fastnmt.compile_check import CompileCase
+from fastnmt.ops import triton_common
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernel: one program per row of a chunk of logits.
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _cross_entropy_rows_kernel(
+    Z,  # (rows, V) logits of a chunk, contiguous; overwritten with dz when COMPUTE_GRAD
+    TARGET,  # (rows,) int64 target ids
+    STATS,  # (rows, 3) fp32 output: loss_i, nll_i, [argmax z_i == t_i]
+    V,  # vocabulary size
+    smoothing,  # eps
+    ignore_index,  # target id of tokens that count for nothing
+    grad_scale,  # s: 1 (sum) or 1 / counted tokens (mean)
+    COMPUTE_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    z_row = Z + row * V
+    target = tl.load(TARGET + row)
+    counted = target != ignore_index
+    gold = tl.where(counted, target, 0)
+
+    # Pass 1: running max m, sum of exp(z - m), sum of (z - m) (kept relative to m: a sum of z
+    # would cancel against V * lse), and the first index of the max.
+    m = -float("inf")
+    sum_exp = 0.0
+    sum_shifted = 0.0
+    argmax = 0
+    for start in range(0, V, BLOCK_V):
+        columns = start + tl.arange(0, BLOCK_V)
+        inside = columns < V
+        z = tl.load(z_row + columns, mask=inside, other=-float("inf")).to(tl.float32)
+        block_max = tl.max(z, 0)
+        argmax = tl.where(block_max > m, start + tl.argmax(z, 0), argmax)
+        new_m = tl.maximum(m, block_max)
+        sum_exp = sum_exp * tl.exp(m - new_m) + tl.sum(tl.exp(z - new_m), 0)
+        previous_m = tl.where(start > 0, m, new_m)  # m is -inf before the first block
+        sum_shifted += tl.sum(tl.where(inside, z - new_m, 0.0), 0) - start * (new_m - previous_m)
+        m = new_m
+    log_sum = tl.log(sum_exp)
+    lse = m + log_sum
+    nll = lse - tl.load(z_row + gold).to(tl.float32)
+    uniform = smoothing / V
+    loss = (1.0 - smoothing) * nll + uniform * (V * log_sum - sum_shifted)
+    tl.store(STATS + row * 3, tl.where(counted, loss, 0.0))
+    tl.store(STATS + row * 3 + 1, tl.where(counted, nll, 0.0))
+    tl.store(STATS + row * 3 + 2, tl.where(counted & (argmax == gold), 1.0, 0.0))
+
+    # Pass 2: dz = s (p - eps / V - (1 - eps) [v = t]), zero for an ignored token.
+    if COMPUTE_GRAD:
+        scale = tl.where(counted, grad_scale, 0.0)
+        for start in range(0, V, BLOCK_V):
+            columns = start + tl.arange(0, BLOCK_V)
+            inside = columns < V
+            z = tl.load(z_row + columns, mask=inside, other=0.0).to(tl.float32)
+            dz = tl.exp(z - lse) - uniform - tl.where(columns == gold, 1.0 - smoothing, 0.0)
+            tl.store(z_row + columns, (dz * scale).to(Z.dtype.element_ty), mask=inside)
+
+
+# ---------------------------------------------------------------------------------------------
+# PyTorch reference: logits, one log-softmax over the whole vocabulary, and its gradient.
+# ---------------------------------------------------------------------------------------------
+
+
+class CrossEntropyOutput(NamedTuple):
+    loss: torch.Tensor  # fp32 scalar (sum / mean), or per-token losses (reduction="none")
+    nll: torch.Tensor  # sum over counted tokens of -log p(target), fp64, no gradient
+    correct: torch.Tensor  # counted tokens whose argmax logit is the target, fp64
+    tokens: torch.Tensor  # counted tokens (target != ignore_index), fp64
+
+
+def linear_cross_entropy_reference(
+    hidden, weight, bias, target, label_smoothing, ignore_index, reduction
+):
+    logits = F.linear(hidden, weight, bias).float()  # (N, V)
+    log_probs = F.log_softmax(logits, dim=-1)
+    counted = target != ignore_index
+    gold = torch.where(counted, target, 0)
+    nll = -log_probs.gather(1, gold[:, None]).squeeze(1) * counted
+    smoothed = -log_probs.mean(dim=-1) * counted
+    losses = (1.0 - label_smoothing) * nll + label_smoothing * smoothed
+    tokens = counted.sum()
+    if reduction == "sum":
+        loss = losses.sum()
+    elif reduction == "mean":
+        loss = losses.sum() / tokens.clamp_min(1)
+    else:
+        loss = losses
+    correct = ((logits.argmax(dim=-1) == target) & counted).sum()
+    statistics = torch.stack([nll.detach().sum(), correct, tokens]).double()
+    return loss, statistics
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers: the chunked driver, shared by the Triton and C++ row kernels.
+# ---------------------------------------------------------------------------------------------
+
+_CHUNK_ELEMENTS = 1 << 23  # logits per chunk: 16 MB in bf16, 32 MB in fp32
+_GPU_BLOCK_V = 4096  # 16 values per thread with 8 warps
+_INTERPRETER_BLOCK_V = 1 << 16  # the interpreter's cost grows with the number of blocks
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def chunk_rows(vocab: int) -> int:
+    """Tokens per chunk: about _CHUNK_ELEMENTS logits, a multiple of 16 rows."""
+    return max(16, _CHUNK_ELEMENTS // vocab // 16 * 16)
+
+
+def _block_v(vocab: int) -> tuple[int, int]:
+    """(BLOCK_V, num_warps) of the row kernel."""
+    limit = _INTERPRETER_BLOCK_V if triton_common.INTERPRETER else _GPU_BLOCK_V
+    block_v = min(limit, triton.next_power_of_2(vocab))
+    return block_v, _num_warps(block_v)
+
+
+def _num_warps(block_v: int) -> int:
+    return min(8, max(1, block_v // 512))  # up to 16 values per thread
+
+
+def _triton_rows(logits, target, label_smoothing, ignore_index, grad_scale, compute_grad):
+    """The row step on the Triton kernel; logits become dz in place, returns (rows, 3) stats."""
+    rows, vocab = logits.shape
+    # The interpreter computes bf16 wrongly: run the kernel on an fp32 copy (see triton_common).
+    upcast = triton_common.upcast_in_interpreter(logits.dtype)
+    z = logits.float() if upcast else logits
+    stats = triton_common.new_output((rows, 3), torch.float32, logits.device)
+    block_v, num_warps = _block_v(vocab)
+    _cross_entropy_rows_kernel[(rows,)](
+        z,
+        target,
+        stats,
+        vocab,
+        label_smoothing,
+        ignore_index,
+        grad_scale,
+        COMPUTE_GRAD=compute_grad,
+        BLOCK_V=block_v,
+        num_warps=num_warps,
+    )
+    if upcast and compute_grad:
+        logits.copy_(z)
+    return stats
+
+
+def _cpp_rows(logits, target, label_smoothing, ignore_index, grad_scale, compute_grad):
+    """The row step on the C++ kernel (csrc/cross_entropy.cpp)."""
+    return torch.ops.fastnmt.cross_entropy_rows_cpp(
+        logits, target, label_smoothing, ignore_index, grad_scale, compute_grad
+    )
+
+
+def _add_product(accumulator, a, b):
+    """accumulator (fp32) += a @ b, for a and b in any dtype."""
+    if a.dtype == accumulator.dtype:
+        accumulator.addmm_(a, b)
+    else:
+        accumulator += torch.mm(a, b)
+
+
+def _chunked(
+    rows_step,
+    hidden,
+    weight,
+    bias,
+    target,
+    label_smoothing,
+    ignore_index,
+    mean,
+    compute_grad,
+    dtype,
+):
+    """(loss, statistics, dhidden, dweight, dbias) for the loss and its gradient, one chunk of
+    logits at a time; the gradients are empty unless compute_grad."""
+    compute_dtype = hidden.dtype if dtype is None else dtype
+    h = hidden.to(compute_dtype).contiguous()  # (N, E)
+    w = weight.to(compute_dtype).contiguous()  # (V, E)
+    b = None if bias is None else bias.to(compute_dtype)
+    tokens, vocab = h.shape[0], w.shape[0]
+    counted = (target != ignore_index).sum()
+    scale = 1.0 / max(int(counted), 1) if mean else 1.0  # one host sync, for a mean
+    sums = torch.zeros(3, dtype=torch.float64, device=h.device)  # loss, nll, correct
+    dh = torch.empty_like(h) if compute_grad else None
+    dw = torch.zeros(w.shape, dtype=torch.float32, device=h.device) if compute_grad else None
+    has_db = compute_grad and b is not None
+    db = torch.zeros(vocab, dtype=torch.float32, device=h.device) if has_db else None
+    step = chunk_rows(vocab)
+    for start in range(0, tokens, step):
+        h_chunk = h[start : start + step]
+        z = torch.mm(h_chunk, w.t()) if b is None else torch.addmm(b, h_chunk, w.t())  # (C, V)
+        row_stats = rows_step(
+            z, target[start : start + step], label_smoothing, ignore_index, scale, compute_grad
+        )
+        sums += row_stats.sum(0, dtype=torch.float64)
+        if compute_grad:  # z now holds dz
+            torch.mm(z, w, out=dh[start : start + step])
+            _add_product(dw, z.t(), h_chunk)
+            if has_db:
+                db += z.sum(0, dtype=torch.float32)
+    loss = (sums[0] * scale).float()
+    statistics = torch.stack([sums[1], sums[2], counted.double()])
+
+    def finished(grad, like):  # every output its own tensor: op outputs may not alias
+        return h.new_empty(0) if grad is None else grad.to(like.dtype)
+
+    return loss, statistics, finished(dh, hidden), finished(dw, weight), finished(db, bias)
+
+
+# ---------------------------------------------------------------------------------------------
+# Registered ops (torch.library) with autograd, the dispatch entry and the public function.
+# ---------------------------------------------------------------------------------------------
+
+
+def _define(name: str, rows_step):
+    """The registered fused op ``fastnmt::<name>`` running ``_chunked`` with ``rows_step``."""
+
+    @torch.library.custom_op(f"fastnmt::{name}", mutates_args=())
+    def fused(
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        target: torch.Tensor,
+        label_smoothing: float,
+        ignore_index: int,
+        mean: bool,
+        compute_grad: bool,
+        dtype: torch.dtype | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss, [nll, correct, tokens], dhidden, dweight, dbias) for the unscaled loss."""
+        return _chunked(
+            rows_step,
+            hidden,
+            weight,
+            bias,
+            target,
+            label_smoothing,
+            ignore_index,
+            mean,
+            compute_grad,
+            dtype,
+        )
+
+    @fused.register_fake
+    def _(hidden, weight, bias, target, label_smoothing, ignore_index, mean, compute_grad, dtype):
+        def grad_like(t):
+            return t.new_empty(t.shape if compute_grad else (0,))
+
+        return (
+            hidden.new_empty((), dtype=torch.float32),
+            hidden.new_empty(3, dtype=torch.float64),
+            grad_like(hidden),
+            grad_like(weight),
+            hidden.new_empty(0) if bias is None else grad_like(bias),
+        )
+
+    def setup_context(ctx, inputs, output):
+        ctx.has_bias = inputs[2] is not None
+        ctx.compute_grad = inputs[7]
+        ctx.save_for_backward(*output[2:])
+
+    def backward(ctx, dloss, _dstatistics, _dh, _dw, _db):
+        if not ctx.compute_grad:
+            raise RuntimeError(f"fastnmt::{name} ran with compute_grad=False: no gradient kept")
+        dh, dw, db = ctx.saved_tensors
+        return (dh * dloss, dw * dloss, db * dloss if ctx.has_bias else None, *[None] * 6)
+
+    fused.register_autograd(backward, setup_context=setup_context)
+    return fused
+
+
+_triton_op = _define("linear_cross_entropy_triton", _triton_rows)
+_cpp_op = _define("linear_cross_entropy_cpp", _cpp_rows)
+
+
+def _running(fused_op):
+    """The implementation of the op on a fused registered op."""
+
+    def implementation(hidden, weight, bias, target, label_smoothing, ignore_index, reduction):
+        needs_grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (hidden, weight, bias)
+        )
+        autocast_dtype = (
+            torch.get_autocast_dtype(hidden.device.type)
+            if torch.is_autocast_enabled(hidden.device.type)
+            else None
+        )
+        loss, statistics, *_ = fused_op(
+            hidden,
+            weight,
+            bias,
+            target,
+            label_smoothing,
+            ignore_index,
+            reduction == "mean",
+            needs_grad,
+            autocast_dtype,
+        )
+        return loss, statistics
+
+    return implementation
+
+
+def _fused_unsupported(kernels: str):
+    def unsupported(hidden, weight, bias, target, label_smoothing, ignore_index, reduction):
+        if reduction == "none":
+            yield (
+                "reduction='none' needs each token's gradient scaled on its own; the fused "
+                "kernels compute the gradient of a summed or mean loss in the forward"
+            )
+        dtype = (
+            torch.get_autocast_dtype(hidden.device.type)
+            if torch.is_autocast_enabled(hidden.device.type)
+            else hidden.dtype
+        )
+        if dtype not in _SUPPORTED_DTYPES:
+            yield f"hidden has dtype {dtype}; the {kernels} kernels take fp32, fp16 and bf16"
+
+    return unsupported
+
+
+def _prepare(
+    hidden, weight, bias, target, label_smoothing=0.0, ignore_index=-100, reduction="mean"
+):
+    _checks.tensor("hidden", hidden, floating=True)
+    _checks.tensor("weight", weight, ndim=2, floating=True)
+    if hidden.dim() == 0 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden must have shape (..., {weight.shape[1]}) (weight is (V, E) = "
+            f"{tuple(weight.shape)}), got {tuple(hidden.shape)}"
+        )
+    _checks.same_device("weight", weight, "hidden", hidden)
+    if not _checks.autocasting(hidden.device):
+        _checks.same_dtype("weight", weight, "hidden", hidden)
+    if bias is not None:
+        _checks.tensor("bias", bias, floating=True)
+        _checks.shape("bias", bias, (weight.shape[0],), "the vocabulary size, weight.shape[0]")
+        _checks.same_device("bias", bias, "hidden", hidden)
+    _checks.tensor("target", target)
+    if target.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"target must hold int64 or int32 class indices, got {target.dtype}")
+    _checks.shape("target", target, tuple(hidden.shape[:-1]), "hidden's shape without E")
+    _checks.same_device("target", target, "hidden", hidden)
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    target = target.reshape(-1).long()
+    _check_target_range(target, weight.shape[0], ignore_index)
+    prepared = dict(
+        hidden=hidden.reshape(-1, hidden.shape[-1]),
+        weight=weight,
+        bias=bias,
+        target=target,
+        label_smoothing=_checks.probability("label_smoothing", label_smoothing),
+        ignore_index=ignore_index,
+        reduction=reduction,
+    )
+    return hidden.device, prepared
+
+
+def _check_target_range(target, vocab: int, ignore_index: int) -> None:
+    """Class indices in [0, V) or ignore_index: one host sync, outside tracing (the C++ kernel
+    checks again)."""
+    if torch.compiler.is_compiling():
+        return
+    outside = ((target < 0) | (target >= vocab)) & (target != ignore_index)
+    if outside.any():
+        position = int(outside.nonzero()[0, 0])
+        raise ValueError(
+            f"target must hold class indices in [0, {vocab}) or ignore_index ({ignore_index}); "
+            f"got {int(target[position])} at flat position {position}"
+        )
+
+
+LINEAR_CROSS_ENTROPY = dispatch.define("linear_cross_entropy", _prepare)
+LINEAR_CROSS_ENTROPY.register("triton", unsupported=_fused_unsupported("Triton"))(
+    _running(_triton_op)
+)
+LINEAR_CROSS_ENTROPY.register("cpp", unsupported=_fused_unsupported("C++"))(_running(_cpp_op))
+LINEAR_CROSS_ENTROPY.register("reference")(linear_cross_entropy_reference)
+
+
+def linear_cross_entropy(
+    hidden, weight, bias, target, label_smoothing=0.0, ignore_index=-100, reduction="mean"
+) -> CrossEntropyOutput:
+    """Label-smoothed cross entropy of the logits ``hidden @ weight.T + bias``, without forming
+    them for all tokens at once on the fused backends.
+
+    Args:
+        hidden: (..., E) states; under autocast, computed in the autocast dtype like ``F.linear``.
+        weight: (V, E) output projection (e.g. a tied embedding), same dtype as hidden outside
+            autocast. bias: (V,) or None.
+        target: (...) int64/int32 class indices in [0, V), or ``ignore_index``.
+        label_smoothing: eps in [0, 1), as in ``F.cross_entropy``.
+        reduction: "mean" (over counted tokens; 0 when none), "sum", or "none" (per-token
+            losses, shape of target; reference path).
+
+    Returns:
+        ``CrossEntropyOutput(loss, nll, correct, tokens)``: the loss, and for logging the summed
+        nll, the number of correct argmax predictions and of counted tokens.
+    """
+    loss, statistics = LINEAR_CROSS_ENTROPY(
+        hidden, weight, bias, target, label_smoothing, ignore_index, reduction
+    )
+    if reduction == "none":
+        loss = loss.view(target.shape)
+    return CrossEntropyOutput(loss, *statistics.detach().unbind())
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU compile check (fastnmt.compile_check): the row kernel with and without the gradient.
+# ---------------------------------------------------------------------------------------------
+
+
+def gpu_compile_cases(dtype: str) -> list[CompileCase]:
+    """The row kernel at the GPU block (``dtype`` is substituted by compile_check)."""
+    block_v, num_warps = _GPU_BLOCK_V, _num_warps(_GPU_BLOCK_V)
+    signature = {
+        "Z": "*DTYPE",
+        "TARGET": "*i64",
+        "STATS": "*fp32",
+        "V": "i32",
+        "smoothing": "fp32",
+        "ignore_index": "i32",
+        "grad_scale": "fp32",
+        "COMPUTE_GRAD": "constexpr",
+        "BLOCK_V": "constexpr",
+    }
+    return [
+        CompileCase(
+            _cross_entropy_rows_kernel,
+            signature,
+            {"COMPUTE_GRAD": grad, "BLOCK_V": block_v},
+            num_warps=num_warps,
+            label=f"BLOCK_V {block_v} w{num_warps} grad={grad}",
+        )
+        for grad in (True, False)
+    ]

@@ -1,0 +1,223 @@
+"""fastnmt.ops.linear_cross_entropy: the reference against F.cross_entropy in float64, and the fused
+backends (Triton in the interpreter, C++) against a float64 oracle with FlashAttention's rule."""
+
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fastnmt
+from fastnmt.ops import linear_cross_entropy
+from tests.helpers import assert_error_within, require_backend
+
+op_module = sys.modules["fastnmt.ops.linear_cross_entropy"]
+IGNORE = -100
+
+
+def _inputs(tokens, width, vocab, dtype=torch.float32, bias=True, ignored=(1,)):
+    hidden = torch.randn(tokens, width, dtype=dtype, requires_grad=True)
+    weight = (torch.randn(vocab, width) * width**-0.5 * 3).to(dtype).requires_grad_()
+    bias_ = torch.randn(vocab, dtype=dtype, requires_grad=True) if bias else None
+    target = torch.randint(0, vocab, (tokens,))
+    target[list(i for i in ignored if i < tokens)] = IGNORE
+    return hidden, weight, bias_, target
+
+
+def _params(hidden, weight, bias):
+    return [t for t in (hidden, weight, bias) if t is not None]
+
+
+def _oracle(hidden, weight, bias, target, smoothing, reduction):
+    """F.cross_entropy on float64 copies: the loss and its gradients, with the mean over zero
+    counted tokens taken as 0."""
+    leaves = [t.detach().double().requires_grad_() for t in _params(hidden, weight, bias)]
+    bias64 = leaves[2] if bias is not None else None
+    logits = F.linear(leaves[0], leaves[1], bias64)
+    losses = F.cross_entropy(
+        logits, target, ignore_index=IGNORE, label_smoothing=smoothing, reduction="none"
+    )
+    loss = losses.sum() / max(int((target != IGNORE).sum()), 1) if reduction == "mean" else losses
+    loss = loss.sum() if reduction != "none" else loss
+    return loss.detach(), torch.autograd.grad(loss, leaves), logits.detach()
+
+
+def _loss_and_grads(hidden, weight, bias, target, smoothing, reduction):
+    out = linear_cross_entropy(hidden, weight, bias, target, smoothing, IGNORE, reduction)
+    return out, torch.autograd.grad(out.loss, _params(hidden, weight, bias))
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean", "none"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_reference_is_f_cross_entropy(reduction, smoothing):
+    hidden, weight, bias, target = (
+        t.double() if t.is_floating_point() else t for t in _inputs(9, 12, 31)
+    )
+    with fastnmt.backend("reference"):
+        out = linear_cross_entropy(hidden, weight, bias, target, smoothing, IGNORE, reduction)
+    expected = F.cross_entropy(
+        F.linear(hidden, weight, bias),
+        target,
+        ignore_index=IGNORE,
+        label_smoothing=smoothing,
+        reduction=reduction,
+    )
+    torch.testing.assert_close(out.loss.double(), expected)
+    assert out.tokens.item() == 8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [8003, 17])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_fused_matches_oracle(fused, monkeypatch, dtype, vocab, smoothing, reduction):
+    """Chunks of 16 tokens over 40 (the last one partial); V not a multiple of any block."""
+    monkeypatch.setattr(op_module, "_CHUNK_ELEMENTS", 1)
+    inputs = _inputs(40, 24, vocab, dtype, bias=vocab == 17, ignored=(1, 20))
+    expected, expected_grads, _ = _oracle(*inputs, smoothing, reduction)
+    out, grads = _loss_and_grads(*inputs, smoothing, reduction)
+    with fastnmt.backend("reference"):
+        plain, plain_grads = _loss_and_grads(*inputs, smoothing, reduction)
+    assert out.loss.dtype == torch.float32 and out.loss.shape == ()
+    # atol: fp32 rounding of a sum of 38 per-token losses (~1e-6 relative)
+    atol = 1e-6 * max(10.0, expected.abs().item())
+    assert_error_within(out.loss, plain.loss, expected, factor=2, atol=atol)
+    for got, torch_same_dtype, oracle in zip(grads, plain_grads, expected_grads, strict=True):
+        assert got.dtype == dtype
+        assert_error_within(got, torch_same_dtype, oracle, factor=3, atol=1e-5)
+    assert out.tokens.item() == plain.tokens.item() == 38
+    torch.testing.assert_close(out.nll, plain.nll, rtol=2e-2, atol=0)  # smoothing 0: the loss
+
+
+def test_fused_statistics_count_correct_predictions(fused):
+    hidden, weight, bias, target = _inputs(50, 16, 7)
+    logits = F.linear(hidden, weight, bias).detach()
+    target[::2] = logits.argmax(-1)[::2]  # half the tokens predicted right by construction
+    target[1] = IGNORE
+    out = linear_cross_entropy(hidden, weight, bias, target, 0.1, IGNORE, "sum")
+    counted = target != IGNORE
+    assert out.correct.item() == ((logits.argmax(-1) == target) & counted).sum().item()
+    nll = F.cross_entropy(logits, target, ignore_index=IGNORE, reduction="sum")
+    torch.testing.assert_close(out.nll.float(), nll, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["triton", "cpp", "reference"])
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_all_tokens_ignored_give_zero_loss_and_gradients(backend, reduction):
+    require_backend(backend)
+    hidden, weight, bias, target = _inputs(5, 8, 11, ignored=range(5))
+    with fastnmt.backend(backend):
+        out, grads = _loss_and_grads(hidden, weight, bias, target, 0.1, reduction)
+    assert out.loss.item() == 0.0 and out.tokens.item() == 0 and out.correct.item() == 0
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+
+
+def test_fused_one_chunk_equals_many_chunks(fused, monkeypatch):
+    inputs = _inputs(70, 32, 300)
+    whole, whole_grads = _loss_and_grads(*inputs, 0.1, "sum")
+    monkeypatch.setattr(op_module, "_CHUNK_ELEMENTS", 1)
+    chunked, chunked_grads = _loss_and_grads(*inputs, 0.1, "sum")
+    torch.testing.assert_close(chunked.loss, whole.loss)
+    for a, b in zip(chunked_grads, whole_grads, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_fused_under_autocast_keeps_fp32_weight_gradient(fused):
+    hidden, weight, _, target = _inputs(40, 32, 8003, bias=False)
+    expected, expected_grads, _ = _oracle(hidden, weight, None, target, 0.1, "sum")
+    with torch.autocast("cpu", torch.bfloat16):
+        out, grads = _loss_and_grads(hidden, weight, None, target, 0.1, "sum")
+        with fastnmt.backend("reference"):
+            plain, plain_grads = _loss_and_grads(hidden, weight, None, target, 0.1, "sum")
+    assert [g.dtype for g in grads] == [torch.float32, torch.float32]
+    assert_error_within(out.loss, plain.loss, expected, factor=2, atol=1e-4)
+    for got, torch_same_dtype, oracle in zip(grads, plain_grads, expected_grads, strict=True):
+        assert_error_within(got, torch_same_dtype, oracle, factor=3, atol=1e-4)
+
+
+def test_reduction_none_runs_on_the_reference():
+    hidden, weight, bias, target = _inputs(6, 8, 11)
+    reasons = fastnmt.dispatch.explain(
+        "linear_cross_entropy", hidden, weight, bias, target, reduction="none"
+    )
+    assert reasons["chosen"] == "reference" and "reduction='none'" in reasons["cpp"][0]
+    out = linear_cross_entropy(
+        hidden.view(2, 3, 8), weight, bias, target.view(2, 3), 0.1, IGNORE, "none"
+    )
+    assert out.loss.shape == (2, 3) and out.loss[0, 1] == 0.0
+    with fastnmt.backend("triton"), pytest.raises(fastnmt.BackendUnavailableError, match="none"):
+        linear_cross_entropy(hidden, weight, bias, target, 0.1, IGNORE, "none")
+
+
+def test_fused_opcheck(fused):
+    hidden, weight, bias, target = _inputs(20, 8, 37)
+    op = getattr(torch.ops.fastnmt, f"linear_cross_entropy_{fused}").default
+    for mean in (False, True):
+        torch.library.opcheck(op, (hidden, weight, bias, target, 0.1, IGNORE, mean, True, None))
+    frozen = (hidden.detach(), weight.detach(), None, target, 0.0, IGNORE, True, False, None)
+    torch.library.opcheck(op, frozen)
+
+
+def test_fused_traced_by_torch_compile(fused):
+    inputs = _inputs(20, 8, 37)
+
+    def loss_of(hidden, weight, bias, target):
+        return linear_cross_entropy(hidden, weight, bias, target, 0.1, IGNORE, "mean").loss * 2
+
+    torch._dynamo.reset()  # the backend is chosen at trace time
+    compiled = torch.compile(loss_of, fullgraph=True, backend="aot_eager")
+    results = [
+        (loss, *torch.autograd.grad(loss, _params(*inputs[:3])))
+        for loss in (loss_of(*inputs), compiled(*inputs))
+    ]
+    for expected, got in zip(*results, strict=True):
+        torch.testing.assert_close(got, expected)
+
+
+def test_cpp_rows_are_independent_of_thread_count():
+    require_backend("cpp")
+    logits = torch.randn(67, 8003).bfloat16()
+    target = torch.randint(0, 8003, (67,))
+    results = []
+    threads = torch.get_num_threads()
+    for count in (1, 2):
+        torch.set_num_threads(count)
+        z = logits.clone()
+        stats = torch.ops.fastnmt.cross_entropy_rows_cpp(z, target, 0.1, IGNORE, 0.5, True)
+        results.append((z, stats))
+    torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+def _bad(**override):
+    hidden, weight, bias, target = _inputs(4, 8, 11)
+    args = dict(hidden=hidden, weight=weight, bias=bias, target=target)
+    return {**args, **override}
+
+
+@pytest.mark.parametrize(
+    ("override", "error", "message"),
+    [
+        (dict(target=torch.tensor([0, 1, 11, 2])), ValueError, r"target .*\[0, 11\).* got 11 at"),
+        (dict(target=torch.tensor([0, -3, 1, 2])), ValueError, "got -3 at flat position 1"),
+        (dict(target=torch.zeros(5, dtype=torch.long)), ValueError, r"target must have shape"),
+        (dict(target=torch.zeros(4)), TypeError, "target must hold int64 or int32"),
+        (dict(hidden=torch.randn(4, 9)), ValueError, r"hidden must have shape \(\.\.\., 8\)"),
+        (dict(weight=torch.randn(11, 8).double()), TypeError, "weight has dtype"),
+        (dict(bias=torch.randn(12)), ValueError, "bias must have shape"),
+        (dict(label_smoothing=1.0), ValueError, "label_smoothing must be in"),
+        (dict(reduction="avg"), ValueError, "reduction must be"),
+        (dict(ignore_index=0.5), TypeError, "ignore_index must be an int"),
+    ],
+)
+def test_bad_inputs_name_the_argument(override, error, message):
+    with pytest.raises(error, match=message):
+        linear_cross_entropy(**_bad(**override))
+
+
+def test_fused_backends_refuse_float64():
+    hidden, weight, bias, target = (
+        t.double() if t.is_floating_point() else t for t in _inputs(4, 8, 11)
+    )
+    reasons = fastnmt.dispatch.explain("linear_cross_entropy", hidden, weight, bias, target)
+    assert "float64" in reasons["cpp"][0] and reasons["chosen"] == "reference"
