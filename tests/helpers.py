@@ -71,3 +71,28 @@ def require_backend(name: str) -> None:
         if os.environ.get("FASTNMT_SKIP_EXTENSION") == "1":
             pytest.skip("FASTNMT_SKIP_EXTENSION=1: the C++ kernels were not built")
         pytest.fail(fastnmt.extension_status())
+
+
+def tiny_checkpoint(directory, *, max_positions=1024, seed=0):
+    """A checkpoint directory of a random 1+1-layer model (d_model 32) whose sentencepiece
+    vocabulary was trained on 300 Multi30k en/de sentences; returns its path."""
+    import gzip
+
+    from fastnmt import checkpoint
+    from fastnmt.data import Vocabulary
+    from fastnmt.model import Transformer, preset
+
+    texts = []
+    for lang in ("en", "de"):
+        with gzip.open(multi30k_dir() / f"train.{lang}.gz", "rt", encoding="utf-8") as f:
+            texts += [next(f).strip() for _ in range(300)]
+    vocab = Vocabulary.train(texts, 300)
+    cfg = preset(
+        "tiny", d_model=32, heads=2, d_ff=64, encoder_layers=1, decoder_layers=1,
+        vocab_size=len(vocab), max_positions=max_positions,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = Transformer(cfg)
+    config = {"model": cfg.to_dict(), "data": {"src_lang": "en", "tgt_lang": "de"}}
+    saved = checkpoint.Checkpoint(model.state_dict(), config, vocab.to_bytes(), {})
+    return checkpoint.save(directory, 1, saved, keep_last=1)

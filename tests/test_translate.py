@@ -1,0 +1,132 @@
+"""python -m fastnmt.translate: line counts, stdin, summary, scores, bad input, Ctrl-C."""
+
+import io
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from fastnmt import translate
+from tests.helpers import tiny_checkpoint
+
+SUMMARY = re.compile(
+    r"Translated (\d+) sentences \((\d+) tokens\) in [\d.]+ s \([\d.,]+ sent/s, [\d,]+ tok/s\)"
+)
+LINES = ["A man is walking his dog.", "", "Two children play.", "", ""]
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("checkpoint"))
+
+
+def _main(monkeypatch, capsys, stdin: bytes, *arguments):
+    """Run the CLI in this process with ``stdin``; (exit code, stdout, stderr)."""
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin)))
+    code = translate.main(["--max-len-b", "4", "--beam", "2", *map(str, arguments)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_stdin_keeps_every_line_and_reports_a_summary(checkpoint_dir, monkeypatch, capsys):
+    text = "\n".join(LINES) + "\n"
+    code, out, err = _main(monkeypatch, capsys, text.encode(), "--checkpoint", checkpoint_dir)
+    assert code == 0, err
+    outputs = out.split("\n")[:-1]
+    assert len(outputs) == len(LINES)
+    assert [o == "" for o in outputs] == [line == "" for line in LINES]
+    summary = SUMMARY.search(err)
+    assert summary and summary.group(1) == "5"
+
+
+def test_last_line_without_newline_and_crlf(checkpoint_dir, monkeypatch, capsys):
+    code, out, _ = _main(monkeypatch, capsys, b"Dogs.\r\n\r\nCats.", "--checkpoint", checkpoint_dir)
+    assert code == 0 and out.count("\n") == 3 and out.split("\n")[1] == ""
+
+
+def test_invalid_utf8_is_replaced_and_counted(checkpoint_dir, monkeypatch, capsys, tmp_path):
+    source = tmp_path / "input.txt"
+    source.write_bytes(b"Dogs.\n\xff\xfe cats\nA man.\n\xc3 end\n")
+    output = tmp_path / "output.txt"
+    code, out, err = _main(
+        monkeypatch, capsys, b"", "--checkpoint", checkpoint_dir, "--input", source,
+        "--output", output,
+    )  # fmt: skip
+    assert code == 0 and out == ""
+    assert len(output.read_text(encoding="utf-8").split("\n")) == 5  # 4 lines + final newline
+    assert "2 lines held invalid UTF-8" in err and "(lines 2, 4)" in err
+
+
+def test_reference_scores_and_nbest(checkpoint_dir, monkeypatch, capsys, tmp_path):
+    reference = tmp_path / "reference.txt"
+    reference.write_text("Ein Mann.\nZwei Hunde.\n", encoding="utf-8")
+    code, out, err = _main(
+        monkeypatch, capsys, b"A man.\nTwo dogs.\n", "--checkpoint", checkpoint_dir,
+        "--reference", reference, "--nbest", "2",
+    )  # fmt: skip
+    assert code == 0, err
+    assert re.search(r"^BLEU [\d.]+ \(nrefs:1\|case:mixed\|.*tok:13a", err, re.M)
+    assert re.search(r"^chrF [\d.]+ \(nrefs:1\|", err, re.M)
+    numbers = [line.split(" ||| ")[0] for line in out.splitlines()]
+    assert numbers == ["1", "1", "2", "2"]
+    scores = [float(line.split(" ||| ")[2]) for line in out.splitlines()]
+    assert scores[0] >= scores[1] and scores[2] >= scores[3]
+
+
+def test_truncation_warning_names_the_line(monkeypatch, capsys, tmp_path):
+    short = tiny_checkpoint(tmp_path, max_positions=6)
+    text = b"Dogs.\nTwo children play football in the park near a big red house.\n"
+    code, out, err = _main(monkeypatch, capsys, text, "--checkpoint", short)
+    assert code == 0 and out.count("\n") == 2
+    assert re.search(r"^warning: line 2: \d+ subword tokens, truncated", err, re.M)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--beam", "0"], "--beam must be positive"),
+        (["--nbest", "3"], "--nbest must be between 1 and --beam"),
+        (["--plot-attention", "plots", "--plot-lines", "x"], "--plot-lines must look like"),
+    ],
+)
+def test_bad_values_are_one_line_errors(checkpoint_dir, monkeypatch, capsys, arguments, message):
+    code, out, err = _main(monkeypatch, capsys, b"", "--checkpoint", checkpoint_dir, *arguments)
+    assert code == 2 and out == ""
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def _cli(*arguments, **kwargs):
+    command = [sys.executable, "-m", "fastnmt.translate", *map(str, arguments)]
+    return subprocess.Popen(
+        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs
+    )
+
+
+def test_cli_on_stdin_and_bad_checkpoint_in_a_subprocess(checkpoint_dir, tmp_path):
+    process = _cli("--checkpoint", checkpoint_dir, "--beam", "1")
+    out, err = process.communicate(b"A man.\n\nDogs.\n", timeout=120)
+    assert process.returncode == 0, err
+    assert out.decode().count("\n") == 3 and out.decode().split("\n")[1] == ""
+    assert SUMMARY.search(err.decode())
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "model.safetensors").write_bytes(b"\x00" * 10)
+    for path in (tmp_path / "missing", corrupt):
+        process = _cli("--checkpoint", path)
+        out, err = process.communicate(b"A man.\n", timeout=120)
+        assert process.returncode == 2 and out == b""
+        lines = err.decode().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and str(path) in lines[0]
+
+
+def test_ctrl_c_on_stdin_exits_130_without_a_traceback(checkpoint_dir):
+    process = _cli("--checkpoint", checkpoint_dir, "--buffer-size", "1", "--beam", "1")
+    process.stdin.write(b"A man.\n")
+    process.stdin.flush()
+    assert process.stdout.readline(), "the first line is translated before more input arrives"
+    process.send_signal(signal.SIGINT)  # now waiting for the next line
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130
+    assert "Traceback" not in err.decode() and "interrupted" in err.decode()

@@ -1,0 +1,134 @@
+"""Translator: loading, batching and order, empty lines, n-best, truncation, attention."""
+
+import json
+import warnings
+
+import pytest
+import torch
+
+import fastnmt
+from fastnmt.checkpoint import CheckpointError
+from fastnmt.search import LengthPenalty, beam_search
+from fastnmt.translator import Translator, TruncationWarning
+from tests.helpers import tiny_checkpoint
+
+SENTENCES = [
+    "A man is walking his dog.",
+    "",
+    "Two children play football in the park near a big red house.",
+    "   ",
+    "Dogs.",
+    "A woman sings.",
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("checkpoint"))
+
+
+@pytest.fixture(scope="module")
+def translator(checkpoint_dir):
+    return Translator.from_checkpoint(checkpoint_dir, precision="fp32")
+
+
+def test_order_and_batching_do_not_change_translations(translator):
+    together = translator.translate(SENTENCES, beam=2, max_len_a=0.5, max_len_b=3)
+    translator.max_sentences = 1
+    try:
+        alone = translator.translate(SENTENCES, beam=2, max_len_a=0.5, max_len_b=3)
+    finally:
+        translator.max_sentences = 256
+    reversed_order = translator.translate(SENTENCES[::-1], beam=2, max_len_a=0.5, max_len_b=3)
+    assert together == alone == reversed_order[::-1]
+    assert len(together) == len(SENTENCES)
+    assert together[1] == together[3] == ""  # empty and blank lines give empty lines
+    assert all(together[i] for i in (0, 2, 4, 5)), "a random model still says something"
+
+
+def test_greedy_is_beam_1_of_the_search(translator):
+    greedy_texts = translator.translate(SENTENCES, beam=1)
+    [beam_1] = translator.translate_full([SENTENCES[0]], beam=1, nbest=1)
+    assert beam_1.text == greedy_texts[0]
+    # nbest=1 with beam 1 takes greedy's code path; beam_search(beam=1) must agree with it.
+    tokens = translator.vocab.encode([SENTENCES[0]])[0] + [translator.vocab.eos_id]
+    found = beam_search(
+        translator.model,
+        torch.tensor([tokens]),
+        torch.tensor([len(tokens)]),
+        torch.tensor([int(1.2 * len(tokens) + 10)]),
+        beam=1,
+        penalty=LengthPenalty(),
+    )
+    assert found[0][0].tokens == beam_1.candidates[0].tokens
+
+
+def test_nbest_is_ordered_by_score_with_its_length_penalty(translator):
+    [translation] = translator.translate_full([SENTENCES[0]], beam=5, nbest=5, lenpen=0.5)
+    scores = [c.score for c in translation.candidates]
+    assert len(scores) == 5 and scores == sorted(scores, reverse=True)
+    assert len({tuple(c.tokens) for c in translation.candidates}) == 5
+    for candidate in translation.candidates:
+        length = len(candidate.tokens) + candidate.ended
+        assert candidate.score == pytest.approx(candidate.log_prob / length**0.5)
+        assert candidate.text == translator.vocab.decode([candidate.tokens])[0]
+    assert translation.text == translation.candidates[0].text
+
+
+def test_length_limit_follows_max_len_a_and_b(translator):
+    [translation] = translator.translate_full([SENTENCES[2]], beam=2, max_len_a=0, max_len_b=3)
+    assert all(len(c.tokens) + c.ended <= 3 for c in translation.candidates)
+    with pytest.raises(ValueError, match="max_len_a and max_len_b"):
+        translator.translate(["x"], max_len_a=0, max_len_b=0)
+
+
+def test_long_input_is_truncated_with_a_warning_naming_the_line(tmp_path):
+    short = Translator.from_checkpoint(tiny_checkpoint(tmp_path, max_positions=6))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        translations = short.translate_full(["Dogs.", SENTENCES[2]], first_line=10)
+    [warning] = caught
+    assert warning.category is TruncationWarning
+    assert str(warning.message).startswith("line 11: ")
+    assert "truncated to the model's limit of 5" in str(warning.message)
+    assert translations[1].truncated and len(translations[1].source_tokens) == 5
+    assert not translations[0].truncated
+
+
+def test_missing_and_corrupt_checkpoints_are_one_line_errors(checkpoint_dir, tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        Translator.from_checkpoint(tmp_path / "nowhere")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in ("config.json", "spm.model"):
+        (broken / name).write_bytes((checkpoint_dir / name).read_bytes())
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(CheckpointError) as error:
+        Translator.from_checkpoint(broken)
+    assert "\n" not in str(error.value)
+    (broken / "model.safetensors").write_bytes((checkpoint_dir / "model.safetensors").read_bytes())
+    config = json.loads((checkpoint_dir / "config.json").read_text())
+    config["model"]["d_model"] = 64
+    (broken / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError) as error:
+        Translator.from_checkpoint(broken)
+    assert "\n" not in str(error.value) and "cannot load checkpoint" in str(error.value)
+
+
+def test_attention_is_a_distribution_and_the_same_on_both_paths(translator):
+    texts = [SENTENCES[0], SENTENCES[4]]
+    [fused, short] = translator.translate_full(texts, beam=2, attention=True)
+    with fastnmt.backend("reference"):
+        [reference, _] = translator.translate_full(texts, beam=2, attention=True)
+    cfg = translator.model.cfg
+    source = len(fused.source_tokens) + 1
+    target = len(fused.candidates[0].tokens) + fused.candidates[0].ended
+    assert [w.shape for w in fused.attention.cross] == [(cfg.heads, target, source)]
+    assert [w.shape for w in fused.attention.encoder] == [(cfg.heads, source, source)]
+    assert [w.shape for w in fused.attention.decoder] == [(cfg.heads, target, target)]
+    for weights in (*fused.attention.cross, *fused.attention.encoder, *fused.attention.decoder):
+        torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[:2]))
+    assert torch.all(fused.attention.decoder[0].triu(1) == 0), "causal: no attention ahead"
+    assert short.attention.cross[0].shape[-1] == len(short.source_tokens) + 1  # no padding
+    torch.testing.assert_close(fused.attention.cross[0], reference.attention.cross[0])
+    assert translator.translate_full(texts)[0].attention is None  # only on request
