@@ -51,7 +51,9 @@ def test_training_step(benchmark, preset_name, precision, variant):
     torch.manual_seed(0)
     cfg = preset(preset_name)
     model = Transformer(cfg).to(DEVICE).train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
+    optimizer = torch.optim.Adam(
+        model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True
+    )  # as the trainer
     batch = synthetic_batch(cfg, TOKENS[preset_name])
     tokens = batch.num_tgt_tokens
 
