@@ -10,7 +10,8 @@ A checkpoint directory holds
 The output directory keeps immutable ``checkpoint_step{N}`` directories (each written under a
 temporary name, then renamed into place) and the links ``checkpoint_last`` and ``checkpoint_best``
 (replaced atomically with ``os.replace``), so a crash at any moment leaves the previous checkpoint
-intact.
+intact. ``checkpoint_average`` (weights averaged over the last step checkpoints, no trainer state)
+is written the same way.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-LAST, BEST = "checkpoint_last", "checkpoint_best"
+LAST, BEST, AVERAGE = "checkpoint_last", "checkpoint_best", "checkpoint_average"
 WEIGHTS, CONFIG, SPM, STATE = "model.safetensors", "config.json", "spm.model", "trainer_state.pt"
 
 
@@ -44,8 +45,16 @@ class Checkpoint:
 
 def save(output_dir: Path, step: int, checkpoint: Checkpoint, keep_last: int) -> Path:
     """Write ``checkpoint_step{step}``, point ``checkpoint_last`` at it, prune old steps."""
+    final = write(output_dir, f"checkpoint_step{step}", checkpoint)
+    point(output_dir, LAST, final)
+    _prune(output_dir, keep_last)
+    return final
+
+
+def write(output_dir: Path, name: str, checkpoint: Checkpoint) -> Path:
+    """Write the directory ``output_dir/name`` atomically (replacing one of that name)."""
     output_dir.mkdir(parents=True, exist_ok=True)
-    final = output_dir / f"checkpoint_step{step}"
+    final = output_dir / name
     temporary = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=output_dir))
     temporary.chmod(0o755)  # mkdtemp makes it private; a checkpoint is meant to be shared
     save_file(checkpoint.weights, str(temporary / WEIGHTS))
@@ -56,8 +65,6 @@ def save(output_dir: Path, step: int, checkpoint: Checkpoint, keep_last: int) ->
     if final.exists():  # the same step saved again (e.g. after a resume): replace it
         shutil.rmtree(final)
     os.rename(temporary, final)
-    point(output_dir, LAST, final)
-    _prune(output_dir, keep_last)
     return final
 
 
@@ -76,10 +83,24 @@ def _prune(output_dir: Path, keep_last: int) -> None:
     linked = {
         (output_dir / name).resolve() for name in (LAST, BEST) if (output_dir / name).exists()
     }
-    steps = sorted(output_dir.glob("checkpoint_step*"), key=lambda p: int(p.name[15:]))
+    steps = step_checkpoints(output_dir)
     for old in steps[: max(0, len(steps) - keep_last)]:
         if old.resolve() not in linked:
             shutil.rmtree(old)
+
+
+def step_checkpoints(output_dir: Path) -> list[Path]:
+    """The ``checkpoint_step{N}`` directories, oldest first."""
+    return sorted(output_dir.glob("checkpoint_step*"), key=lambda p: int(p.name[15:]))
+
+
+def average_weights(paths: list[Path]) -> dict[str, torch.Tensor]:
+    """The element-wise mean of the weights of several checkpoints (computed in fp64)."""
+    loaded = [load(path, with_trainer_state=False).weights for path in paths]
+    return {
+        name: torch.stack([weights[name].double() for weights in loaded]).mean(0).to(first.dtype)
+        for name, first in loaded[0].items()
+    }
 
 
 def _fsync_directory(path: Path) -> None:

@@ -135,6 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--beam", type=int, default=4, help="beam of the final test score (validation is greedy)"
     )
     out.add_argument(
+        "--average-last",
+        type=int,
+        default=5,
+        help="at the end, average the last N checkpoints and keep the average if its validation "
+        "BLEU beats the best checkpoint's (1 = off)",
+    )
+    out.add_argument(
         "--check-replicas", action="store_true", help="with DDP: verify ranks agree at the end"
     )
     return p
@@ -161,6 +168,7 @@ def check_arguments(args) -> None:
         ("--max-tokens", args.max_tokens),
         ("--update-freq", args.update_freq),
         ("--keep-last", args.keep_last),
+        ("--average-last", args.average_last),
         ("--log-interval", args.log_interval),
         ("--max-len", args.max_len),
         ("--beam", args.beam),
@@ -376,7 +384,8 @@ class Trainer:
             self.vocab.to_bytes(),
             state,
         )
-        return checkpoint.save(self.output_dir, self.progress.step, saved, self.args.keep_last)
+        keep = max(self.args.keep_last, self.args.average_last)
+        return checkpoint.save(self.output_dir, self.progress.step, saved, keep)
 
     def restore(self, loaded: checkpoint.Checkpoint) -> None:
         self.model.load_state_dict(loaded.weights)
@@ -516,6 +525,8 @@ class Trainer:
                 f"run the same command again to resume"
             )
             return 130
+        if self.world.main:
+            self.keep_average_if_better()
         self.evaluate_test()
         return 0
 
@@ -617,6 +628,33 @@ class Trainer:
         )
         patience = self.args.patience
         return bool(patience) and progress.epochs_without_gain >= patience
+
+    def keep_average_if_better(self) -> None:
+        """Average the weights of the last ``--average-last`` checkpoints (Vaswani et al.'s
+        checkpoint averaging); if that scores higher validation BLEU than the best checkpoint,
+        save it as ``checkpoint_average`` and point ``checkpoint_best`` at it."""
+        steps = checkpoint.step_checkpoints(self.output_dir)[-self.args.average_last :]
+        if self.args.average_last < 2 or len(steps) < 2:
+            return
+        self.model.load_state_dict(checkpoint.average_weights(steps))
+        bleu = metrics.bleu(self.translate(self.corpora.valid.src), self.corpora.valid.tgt).score
+        best = self.progress.best_bleu
+        kept = bleu > best
+        self.log.record("average", checkpoints=[p.name for p in steps], bleu=bleu, kept=kept)
+        self.log.line(
+            f"average of the last {len(steps)} checkpoints: validation BLEU {bleu:.2f} vs "
+            f"{best:.2f} for the best one; {'kept' if kept else 'not kept'}"
+        )
+        if kept:
+            latest = checkpoint.load(steps[-1], with_trainer_state=False)
+            averaged = checkpoint.Checkpoint(
+                {k: v.contiguous() for k, v in self.model.state_dict().items()},
+                latest.config,
+                latest.spm_model,
+                None,
+            )
+            path = checkpoint.write(self.output_dir, checkpoint.AVERAGE, averaged)
+            checkpoint.point(self.output_dir, checkpoint.BEST, path)
 
     def evaluate_test(self) -> None:
         """Score the best checkpoint on the test set; write its translations beside it."""

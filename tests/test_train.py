@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from fastnmt import train
+from fastnmt import checkpoint, train
 from fastnmt.model import ModelConfig, Transformer
 from tests.helpers import multi30k_dir
 
@@ -68,6 +68,23 @@ def test_training_writes_checkpoints_metrics_and_test_translations(corpus, tmp_p
     assert events == ["trai", "trai", "vali", "test"]
     hypotheses = (tmp_path / "test.de.hyp").read_text(encoding="utf-8").splitlines()
     assert len(hypotheses) == 20
+
+
+def test_average_of_the_last_checkpoints_is_kept_only_when_it_validates_better(corpus, tmp_path):
+    arguments = _arguments(corpus, tmp_path, "--max-epochs", "3", "--average-last", "3")
+    result = _run(arguments)
+    assert result.returncode == 0, result.stderr
+    steps = checkpoint.step_checkpoints(tmp_path)
+    assert len(steps) == 3  # --keep-last 2 is raised to the 3 being averaged
+    averaged = checkpoint.average_weights(steps)
+    name = next(iter(averaged))
+    expected = sum(_weights(tmp_path, p.name)[name].double() for p in steps) / 3
+    torch.testing.assert_close(averaged[name].double(), expected)
+    line = next(x for x in result.stderr.splitlines() if "average of the last 3" in x)
+    kept = line.endswith("; kept")
+    assert (tmp_path / "checkpoint_average").exists() == kept
+    best = (tmp_path / "checkpoint_best").resolve().name
+    assert (best == "checkpoint_average") == kept
 
 
 def test_resume_after_sigkill_continues_exactly(corpus, tmp_path):
