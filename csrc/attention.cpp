@@ -8,8 +8,10 @@
 // the softmax is exact in two passes over that buffer (no online rescaling), and the full
 // (B, H, Lq, Lk) tensor is never formed. Inputs of any dtype are converted once per (b, h) into
 // fp32 panels (K transposed, V row-major; zero-padded to whole vectors), and every product is a
-// register-blocked fp32 micro-kernel: kTileRows rows x kTileVectors 16-lane vectors of
-// accumulators, one broadcast scalar of A and one vector row of B per step of the reduction.
+// register-blocked micro-kernel: kTileRows rows x kTileVectors 16-lane vectors of fp32
+// accumulators, one broadcast scalar of A and one vector row of B per step of the reduction. For
+// bf16 inputs on CPUs with AVX512-BF16 the operands are packed to bf16 pairs per product and
+// each step multiplies two of the reduction (vdpbf16ps).
 //
 // Backward (FlashAttention-2): one thread owns one (b, h) and walks its query blocks, recomputing
 // P = exp(S - lse) and the dropout mask, and accumulating dK and dV in fp32 panels; dQ of a block
@@ -98,7 +100,6 @@ void tiled_product(const A* a, int64_t a_row, int64_t a_col, const B* b, int64_t
 // FlashAttention do: the operands are rounded to bf16 (inputs exactly; P and dS to nearest
 // even), products accumulate in fp32. Operands are packed as 32-bit words holding elements
 // k = 2p and 2p + 1 of the reduction.
-constexpr bool kBf16Products = true;
 
 // C(R x 16 NV) (+)= sum_p A(r, p) . B(p, :) over word pairs, A(r, p) = a[r * a_row + p * a_pair].
 template <int R, int NV>
@@ -123,9 +124,6 @@ struct Bf16Tile {
       for (int v = 0; v < NV; ++v) _mm512_storeu_ps(c + r * ldc + v * kLanes, acc[r][v]);
   }
 };
-#else
-constexpr bool kBf16Products = false;
-#endif
 
 // The bf16 bits (round to nearest even, as store_float) of 16 floats, in the low halves.
 inline WordVec bf16_bits(Vec v) {
@@ -162,32 +160,40 @@ void pack_rows(const float* m, int64_t ld, int64_t depth, int64_t n, uint32_t* w
 }
 
 // C (rows x cols, cols a multiple of 16) (+)= A (rows x depth, strides a_row, a_col) B (depth x
-// cols, row-major), in fp32 or, for bf16 inputs (T) where the CPU has AVX512-BF16, in bf16. A
-// is row-major (a_col == 1) or column-major (a_row == 1).
+// cols, row-major) in bf16 products. A is row-major (a_col == 1) or column-major (a_row == 1).
+void bf16_gemm(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb,
+               int64_t depth, float* c, int64_t ldc, int64_t rows, int64_t cols, bool accumulate) {
+  thread_local std::vector<uint32_t> a_words, b_words;
+  const int64_t pairs = (depth + 1) / 2;
+  b_words.resize(pairs * cols);
+  pack_interleaved(b, ldb, depth, cols, b_words.data(), cols);
+  if (a_col == 1) {
+    const int64_t ld = whole_vectors(depth) / 2;
+    a_words.resize(rows * ld);
+    pack_rows(a, a_row, depth, rows, a_words.data());
+    tiled_product<Bf16Tile>(a_words.data(), ld, int64_t{1}, b_words.data(), cols, pairs, c, ldc,
+                            rows, cols, accumulate);
+  } else {
+    const int64_t ld = whole_vectors(rows);
+    a_words.resize(pairs * ld);
+    pack_interleaved(a, a_col, depth, ld, a_words.data(), ld);
+    tiled_product<Bf16Tile>(a_words.data(), int64_t{1}, ld, b_words.data(), cols, pairs, c, ldc,
+                            rows, cols, accumulate);
+  }
+}
+#endif
+
+// C (rows x cols, cols a multiple of 16) (+)= A (rows x depth, strides a_row, a_col) B (depth x
+// cols, row-major), in fp32 or, for bf16 inputs (T) where the CPU has AVX512-BF16, in bf16.
 template <typename T>
 void gemm(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb,
           int64_t depth, float* c, int64_t ldc, int64_t rows, int64_t cols, bool accumulate) {
-  if constexpr (std::is_same_v<T, c10::BFloat16> && kBf16Products) {
-    thread_local std::vector<uint32_t> a_words, b_words;
-    const int64_t pairs = (depth + 1) / 2;
-    b_words.resize(pairs * cols);
-    pack_interleaved(b, ldb, depth, cols, b_words.data(), cols);
-    if (a_col == 1) {
-      const int64_t ld = whole_vectors(depth) / 2;
-      a_words.resize(rows * ld);
-      pack_rows(a, a_row, depth, rows, a_words.data());
-      tiled_product<Bf16Tile>(a_words.data(), ld, int64_t{1}, b_words.data(), cols, pairs, c, ldc,
-                              rows, cols, accumulate);
-    } else {
-      const int64_t ld = whole_vectors(rows);
-      a_words.resize(pairs * ld);
-      pack_interleaved(a, a_col, depth, ld, a_words.data(), ld);
-      tiled_product<Bf16Tile>(a_words.data(), int64_t{1}, ld, b_words.data(), cols, pairs, c, ldc,
-                              rows, cols, accumulate);
-    }
-  } else {
-    tiled_product<FloatTile>(a, a_row, a_col, b, ldb, depth, c, ldc, rows, cols, accumulate);
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return bf16_gemm(a, a_row, a_col, b, ldb, depth, c, ldc, rows, cols, accumulate);
   }
+#endif
+  tiled_product<FloatTile>(a, a_row, a_col, b, ldb, depth, c, ldc, rows, cols, accumulate);
 }
 
 // A (B, H, L, width) tensor with a contiguous last dim, read by (b, h, row).
