@@ -12,45 +12,101 @@ namespace {
 
 constexpr int64_t kRowsPerBlock = 32;  // rows per partial sum of dweight / dbias
 
-// Affine parameters as fp32 vectors (ones/zeros when absent).
+// Affine parameters as fp32, zero-padded to whole vectors (ones/zeros when absent), so the
+// kernels load them without a tail case.
 at::Tensor as_float_or(const c10::optional<at::Tensor>& t, int64_t width, float fill) {
-  if (t.has_value()) return t->to(at::kFloat).contiguous();
-  return at::full({width}, fill, at::kFloat);
+  auto padded = at::zeros({whole_vectors(width)}, at::kFloat);
+  if (t.has_value()) {
+    padded.narrow(0, 0, width).copy_(*t);
+  } else {
+    padded.narrow(0, 0, width).fill_(fill);
+  }
+  return padded;
+}
+
+// Lanes [0, n) of v, the others 0.
+inline Vec first_lanes(Vec v, int64_t n) {
+  return n >= kLanes ? v : (lane_indices() < static_cast<float>(n) ? v : Vec{});
+}
+
+// One row: h = residual + dropout(x) (element indices first + j), its statistics, y. `hf` is
+// scratch of whole_vectors(width) floats: h as stored, converted once for the three passes.
+template <typename x_t, typename h_t>
+void forward_row(const x_t* x, const h_t* residual, const float* weight, const float* bias,
+                 x_t* y, h_t* h, float* hf, int64_t width, float eps,
+                 const DropoutStream& dropout, uint32_t first, float* mean_out, float* rstd_out) {
+  Vec sum = Vec{};
+  for (int64_t j = 0; j < width; j += kLanes) {
+    const int64_t n = std::min(kLanes, width - j);
+    Vec value = load_float(x + j, n);
+    if (dropout.active) value *= dropout.factors(first + static_cast<uint32_t>(j));
+    if (residual != nullptr) value += load_float(residual + j, n);
+    store_float(h + j, value, n);
+    const Vec stored = load_float(h + j, n);  // statistics of h as stored
+    store(hf + j, stored);
+    sum += stored;
+  }
+  const float mean = horizontal_sum(sum) / static_cast<float>(width);
+  Vec squares = Vec{};
+  for (int64_t j = 0; j < width; j += kLanes) {
+    const Vec centered = first_lanes(load(hf + j) - mean, width - j);
+    squares += centered * centered;
+  }
+  const float rstd =
+      1.0f / std::sqrt(horizontal_sum(squares) / static_cast<float>(width) + eps);
+  for (int64_t j = 0; j < width; j += kLanes) {
+    const Vec xhat = (load(hf + j) - mean) * rstd;
+    store_float(y + j, xhat * load(weight + j) + load(bias + j), std::min(kLanes, width - j));
+  }
+  *mean_out = mean;
+  *rstd_out = rstd;
 }
 
 template <typename x_t, typename h_t>
 void forward_rows(const x_t* x, const h_t* residual, const float* weight, const float* bias,
-                  x_t* y, h_t* h, float* mean_out, float* rstd_out, int64_t rows,
-                  int64_t width, double eps, const DropoutStream& dropout) {
+                  x_t* y, h_t* h, float* mean, float* rstd, int64_t rows, int64_t width,
+                  double eps, const DropoutStream& dropout) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> hf(whole_vectors(width));
     for (int64_t row = begin; row < end; ++row) {
-      const x_t* x_row = x + row * width;
-      h_t* h_row = h + row * width;
-      const uint32_t first = static_cast<uint32_t>(row * width);
-      float sum = 0.0f;
-      for (int64_t j = 0; j < width; ++j) {
-        float value = to_float(x_row[j]);
-        if (dropout.active) value *= dropout.factor(first + static_cast<uint32_t>(j));
-        if (residual != nullptr) value += to_float(residual[row * width + j]);
-        const h_t stored = static_cast<h_t>(value);  // statistics of h as stored
-        h_row[j] = stored;
-        sum += to_float(stored);
-      }
-      const float mean = sum / static_cast<float>(width);
-      float squares = 0.0f;
-      for (int64_t j = 0; j < width; ++j) {
-        const float centered = to_float(h_row[j]) - mean;
-        squares += centered * centered;
-      }
-      const float rstd = 1.0f / std::sqrt(squares / static_cast<float>(width) + static_cast<float>(eps));
-      x_t* y_row = y + row * width;
-      for (int64_t j = 0; j < width; ++j) {
-        y_row[j] = static_cast<x_t>((to_float(h_row[j]) - mean) * rstd * weight[j] + bias[j]);
-      }
-      mean_out[row] = mean;
-      rstd_out[row] = rstd;
+      const int64_t offset = row * width;
+      forward_row(x + offset, residual == nullptr ? nullptr : residual + offset, weight, bias,
+                  y + offset, h + offset, hf.data(), width, static_cast<float>(eps), dropout,
+                  static_cast<uint32_t>(offset), mean + row, rstd + row);
     }
   });
+}
+
+// One row of dx and dresidual (see the math at the top of fastnmt/ops/layer_norm.py), adding
+// its dy * xhat and dy to dw and db; g and xhat are scratch of whole_vectors(width) floats.
+template <typename x_t, typename h_t>
+void backward_row(const x_t* dy, const h_t* dh_out, const h_t* h, const float* weight,
+                  float mean, float rstd, x_t* dx, h_t* dresidual, float* dw, float* db,
+                  float* g, float* xhat, int64_t width, const DropoutStream& dropout,
+                  uint32_t first) {
+  Vec sum_g = Vec{}, sum_g_xhat = Vec{};
+  for (int64_t j = 0; j < width; j += kLanes) {
+    const int64_t n = std::min(kLanes, width - j);
+    const Vec dy_j = load_float(dy + j, n);  // 0 past the row: no contribution below
+    const Vec xhat_j = (load_float(h + j, n) - mean) * rstd;
+    const Vec g_j = dy_j * load(weight + j);
+    store(g + j, g_j);
+    store(xhat + j, xhat_j);
+    sum_g += g_j;
+    sum_g_xhat += g_j * xhat_j;
+    store(dw + j, load(dw + j) + dy_j * xhat_j);
+    store(db + j, load(db + j) + dy_j);
+  }
+  const float mean_g = horizontal_sum(sum_g) / static_cast<float>(width);
+  const float mean_g_xhat = horizontal_sum(sum_g_xhat) / static_cast<float>(width);
+  for (int64_t j = 0; j < width; j += kLanes) {
+    const int64_t n = std::min(kLanes, width - j);
+    Vec dh = (load(g + j) - mean_g - load(xhat + j) * mean_g_xhat) * rstd;
+    if (dh_out != nullptr) dh += load_float(dh_out + j, n);
+    if (dresidual != nullptr) store_float(dresidual + j, dh, n);
+    if (dropout.active) dh *= dropout.factors(first + static_cast<uint32_t>(j));
+    store_float(dx + j, dh, n);
+  }
 }
 
 template <typename x_t, typename h_t>
@@ -59,38 +115,25 @@ void backward_rows(const x_t* dy, const h_t* dh_out, const h_t* h, const float* 
                    float* weight_partials, float* bias_partials, int64_t rows, int64_t width,
                    const DropoutStream& dropout) {
   const int64_t blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  const int64_t padded = whole_vectors(width);
   at::parallel_for(0, blocks, 1, [&](int64_t block_begin, int64_t block_end) {
-    std::vector<float> g(width);
+    std::vector<float> scratch(4 * padded);  // g, xhat, and the block's dweight / dbias sums
+    float* g = scratch.data();
+    float* xhat = g + padded;
+    float* dw = xhat + padded;
+    float* db = dw + padded;
     for (int64_t block = block_begin; block < block_end; ++block) {
-      float* dw = weight_partials + block * width;
-      float* db = bias_partials + block * width;
-      std::fill(dw, dw + width, 0.0f);
-      std::fill(db, db + width, 0.0f);
+      std::fill(dw, dw + 2 * padded, 0.0f);
       const int64_t row_end = std::min(rows, (block + 1) * kRowsPerBlock);
       for (int64_t row = block * kRowsPerBlock; row < row_end; ++row) {
         const int64_t offset = row * width;
-        float mean_g = 0.0f, mean_g_xhat = 0.0f;
-        for (int64_t j = 0; j < width; ++j) {
-          const float dy_j = to_float(dy[offset + j]);
-          const float xhat = (to_float(h[offset + j]) - mean[row]) * rstd[row];
-          g[j] = dy_j * weight[j];
-          mean_g += g[j];
-          mean_g_xhat += g[j] * xhat;
-          dw[j] += dy_j * xhat;
-          db[j] += dy_j;
-        }
-        mean_g /= static_cast<float>(width);
-        mean_g_xhat /= static_cast<float>(width);
-        const uint32_t first = static_cast<uint32_t>(offset);
-        for (int64_t j = 0; j < width; ++j) {
-          const float xhat = (to_float(h[offset + j]) - mean[row]) * rstd[row];
-          float dh = rstd[row] * (g[j] - mean_g - xhat * mean_g_xhat);
-          if (dh_out != nullptr) dh += to_float(dh_out[offset + j]);
-          if (dresidual != nullptr) dresidual[offset + j] = static_cast<h_t>(dh);
-          if (dropout.active) dh *= dropout.factor(first + static_cast<uint32_t>(j));
-          dx[offset + j] = static_cast<x_t>(dh);
-        }
+        backward_row(dy + offset, dh_out == nullptr ? nullptr : dh_out + offset, h + offset,
+                     weight, mean[row], rstd[row], dx + offset,
+                     dresidual == nullptr ? nullptr : dresidual + offset, dw, db, g, xhat,
+                     width, dropout, static_cast<uint32_t>(offset));
       }
+      std::copy(dw, dw + width, weight_partials + block * width);
+      std::copy(db, db + width, bias_partials + block * width);
     }
   });
 }

@@ -8,8 +8,10 @@
 // the softmax is exact in two passes over that buffer (no online rescaling), and the full
 // (B, H, Lq, Lk) tensor is never formed. Inputs of any dtype are converted once per (b, h) into
 // fp32 panels (K transposed, V row-major; zero-padded to whole vectors), and every product is a
-// register-blocked fp32 micro-kernel: kTileRows rows x kTileVectors 16-lane vectors of
-// accumulators, one broadcast scalar of A and one vector row of B per step of the reduction.
+// register-blocked micro-kernel: kTileRows rows x kTileVectors 16-lane vectors of fp32
+// accumulators, one broadcast scalar of A and one vector row of B per step of the reduction. For
+// bf16 inputs on CPUs with AVX512-BF16 the operands are packed to bf16 pairs per product and
+// each step multiplies two of the reduction (vdpbf16ps).
 //
 // Backward (FlashAttention-2): one thread owns one (b, h) and walks its query blocks, recomputing
 // P = exp(S - lse) and the dropout mask, and accumulating dK and dV in fp32 panels; dQ of a block
@@ -19,11 +21,16 @@
 #include "common.h"
 #include "vec.h"
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <array>
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -37,52 +44,156 @@ constexpr int kTileVectors = 4;  // accumulator vectors per row: 64 columns
 // C(R x 16 NV) (+)= sum_k A(r, k) B(k, :) with A(r, k) = a[r * a_row + k * a_col] and B
 // row-major: each step of k loads NV vectors of B and broadcasts R scalars of A.
 template <int R, int NV>
-void micro_kernel(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb,
+struct FloatTile {
+  static void run(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb,
                   int64_t depth, float* c, int64_t ldc, bool accumulate) {
-  Vec acc[R][NV];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = accumulate ? load(c + r * ldc + v * kLanes) : Vec{};
-  for (int64_t k = 0; k < depth; ++k) {
-    Vec row[NV];
-    for (int v = 0; v < NV; ++v) row[v] = load(b + k * ldb + v * kLanes);
-    for (int r = 0; r < R; ++r) {
-      const Vec scalar = splat(a[r * a_row + k * a_col]);
-      for (int v = 0; v < NV; ++v) acc[r][v] += scalar * row[v];
+    Vec acc[R][NV];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < NV; ++v) acc[r][v] = accumulate ? load(c + r * ldc + v * kLanes) : Vec{};
+    for (int64_t k = 0; k < depth; ++k) {
+      Vec row[NV];
+      for (int v = 0; v < NV; ++v) row[v] = load(b + k * ldb + v * kLanes);
+      for (int r = 0; r < R; ++r) {
+        const Vec scalar = splat(a[r * a_row + k * a_col]);
+        for (int v = 0; v < NV; ++v) acc[r][v] += scalar * row[v];
+      }
     }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < NV; ++v) store(c + r * ldc + v * kLanes, acc[r][v]);
   }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) store(c + r * ldc + v * kLanes, acc[r][v]);
+};
+
+template <template <int, int> class Tile, int R, int... NV>
+constexpr auto tiles_of_rows(std::integer_sequence<int, NV...>) {
+  return std::array{&Tile<R, NV + 1>::run...};
 }
 
-using MicroKernel = void (*)(const float*, int64_t, int64_t, const float*, int64_t, int64_t,
-                             float*, int64_t, bool);
-
-template <int R, int... NV>
-constexpr std::array<MicroKernel, kTileVectors> kernels_of_rows(std::integer_sequence<int, NV...>) {
-  return {micro_kernel<R, NV + 1>...};
+template <template <int, int> class Tile, int... R>
+constexpr auto tile_table(std::integer_sequence<int, R...>) {
+  return std::array{tiles_of_rows<Tile, R + 1>(std::make_integer_sequence<int, kTileVectors>{})...};
 }
 
-template <int... R>
-constexpr std::array<std::array<MicroKernel, kTileVectors>, kTileRows> kernel_table(
-    std::integer_sequence<int, R...>) {
-  return {kernels_of_rows<R + 1>(std::make_integer_sequence<int, kTileVectors>{})...};
-}
+// Tile<R, NV>::run for R = 1..kTileRows, NV = 1..kTileVectors: the edges of a product.
+template <template <int, int> class Tile>
+constexpr auto kTiles = tile_table<Tile>(std::make_integer_sequence<int, kTileRows>{});
 
-// micro_kernel<R, NV> for R = 1..kTileRows, NV = 1..kTileVectors: the edges of a product.
-constexpr auto kMicroKernels = kernel_table(std::make_integer_sequence<int, kTileRows>{});
-
-// C (rows x cols, cols a multiple of 16) (+)= A (rows x depth, strides a_row, a_col) B (depth x
-// cols, row-major). Column blocks outermost, so a block of B stays in L1 across the rows.
-void gemm(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb,
-          int64_t depth, float* c, int64_t ldc, int64_t rows, int64_t cols, bool accumulate) {
+// C (rows x cols, cols a multiple of 16) (+)= A (rows x depth) B (depth x cols), the operands
+// as a Tile takes them (A(r, k) at a[r * a_row + k * a_col], B row-major). Column blocks
+// outermost, so a block of B stays in L1 across the rows.
+template <template <int, int> class Tile, typename A, typename B>
+void tiled_product(const A* a, int64_t a_row, int64_t a_col, const B* b, int64_t ldb,
+                   int64_t depth, float* c, int64_t ldc, int64_t rows, int64_t cols,
+                   bool accumulate) {
   for (int64_t c0 = 0; c0 < cols; c0 += kTileVectors * kLanes) {
     const int64_t vectors = std::min<int64_t>(kTileVectors, (cols - c0) / kLanes);
     for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
       const int64_t tile_rows = std::min<int64_t>(kTileRows, rows - r0);
-      kMicroKernels[tile_rows - 1][vectors - 1](a + r0 * a_row, a_row, a_col, b + c0, ldb, depth,
-                                                c + r0 * ldc + c0, ldc, accumulate);
+      kTiles<Tile>[tile_rows - 1][vectors - 1](a + r0 * a_row, a_row, a_col, b + c0, ldb, depth,
+                                               c + r0 * ldc + c0, ldc, accumulate);
     }
   }
+}
+
+#if defined(__AVX512BF16__)
+// bf16 inputs multiply in bf16 (AVX512-BF16: vdpbf16ps adds two bf16 products to each fp32
+// lane, twice the multiply-adds of an fp32 FMA), as the reference path's matmuls and
+// FlashAttention do: the operands are rounded to bf16 (inputs exactly; P and dS to nearest
+// even), products accumulate in fp32. Operands are packed as 32-bit words holding elements
+// k = 2p and 2p + 1 of the reduction.
+
+// C(R x 16 NV) (+)= sum_p A(r, p) . B(p, :) over word pairs, A(r, p) = a[r * a_row + p * a_pair].
+template <int R, int NV>
+struct Bf16Tile {
+  static void run(const uint32_t* a, int64_t a_row, int64_t a_pair, const uint32_t* b,
+                  int64_t ldb, int64_t pairs, float* c, int64_t ldc, bool accumulate) {
+    __m512 acc[R][NV];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < NV; ++v)
+        acc[r][v] = accumulate ? _mm512_loadu_ps(c + r * ldc + v * kLanes) : _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+      __m512bh row[NV];
+      for (int v = 0; v < NV; ++v)
+        row[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + p * ldb + v * kLanes));
+      for (int r = 0; r < R; ++r) {
+        const auto pair = reinterpret_cast<__m512bh>(
+            _mm512_set1_epi32(static_cast<int>(a[r * a_row + p * a_pair])));
+        for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], pair, row[v]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(c + r * ldc + v * kLanes, acc[r][v]);
+  }
+};
+
+// The bf16 bits (round to nearest even, as store_float) of 16 floats, in the low halves.
+inline WordVec bf16_bits(Vec v) {
+  WordVec bits;
+  __builtin_memcpy(&bits, &v, sizeof bits);
+  return (bits + 0x7fffU + ((bits >> 16) & 1U)) >> 16;
+}
+
+// Words w[p * ldw + i] = bf16(M(2p, i)) | bf16(M(2p + 1, i)) << 16 for p < (depth + 1) / 2 and
+// i < n (a multiple of 16), M(k, i) = m[k * k_stride + i], M(depth, i) = 0.
+void pack_interleaved(const float* m, int64_t k_stride, int64_t depth, int64_t n, uint32_t* w,
+                      int64_t ldw) {
+  for (int64_t p = 0; 2 * p < depth; ++p) {
+    const float* even = m + 2 * p * k_stride;
+    const bool odd = 2 * p + 1 < depth;
+    for (int64_t i = 0; i < n; i += kLanes) {
+      const WordVec low = bf16_bits(load(even + i));
+      const WordVec high = odd ? bf16_bits(load(even + k_stride + i)) : WordVec{};
+      const WordVec words = low | high << 16;
+      __builtin_memcpy(w + p * ldw + i, &words, sizeof words);
+    }
+  }
+}
+
+// Rows i < n of M (m[i * ld + k], k < depth) in bf16, zero-padded to whole vectors: the words
+// of row i, pairs of consecutive k, start at w + i * whole_vectors(depth) / 2.
+void pack_rows(const float* m, int64_t ld, int64_t depth, int64_t n, uint32_t* w) {
+  const int64_t padded = whole_vectors(depth);
+  for (int64_t i = 0; i < n; ++i) {
+    auto* out = reinterpret_cast<c10::BFloat16*>(w) + i * padded;
+    for (int64_t k = 0; k < padded; k += kLanes)
+      store_float(out + k, load_float(m + i * ld + k, std::clamp<int64_t>(depth - k, 0, kLanes)));
+  }
+}
+
+// C (rows x cols, cols a multiple of 16) (+)= A (rows x depth, strides a_row, a_col) B (depth x
+// cols, row-major) in bf16 products. A is row-major (a_col == 1) or column-major (a_row == 1).
+void bf16_gemm(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb,
+               int64_t depth, float* c, int64_t ldc, int64_t rows, int64_t cols, bool accumulate) {
+  thread_local std::vector<uint32_t> a_words, b_words;
+  const int64_t pairs = (depth + 1) / 2;
+  b_words.resize(pairs * cols);
+  pack_interleaved(b, ldb, depth, cols, b_words.data(), cols);
+  if (a_col == 1) {
+    const int64_t ld = whole_vectors(depth) / 2;
+    a_words.resize(rows * ld);
+    pack_rows(a, a_row, depth, rows, a_words.data());
+    tiled_product<Bf16Tile>(a_words.data(), ld, int64_t{1}, b_words.data(), cols, pairs, c, ldc,
+                            rows, cols, accumulate);
+  } else {
+    const int64_t ld = whole_vectors(rows);
+    a_words.resize(pairs * ld);
+    pack_interleaved(a, a_col, depth, ld, a_words.data(), ld);
+    tiled_product<Bf16Tile>(a_words.data(), int64_t{1}, ld, b_words.data(), cols, pairs, c, ldc,
+                            rows, cols, accumulate);
+  }
+}
+#endif
+
+// C (rows x cols, cols a multiple of 16) (+)= A (rows x depth, strides a_row, a_col) B (depth x
+// cols, row-major), in fp32 or, for bf16 inputs (T) where the CPU has AVX512-BF16, in bf16.
+template <typename T>
+void gemm(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb,
+          int64_t depth, float* c, int64_t ldc, int64_t rows, int64_t cols, bool accumulate) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return bf16_gemm(a, a_row, a_col, b, ldb, depth, c, ldc, rows, cols, accumulate);
+  }
+#endif
+  tiled_product<FloatTile>(a, a_row, a_col, b, ldb, depth, c, ldc, rows, cols, accumulate);
 }
 
 // A (B, H, L, width) tensor with a contiguous last dim, read by (b, h, row).
@@ -100,15 +211,17 @@ struct Rows {
   }
 };
 
-// Rows [first, first + n) of a (b, h) as fp32, row-major with `ld` >= width columns, zero-padded.
+// Rows [first, first + n) of a (b, h) as fp32, row-major with `ld` >= whole_vectors(width)
+// columns, zero-padded.
 template <typename T>
 void load_rows(const Rows<T>& src, int64_t b, int64_t h, int64_t first, int64_t n, int64_t width,
                float* dst, int64_t ld) {
   for (int64_t r = 0; r < n; ++r) {
     const T* row = src.at(b, h, first + r);
     float* out = dst + r * ld;
-    for (int64_t d = 0; d < width; ++d) out[d] = to_float(row[d]);
-    std::fill(out + width, out + ld, 0.0f);
+    for (int64_t d = 0; d < width; d += kLanes)
+      store(out + d, load_float(row + d, std::min(kLanes, width - d)));  // zeros past width
+    std::fill(out + whole_vectors(width), out + ld, 0.0f);
   }
 }
 
@@ -202,6 +315,18 @@ at::Tensor last_dim_contiguous(const at::Tensor& t) {
   return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous();
 }
 
+// Writes a (rows x width) fp32 panel (leading dim ld) to rows [first, first + rows) of a
+// contiguous (B, H, L, width) tensor's (b, h), and zeros to rows [first + rows, last).
+template <typename T>
+void store_rows(const float* src, int64_t ld, T* dst, int64_t bh, int64_t length, int64_t first,
+                int64_t rows, int64_t last, int64_t width) {
+  T* base = dst + bh * length * width;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t d = 0; d < width; d += kLanes)
+      store_float(base + (first + r) * width + d, load(src + r * ld + d), std::min(kLanes, width - d));
+  std::fill(base + (first + rows) * width, base + last * width, static_cast<T>(0.0f));
+}
+
 template <typename T>
 void forward_kernel(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
                     const KeyMask& mask, float scale, const DropoutStream& drop, at::Tensor& out_,
@@ -211,16 +336,17 @@ void forward_kernel(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor
   T* out = out_.data_ptr<T>();
   float* lse = lse_.data_ptr<float>();
   const int64_t blocks = (n.lq + kBlockM - 1) / kBlockM;
-  const int64_t lk_vectors = whole_vectors(n.lk), dv_vectors = whole_vectors(n.dv);
+  const int64_t lk_vectors = whole_vectors(n.lk), d_vectors = whole_vectors(n.d),
+                dv_vectors = whole_vectors(n.dv);
   const int64_t units = n.batch * n.heads * blocks;
   run_workers([&](const auto& next) {
     // Workspace: K^T (D x lk_vectors), V (Lk x dv_vectors), Q block, scores, bias, factors, O.
-    std::vector<float> work(n.d * lk_vectors + n.lk * dv_vectors + kBlockM * n.d + kBlockM * lk_vectors +
-                2 * lk_vectors + kBlockM * dv_vectors);
+    std::vector<float> work(n.d * lk_vectors + n.lk * dv_vectors + kBlockM * d_vectors +
+                            kBlockM * lk_vectors + 2 * lk_vectors + kBlockM * dv_vectors);
     float* kt = work.data();
     float* vb = kt + n.d * lk_vectors;
     float* qb = vb + n.lk * dv_vectors;
-    float* s = qb + kBlockM * n.d;
+    float* s = qb + kBlockM * d_vectors;
     float* bias = s + kBlockM * lk_vectors;
     float* factors = bias + lk_vectors;
     float* o = factors + lk_vectors;
@@ -235,8 +361,8 @@ void forward_kernel(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor
         loaded_bh = bh;
       }
       mask.bias(b, bias, width);
-      load_rows(q, b, h, i0, rows, n.d, qb, n.d);
-      gemm(qb, n.d, 1, kt, lk_vectors, n.d, s, lk_vectors, rows, width, false);
+      load_rows(q, b, h, i0, rows, n.d, qb, d_vectors);
+      gemm<T>(qb, d_vectors, 1, kt, lk_vectors, n.d, s, lk_vectors, rows, width, false);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = i0 + r;
         float* row = s + r * lk_vectors;
@@ -272,27 +398,13 @@ void forward_kernel(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor
         }
       }
       if (keys > 0) {
-        gemm(s, lk_vectors, 1, vb, dv_vectors, keys, o, dv_vectors, rows, dv_vectors, false);
+        gemm<T>(s, lk_vectors, 1, vb, dv_vectors, keys, o, dv_vectors, rows, dv_vectors, false);
       } else {
         std::fill(o, o + rows * dv_vectors, 0.0f);
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        T* dst = out + (bh * n.lq + i0 + r) * n.dv;
-        for (int64_t d = 0; d < n.dv; ++d) dst[d] = static_cast<T>(o[r * dv_vectors + d]);
-      }
+      store_rows(o, dv_vectors, out, bh, n.lq, i0, rows, i0 + rows, n.dv);
     }
   });
-}
-
-// Writes a (rows x width) fp32 panel (leading dim ld) to rows [first, first + rows) of a
-// contiguous (B, H, L, width) tensor's (b, h), and zeros to rows [first + rows, last).
-template <typename T>
-void store_rows(const float* src, int64_t ld, T* dst, int64_t bh, int64_t length, int64_t first,
-                int64_t rows, int64_t last, int64_t width) {
-  T* base = dst + bh * length * width;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t d = 0; d < width; ++d) base[(first + r) * width + d] = static_cast<T>(src[r * ld + d]);
-  std::fill(base + (first + rows) * width, base + last * width, static_cast<T>(0.0f));
 }
 
 template <typename T>
@@ -343,8 +455,8 @@ void backward_kernel(const at::Tensor& grad_out_, const float* grad_lse, const a
         }
         load_rows(q, b, h, i0, rows, n.d, qb, dvec);
         load_rows(grad_out, b, h, i0, rows, n.dv, dob, dvvec);
-        gemm(qb, dvec, 1, kt, lkv, n.d, p, lkv, rows, width, false);     // S
-        gemm(dob, dvvec, 1, vt, lkv, n.dv, ds, lkv, rows, width, false);  // dPd = dO V^T
+        gemm<T>(qb, dvec, 1, kt, lkv, n.d, p, lkv, rows, width, false);     // S
+        gemm<T>(dob, dvvec, 1, vt, lkv, n.dv, ds, lkv, rows, width, false);  // dPd = dO V^T
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t i = i0 + r;
           float* p_row = p + r * lkv;
@@ -375,9 +487,9 @@ void backward_kernel(const at::Tensor& grad_out_, const float* grad_lse, const a
             if (drop.active) store(p_row + c, prob * load(factors + c));     // Pd
           }
         }
-        gemm(p, 1, lkv, dob, dvvec, rows, dv_acc, dvvec, keys, dvvec, true);  // dV += Pd^T dO
-        gemm(ds, 1, lkv, qb, dvec, rows, dk_acc, dvec, keys, dvec, true);     // dK += dS^T Q
-        gemm(ds, lkv, 1, kb, dvec, keys, dq_block, dvec, rows, dvec, false);  // dQ = dS K
+        gemm<T>(p, 1, lkv, dob, dvvec, rows, dv_acc, dvvec, keys, dvvec, true);  // dV += Pd^T dO
+        gemm<T>(ds, 1, lkv, qb, dvec, rows, dk_acc, dvec, keys, dvec, true);     // dK += dS^T Q
+        gemm<T>(ds, lkv, 1, kb, dvec, keys, dq_block, dvec, rows, dvec, false);  // dQ = dS K
         store_rows(dq_block, dvec, dq, bh, n.lq, i0, rows, i0 + rows, n.d);
       }
       store_rows(dk_acc, dvec, dk, bh, n.lk, 0, key_end, n.lk, n.d);

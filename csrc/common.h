@@ -8,6 +8,8 @@
 
 #include <cstdint>
 
+#include "vec.h"
+
 namespace fastnmt {
 
 // Dropout keep decisions are a pure function of (seed, element index): the backward pass
@@ -15,6 +17,16 @@ namespace fastnmt {
 // Chris Wellons' "lowbias32" (two multiply-xorshift rounds), cheap enough to vectorise with
 // 32-bit integer lanes; the seed's two halves are folded into a per-call base value.
 inline uint32_t lowbias32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352dU;
+  x ^= x >> 15;
+  x *= 0x846ca68bU;
+  x ^= x >> 16;
+  return x;
+}
+
+// lowbias32 of 16 values at once.
+inline WordVec lowbias32(WordVec x) {
   x ^= x >> 16;
   x *= 0x7feb352dU;
   x ^= x >> 15;
@@ -51,6 +63,12 @@ struct DropoutStream {
   // The factor element `index` is multiplied by: 0 (dropped) or 1 / (1 - p).
   inline float factor(uint32_t index) const {
     return lowbias32(base ^ index) >= threshold ? scale : 0.0f;
+  }
+
+  // The factors of elements first, first + 1, ..., first + 15 (indices wrap modulo 2^32).
+  inline Vec factors(uint32_t first) const {
+    const WordVec hash = lowbias32((word_lane_indices() + first) ^ base);
+    return hash >= threshold ? splat(scale) : Vec{};
   }
 };
 

@@ -72,9 +72,31 @@ inline void store_float(c10::BFloat16* p, Vec v) {
   __builtin_memcpy(p, &rounded, sizeof rounded);
 }
 
+// The first n (< kLanes: the tail of a row) values of p, the other lanes 0; and the first n lanes
+// of v stored to p.
+template <typename T>
+inline Vec load_float(const T* p, int64_t n) {
+  if (n == kLanes) return load_float(p);
+  T lanes[kLanes] = {};
+  std::copy(p, p + n, lanes);
+  return load_float(lanes);
+}
+
+template <typename T>
+inline void store_float(T* p, Vec v, int64_t n) {
+  if (n == kLanes) return store_float(p, v);
+  T lanes[kLanes];
+  store_float(lanes, v);
+  std::copy(lanes, lanes + n, p);
+}
+
 inline Vec splat(float x) { return Vec{} + x; }
 
 inline Vec lane_indices() { return Vec{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
+
+inline WordVec word_lane_indices() {
+  return WordVec{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+}
 
 inline float horizontal_max(Vec v) {
   float m = v[0];
