@@ -227,6 +227,7 @@ def _chunked(
     compute_dtype = hidden.dtype if dtype is None else dtype
     h = hidden.to(compute_dtype).contiguous()  # (N, E)
     w = weight.to(compute_dtype).contiguous()  # (V, E)
+    w_t = w.t().contiguous()  # (E, V): CPU GEMMs take a transposed view slower, every chunk
     b = None if bias is None else bias.to(compute_dtype)
     tokens, vocab = h.shape[0], w.shape[0]
     counted = (target != ignore_index).sum()
@@ -239,7 +240,7 @@ def _chunked(
     step = chunk_rows(vocab)
     for start in range(0, tokens, step):
         h_chunk = h[start : start + step]
-        z = torch.mm(h_chunk, w.t()) if b is None else torch.addmm(b, h_chunk, w.t())  # (C, V)
+        z = torch.mm(h_chunk, w_t) if b is None else torch.addmm(b, h_chunk, w_t)  # (C, V)
         row_stats = rows_step(
             z, target[start : start + step], label_smoothing, ignore_index, scale, compute_grad
         )
