@@ -16,17 +16,9 @@ namespace fastnmt {
 // regenerates the forward's mask exactly, whatever the thread count or loop order. The hash is
 // Chris Wellons' "lowbias32" (two multiply-xorshift rounds), cheap enough to vectorise with
 // 32-bit integer lanes; the seed's two halves are folded into a per-call base value.
-inline uint32_t lowbias32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7feb352dU;
-  x ^= x >> 15;
-  x *= 0x846ca68bU;
-  x ^= x >> 16;
-  return x;
-}
-
-// lowbias32 of 16 values at once.
-inline WordVec lowbias32(WordVec x) {
+// Word: uint32_t, or WordVec for 16 values at once.
+template <typename Word>
+inline Word lowbias32(Word x) {
   x ^= x >> 16;
   x *= 0x7feb352dU;
   x ^= x >> 15;

@@ -27,6 +27,7 @@ from fastnmt.data import (
     read_parallel_prefix,
     read_tsv,
 )
+from fastnmt.runtime import limit_primitive_caches
 from fastnmt.translate import UsageError, add_search_arguments, load_translator, search_options
 
 
@@ -105,6 +106,7 @@ def evaluate(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    limit_primitive_caches()
     args = build_parser().parse_args(argv)
     try:
         return evaluate(args)

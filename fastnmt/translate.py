@@ -23,6 +23,7 @@ import fastnmt
 from fastnmt import metrics
 from fastnmt.checkpoint import CheckpointError
 from fastnmt.data import DataError, read_lines
+from fastnmt.runtime import limit_primitive_caches
 from fastnmt.translator import PRECISIONS, Translation, Translator
 
 
@@ -317,6 +318,7 @@ def _report(totals: Totals, source: Input, references: list[str] | None) -> None
 
 
 def main(argv: list[str] | None = None) -> int:
+    limit_primitive_caches()
     args = build_parser().parse_args(argv)
     try:
         return run(args)
