@@ -325,6 +325,11 @@ _triton_op = _define("linear_cross_entropy_triton", _triton_rows)
 _cpp_op = _define("linear_cross_entropy_cpp", _cpp_rows)
 
 
+def _autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype autocast runs GEMMs in on ``device``, or None outside autocast."""
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+
+
 def _running(fused_op):
     """The implementation of the op on a fused registered op."""
 
@@ -332,11 +337,7 @@ def _running(fused_op):
         needs_grad = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (hidden, weight, bias)
         )
-        autocast_dtype = (
-            torch.get_autocast_dtype(hidden.device.type)
-            if torch.is_autocast_enabled(hidden.device.type)
-            else None
-        )
+        autocast_dtype = _autocast_dtype(hidden.device)
         loss, statistics, *_ = fused_op(
             hidden,
             weight,
@@ -360,11 +361,7 @@ def _fused_unsupported(kernels: str):
                 "reduction='none' needs each token's gradient scaled on its own; the fused "
                 "kernels compute the gradient of a summed or mean loss in the forward"
             )
-        dtype = (
-            torch.get_autocast_dtype(hidden.device.type)
-            if torch.is_autocast_enabled(hidden.device.type)
-            else hidden.dtype
-        )
+        dtype = _autocast_dtype(hidden.device) or hidden.dtype
         if dtype not in _SUPPORTED_DTYPES:
             yield f"hidden has dtype {dtype}; the {kernels} kernels take fp32, fp16 and bf16"
 
