@@ -122,7 +122,12 @@ def test_cli_on_stdin_and_bad_checkpoint_in_a_subprocess(checkpoint_dir, tmp_pat
 
 
 def test_ctrl_c_on_stdin_exits_130_without_a_traceback(checkpoint_dir):
-    process = _cli("--checkpoint", checkpoint_dir, "--buffer-size", "1", "--beam", "1")
+    # A shell that starts jobs in the background (as CI may) makes them ignore SIGINT, and Python
+    # then installs no KeyboardInterrupt handler: give the translator the default disposition.
+    process = _cli(
+        "--checkpoint", checkpoint_dir, "--buffer-size", "1", "--beam", "1",
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
     process.stdin.write(b"A man.\n")
     process.stdin.flush()
     assert process.stdout.readline(), "the first line is translated before more input arrives"
