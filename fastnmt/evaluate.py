@@ -18,17 +18,20 @@ import sacrebleu
 
 import fastnmt
 from fastnmt import checkpoint, metrics
-from fastnmt.checkpoint import CheckpointError
 from fastnmt.data import (
     MULTI30K_SPLITS,
-    DataError,
     ParallelCorpus,
     load_multi30k,
     read_parallel_prefix,
     read_tsv,
 )
-from fastnmt.runtime import limit_primitive_caches
-from fastnmt.translate import UsageError, add_search_arguments, load_translator, search_options
+from fastnmt.translate import (
+    UsageError,
+    add_search_arguments,
+    load_translator,
+    run_command,
+    search_options,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,16 +109,7 @@ def evaluate(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    limit_primitive_caches()
-    args = build_parser().parse_args(argv)
-    try:
-        return evaluate(args)
-    except (UsageError, DataError, CheckpointError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
+    return run_command(evaluate, build_parser(), argv)
 
 
 if __name__ == "__main__":

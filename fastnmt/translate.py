@@ -317,11 +317,13 @@ def _report(totals: Totals, source: Input, references: list[str] | None) -> None
             print(score, file=sys.stderr)
 
 
-def main(argv: list[str] | None = None) -> int:
+def run_command(run_args, parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
+    """Exit code of ``run_args(parsed argv)``: 2 with a one-line error for bad input or a bad
+    checkpoint, 130 on Ctrl-C, 0 when stdout's reader closed the pipe."""
     limit_primitive_caches()
-    args = build_parser().parse_args(argv)
+    args = parser.parse_args(argv)
     try:
-        return run(args)
+        return run_args(args)
     except (UsageError, DataError, CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -330,6 +332,10 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:  # e.g. piped into head: the reader has all it wants
         return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(run, build_parser(), argv)
 
 
 if __name__ == "__main__":
