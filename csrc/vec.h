@@ -8,6 +8,10 @@
 #include <cstdint>
 #include <limits>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -102,6 +106,17 @@ inline float horizontal_max(Vec v) {
   float m = v[0];
   for (int l = 1; l < kLanes; ++l) m = std::max(m, v[l]);
   return m;
+}
+
+// Bit l set where lane l of v is greater than x (one mask compare on AVX-512).
+inline uint32_t greater_mask(Vec v, float x) {
+#if defined(__AVX512F__)
+  return _mm512_cmp_ps_mask(reinterpret_cast<__m512>(v), _mm512_set1_ps(x), _CMP_GT_OQ);
+#else
+  uint32_t mask = 0;
+  for (int l = 0; l < kLanes; ++l) mask |= static_cast<uint32_t>(v[l] > x) << l;
+  return mask;
+#endif
 }
 
 inline float horizontal_sum(Vec v) {

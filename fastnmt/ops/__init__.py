@@ -4,6 +4,7 @@ from fastnmt.ops.attention import attention, attention_probabilities
 from fastnmt.ops.feed_forward import feed_forward
 from fastnmt.ops.layer_norm import add_layer_norm
 from fastnmt.ops.linear_cross_entropy import CrossEntropyOutput, linear_cross_entropy
+from fastnmt.ops.log_softmax_topk import log_softmax_topk
 
 __all__ = [
     "CrossEntropyOutput",
@@ -12,4 +13,5 @@ __all__ = [
     "attention_probabilities",
     "feed_forward",
     "linear_cross_entropy",
+    "log_softmax_topk",
 ]

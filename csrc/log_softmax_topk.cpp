@@ -1,0 +1,145 @@
+// The k most probable entries of each row of log_softmax(logits), some columns banned (the row
+// step of beam search; fastnmt/ops/log_softmax_topk.py has the math and the reference).
+//
+// Each row is read once from the logits into an fp32 buffer (banned columns set to -inf there)
+// while finding its max; one more vectorised pass over that buffer, while it is in L1/L2, sums
+// the exponentials and keeps the top k in a small sorted list that a whole vector of candidates
+// skips when none of its lanes beats the k-th best. No (rows x V) log-probability tensor is written. Rows are
+// independent, so the work is split over rows and no result depends on the thread count.
+#include "common.h"
+#include "vec.h"
+
+#include <cmath>
+#include <vector>
+
+namespace fastnmt {
+namespace {
+
+// The best k (value, index) pairs seen, best first; among equal values the lower index first.
+class TopK {
+ public:
+  TopK(float* values, int64_t* indices, int64_t k) : values_(values), indices_(indices), k_(k) {}
+
+  // The value a candidate must beat (strictly) to enter; -inf admits only while not full.
+  float threshold() const { return size_ < k_ ? -kInf : values_[k_ - 1]; }
+
+  // Offer candidates in increasing index order.
+  void offer(float value, int64_t index) {
+    if (size_ == k_ && !(value > values_[k_ - 1])) return;
+    int64_t position = std::min(size_, k_ - 1);
+    while (position > 0 && values_[position - 1] < value) {  // strict: ties keep the earlier
+      values_[position] = values_[position - 1];
+      indices_[position] = indices_[position - 1];
+      --position;
+    }
+    values_[position] = value;
+    indices_[position] = index;
+    size_ = std::min(size_ + 1, k_);
+  }
+
+  int64_t capacity() const { return k_; }
+
+ private:
+  float* values_;
+  int64_t* indices_;
+  int64_t k_;
+  int64_t size_ = 0;
+};
+
+// Row row (V logits) -> x (fp32, whole vectors; banned columns and the padding lanes -inf),
+// returning the max of x.
+template <typename T>
+float load_row(const T* row, int64_t vocab, int64_t padded, const int64_t* banned,
+               int64_t banned_count, float* x) {
+  Vec running_max = splat(-kInf);
+  for (int64_t j = 0; j < padded; j += kLanes) {
+    const int64_t n = std::min(kLanes, vocab - j);
+    const Vec v = n == kLanes ? load_float(row + j) : load_float(row + j, n);
+    store(x + j, v);
+    running_max = v > running_max ? v : running_max;
+  }
+  std::fill(x + vocab, x + padded, -kInf);  // the tail lanes were loaded as 0
+  float row_max = horizontal_max(running_max);
+  bool max_banned = vocab < padded;  // a tail 0 may have been the max
+  for (int64_t b = 0; b < banned_count; ++b) {
+    max_banned |= x[banned[b]] == row_max;
+    x[banned[b]] = -kInf;
+  }
+  if (max_banned) row_max = *std::max_element(x, x + vocab);
+  return row_max;
+}
+
+// log sum exp(x - row_max) + row_max over x, and its top k (best first) offered to top, in one
+// pass; a vector of candidates whose lanes none beats the k-th best is skipped with one compare.
+float log_sum_exp_and_top(const float* x, int64_t vocab, int64_t padded, float row_max, TopK& top) {
+  // The whole vectors holding the first k columns are all offered, whatever they hold.
+  const int64_t head = std::min(padded, whole_vectors(top.capacity()));
+  for (int64_t j = 0; j < std::min(head, vocab); ++j) top.offer(x[j], j);
+  Vec total = splat(0.0f);
+  for (int64_t j = 0; j < padded; j += kLanes) {
+    const Vec v = load(x + j);
+    total += v > -kInf ? vector_exp(v - row_max) : Vec{};
+    if (j < head) continue;
+    // Only the lanes above the k-th best (never a padding lane: -inf beats nothing once full).
+    for (uint32_t mask = greater_mask(v, top.threshold()); mask; mask &= mask - 1) {
+      const int l = __builtin_ctz(mask);
+      top.offer(x[j + l], j + l);
+    }
+  }
+  return row_max + std::log(horizontal_sum(total));
+}
+
+template <typename T>
+void rows(const T* logits, const int64_t* banned, int64_t banned_count, float* values,
+          int64_t* indices, int64_t count, int64_t vocab, int64_t k) {
+  const int64_t padded = whole_vectors(vocab);
+  at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer(padded);
+    float* x = buffer.data();
+    for (int64_t i = begin; i < end; ++i) {
+      const float row_max = load_row(logits + i * vocab, vocab, padded, banned, banned_count, x);
+      TopK top(values + i * k, indices + i * k, k);
+      const float lse = log_sum_exp_and_top(x, vocab, padded, row_max, top);
+      for (int64_t c = 0; c < k; ++c) {
+        float& value = values[i * k + c];
+        // every logit -inf: no token is possible, every value -inf
+        value = row_max == -kInf ? -kInf : value - lse;
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> log_softmax_topk(const at::Tensor& logits_in, int64_t k,
+                                                    const at::Tensor& banned_in) {
+  check_cpu(logits_in, "logits");
+  check_cpu(banned_in, "banned");
+  TORCH_CHECK(logits_in.dim() == 2, "logits must be 2-D (rows, V), got ", logits_in.dim(), " dims");
+  const auto count = logits_in.size(0), vocab = logits_in.size(1);
+  TORCH_CHECK(k >= 1 && k <= vocab, "k must be in [1, ", vocab, "], got ", k);
+  TORCH_CHECK(banned_in.dim() == 1, "banned must be 1-D");
+  const auto logits = logits_in.contiguous();
+  const auto banned = banned_in.to(at::kLong).contiguous();
+  const auto* banned_ids = banned.data_ptr<int64_t>();
+  for (int64_t b = 0; b < banned.numel(); ++b) {
+    TORCH_CHECK(banned_ids[b] >= 0 && banned_ids[b] < vocab, "banned id ", banned_ids[b],
+                " is outside [0, ", vocab, ")");
+  }
+  auto values = at::empty({count, k}, logits.options().dtype(at::kFloat));
+  auto indices = at::empty({count, k}, logits.options().dtype(at::kLong));
+  dispatch_float(logits.scalar_type(), "log_softmax_topk", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    rows(logits.data_ptr<T>(), banned_ids, banned.numel(), values.data_ptr<float>(),
+         indices.data_ptr<int64_t>(), count, vocab, k);
+  });
+  return {values, indices};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(fastnmt, m) {
+  m.def("log_softmax_topk_cpp(Tensor logits, int k, Tensor banned) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(fastnmt, CPU, m) { m.impl("log_softmax_topk_cpp", log_softmax_topk); }
+
+}  // namespace fastnmt

@@ -1,0 +1,102 @@
+r"""The k best entries of each row of log_softmax(logits), with some tokens banned: the row step
+of beam search and greedy decoding.
+
+``log_softmax_topk(logits, k, banned)`` returns (values, indices), both (N, k), equal to
+``log_softmax(logits with the banned columns at -inf).sort(descending=True, stable=True)[:, :k]``.
+
+Math, for row i of logits z_i (V,) and the allowed columns A (all but ``banned``):
+
+    m_i   = max_{v in A} z_iv
+    lse_i = m_i + log sum_{v in A} exp(z_iv - m_i)
+    top_i = the k columns of largest z_iv (banned ones count as -inf), ties to the lower index
+    out   = z_{i, top_i} - lse_i
+
+log_softmax shifts a row by a constant, so its top k are the logits' top k and only k values
+need the shift: no (N, V) log-probability tensor is written. Beam search then ranks the K*2K
+candidates of a sentence (each beam's best 2K contain the sentence's best 2K) instead of its K*V.
+A row with every column banned or -inf gives -inf values.
+
+Backends: C++ (csrc/log_softmax_topk.cpp: one read of each row, then max, sum of exponentials and
+a top-k list over a cached fp32 copy) and the reference (torch). There is no Triton kernel: on a
+GPU torch's topk and logsumexp are already fused kernels and this step is a small share of a
+decoding step; the dispatcher runs the reference there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastnmt import _checks, dispatch
+from fastnmt._extension import extension_available
+
+_CPP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# ---------------------------------------------------------------------------------------------
+# PyTorch reference: the oracle of the tests.
+# ---------------------------------------------------------------------------------------------
+
+
+def log_softmax_topk_reference(logits, k, banned):
+    z = logits.float().index_fill(1, banned, float("-inf"))  # (N, V)
+    lse = torch.logsumexp(z, dim=-1, keepdim=True)  # (N, 1), -inf for a row with no allowed token
+    values, indices = z.sort(dim=-1, descending=True, stable=True)
+    values, indices = values[:, :k], indices[:, :k]
+    return torch.where(lse > float("-inf"), values - lse, float("-inf")), indices
+
+
+# ---------------------------------------------------------------------------------------------
+# C++ launcher and dispatch.
+# ---------------------------------------------------------------------------------------------
+
+
+def log_softmax_topk_cpp(logits, k, banned):
+    return torch.ops.fastnmt.log_softmax_topk_cpp(logits, k, banned)
+
+
+def _cpp_unsupported(logits, **_):
+    if logits.dtype not in _CPP_DTYPES:
+        yield f"dtype {logits.dtype}: the C++ kernel runs {', '.join(map(str, _CPP_DTYPES))}"
+
+
+if extension_available():
+
+    @torch.library.register_fake("fastnmt::log_softmax_topk_cpp")
+    def _cpp_fake(logits, k, banned):
+        values = logits.new_empty((logits.shape[0], k), dtype=torch.float32)
+        return values, logits.new_empty((logits.shape[0], k), dtype=torch.int64)
+
+
+def _prepare(logits, k, banned=None):
+    _checks.tensor("logits", logits, ndim=2, floating=True)
+    vocab = logits.shape[1]
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= vocab:
+        raise ValueError(f"k must be an int in [1, {vocab}] (logits.shape[1]), got {k!r}")
+    if banned is None:
+        banned = torch.empty(0, dtype=torch.int64, device=logits.device)
+    _checks.tensor("banned", banned, ndim=1)
+    if banned.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"banned must hold int64 or int32 token ids, got {banned.dtype}")
+    _checks.same_device("banned", banned, "logits", logits)
+    if banned.numel() and not (int(banned.min()) >= 0 and int(banned.max()) < vocab):
+        raise ValueError(f"banned must hold token ids in [0, {vocab}), got {banned.tolist()}")
+    return logits.device, dict(logits=logits, k=k, banned=banned.long())
+
+
+LOG_SOFTMAX_TOPK = dispatch.define("log_softmax_topk", _prepare)
+LOG_SOFTMAX_TOPK.register("cpp", unsupported=_cpp_unsupported)(log_softmax_topk_cpp)
+LOG_SOFTMAX_TOPK.register("reference")(log_softmax_topk_reference)
+
+
+def log_softmax_topk(logits, k: int, banned=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest log-probabilities of each row and their columns, best first.
+
+    Args:
+        logits: (N, V) floating scores.
+        k: how many per row, 1 <= k <= V.
+        banned: optional int (n,) column ids that get probability 0 (e.g. pad and bos).
+
+    Returns:
+        values: (N, k) fp32 log-probabilities, descending (ties: lower column first; -inf for
+            banned columns when k exceeds the allowed ones). indices: (N, k) int64 columns.
+    """
+    return LOG_SOFTMAX_TOPK(logits, k, banned)

@@ -1,0 +1,108 @@
+"""fastnmt.ops.log_softmax_topk: the reference against log_softmax + a stable sort in float64, and
+the C++ kernel against the reference (same order, ties included)."""
+
+import pytest
+import torch
+
+import fastnmt
+from fastnmt import dispatch
+from fastnmt.ops import log_softmax_topk
+from tests.helpers import require_backend
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _oracle(logits, k, banned):
+    """float64 log_softmax with banned columns at -inf (a row with none allowed: all -inf, not
+    NaN); the first k of a stable descending sort."""
+    z = logits.double().index_fill(1, banned, float("-inf"))
+    values, indices = z.log_softmax(-1).sort(dim=-1, descending=True, stable=True)
+    values = values[:, :k]
+    return values.masked_fill(values.isnan(), float("-inf")), indices[:, :k]
+
+
+@pytest.fixture
+def cpp():
+    require_backend("cpp")
+    with fastnmt.backend("cpp"):
+        yield
+
+
+@pytest.mark.parametrize(
+    ("rows", "vocab", "k"),
+    [(1, 1, 1), (3, 17, 17), (5, 33, 4), (64, 8003, 1), (7, 8000, 8), (2, 100, 40)],
+)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend", ["cpp", "reference"])
+def test_matches_the_float64_oracle(backend, dtype, rows, vocab, k):
+    require_backend(backend)
+    logits = (torch.randn(rows, vocab) * 4).to(dtype)
+    banned = torch.tensor([0, min(2, vocab - 1)])
+    with fastnmt.backend(backend):
+        values, indices = log_softmax_topk(logits, k, banned)
+    expected_values, expected_indices = _oracle(logits, k, banned)
+    assert values.dtype == torch.float32 and indices.dtype == torch.int64
+    assert values.shape == indices.shape == (rows, k)
+    torch.testing.assert_close(indices, expected_indices, rtol=0, atol=0)
+    torch.testing.assert_close(values.double(), expected_values, rtol=1e-5, atol=1e-5)
+
+
+def test_ties_go_to_the_lower_column_first(cpp):
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0, 2.0] * 5])
+    values, indices = log_softmax_topk(logits, 5)
+    assert indices.tolist() == [[1, 2, 4, 7, 8]]
+    assert torch.unique(values[0, :5]).numel() == 1
+
+
+def test_banned_columns_come_last_with_minus_infinity(cpp):
+    logits = torch.randn(4, 6)
+    values, indices = log_softmax_topk(logits, 6, torch.tensor([5, 1]))
+    assert set(indices[:, 4:].flatten().tolist()) == {1, 5}
+    assert torch.isinf(values[:, 4:]).all() and torch.isfinite(values[:, :4]).all()
+    # The allowed columns' probabilities sum to 1.
+    torch.testing.assert_close(values[:, :4].exp().sum(-1), torch.ones(4))
+
+
+@pytest.mark.parametrize("backend", ["cpp", "reference"])
+def test_a_row_with_nothing_allowed_gives_minus_infinity(backend):
+    require_backend(backend)
+    logits = torch.randn(2, 3)
+    logits[1] = float("-inf")
+    with fastnmt.backend(backend):
+        values, _ = log_softmax_topk(logits, 2, torch.tensor([0]))
+    assert torch.isfinite(values[0]).all()
+    assert torch.isneginf(values[1]).all()
+
+
+def test_non_contiguous_logits(cpp):
+    logits = torch.randn(40, 6).t()  # (6, 40), column-major
+    values, indices = log_softmax_topk(logits, 3)
+    expected_values, expected_indices = _oracle(logits, 3, torch.empty(0, dtype=torch.int64))
+    torch.testing.assert_close(indices, expected_indices, rtol=0, atol=0)
+    torch.testing.assert_close(values.double(), expected_values, rtol=1e-5, atol=1e-5)
+
+
+def test_the_cpp_kernel_is_chosen_on_a_cpu_and_a_reason_given_for_triton():
+    require_backend("cpp")
+    reasons = dispatch.explain("log_softmax_topk", torch.randn(2, 5), 2)
+    assert reasons["chosen"] == "cpp"
+    assert reasons["triton"]
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "match"),
+    [
+        ((torch.randn(5), 1), ValueError, "logits must have 2 dimensions"),
+        ((torch.randint(0, 3, (2, 5)), 1), TypeError, "logits must have a floating dtype"),
+        ((torch.randn(2, 5), 0), ValueError, r"k must be an int in \[1, 5\]"),
+        ((torch.randn(2, 5), 6), ValueError, r"k must be an int in \[1, 5\]"),
+        ((torch.randn(2, 5), 2.0), ValueError, "k must be an int"),
+        ((torch.randn(2, 5), 2, torch.tensor([5])), ValueError, r"banned must hold token ids"),
+        ((torch.randn(2, 5), 2, torch.tensor([-1])), ValueError, r"banned must hold token ids"),
+        ((torch.randn(2, 5), 2, torch.tensor([1.0])), TypeError, "banned must hold int64"),
+        ((torch.randn(2, 5), 2, torch.tensor([[1]])), ValueError, "banned must have 1 dim"),
+    ],
+)
+def test_bad_arguments_are_named(args, error, match):
+    with pytest.raises(error, match=match):
+        log_softmax_topk(*args)
