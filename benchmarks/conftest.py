@@ -26,6 +26,9 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 import fastnmt
+from fastnmt.runtime import configure_process
+
+configure_process()  # as the command-line tools: rows measure what `python -m fastnmt.*` runs
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BATCH = 64  # sentences per batch

@@ -38,6 +38,7 @@ namespace fastnmt {
 namespace {
 
 constexpr int64_t kBlockM = 64;  // query rows per work unit
+constexpr int64_t kFewQueries = 8;  // up to this many queries, forward_few_queries
 constexpr int kTileRows = 4;     // accumulator rows of the micro-kernel
 constexpr int kTileVectors = 4;  // accumulator vectors per row: 64 columns
 
@@ -294,6 +295,42 @@ inline uint32_t element_index(int64_t bh, int64_t i, int64_t lq, int64_t lk) {
   return static_cast<uint32_t>((bh * lq + i) * lk);  // + j; wraps modulo 2^32
 }
 
+// Row i's scores (width lanes) -> its attention probabilities in place, times the dropout
+// factors keep_ij / (1 - p) (element index first + j) when dropout is on: x = scale * S + bias
+// (-inf past i when causal), P = exp(x - lse). Returns lse; a row that sees no key gets P = 0
+// and lse = -inf.
+inline float softmax_row(float* row, const float* bias, int64_t width, int64_t i, float scale,
+                         bool causal, const DropoutStream& drop, uint32_t first, float* factors) {
+  Vec running_max = splat(-kInf);
+  for (int64_t c = 0; c < width; c += kLanes) {
+    const Vec x = masked_scores(row, bias, c, i, scale, causal);
+    store(row + c, x);
+    running_max = x > running_max ? x : running_max;
+  }
+  const float row_max = horizontal_max(running_max);
+  if (row_max == -kInf) {
+    std::fill(row, row + width, 0.0f);
+    return -kInf;
+  }
+  Vec total = Vec{};
+  for (int64_t c = 0; c < width; c += kLanes) {
+    const Vec x = load(row + c);
+    const Vec e = x > -kInf ? vector_exp(x - row_max) : Vec{};
+    store(row + c, e);
+    total += e;
+  }
+  const float sum = horizontal_sum(total);
+  const float inverse_sum = 1.0f / sum;
+  if (drop.active) {
+    dropout_row(drop, first, factors, width);
+    for (int64_t c = 0; c < width; c += kLanes)
+      store(row + c, load(row + c) * load(factors + c) * inverse_sum);
+  } else {
+    for (int64_t c = 0; c < width; c += kLanes) store(row + c, load(row + c) * inverse_sum);
+  }
+  return row_max + std::log(sum);
+}
+
 // Calls worker(next) once on each intra-op thread; next() hands out work units 0, 1, 2, ...
 // (a unit number past the last means none is left), so fast threads take more units.
 template <typename Worker>
@@ -365,37 +402,8 @@ void forward_kernel(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor
       gemm<T>(qb, d_vectors, 1, kt, lk_vectors, n.d, s, lk_vectors, rows, width, false);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = i0 + r;
-        float* row = s + r * lk_vectors;
-        Vec running_max = splat(-kInf);
-        for (int64_t c = 0; c < width; c += kLanes) {
-          const Vec x = masked_scores(row, bias, c, i, scale, mask.causal);
-          store(row + c, x);
-          running_max = x > running_max ? x : running_max;
-        }
-        const float row_max = horizontal_max(running_max);
-        float* lse_i = lse + bh * n.lq + i;
-        if (row_max == -kInf) {  // sees no key: P = 0, lse = -inf
-          std::fill(row, row + width, 0.0f);
-          *lse_i = -kInf;
-          continue;
-        }
-        Vec total = Vec{};
-        for (int64_t c = 0; c < width; c += kLanes) {
-          const Vec x = load(row + c);
-          const Vec e = x > -kInf ? vector_exp(x - row_max) : Vec{};
-          store(row + c, e);
-          total += e;
-        }
-        const float sum = horizontal_sum(total);
-        *lse_i = row_max + std::log(sum);
-        const float inverse_sum = 1.0f / sum;
-        if (drop.active) {
-          dropout_row(drop, element_index(bh, i, n.lq, n.lk), factors, width);
-          for (int64_t c = 0; c < width; c += kLanes)
-            store(row + c, load(row + c) * load(factors + c) * inverse_sum);
-        } else {
-          for (int64_t c = 0; c < width; c += kLanes) store(row + c, load(row + c) * inverse_sum);
-        }
+        lse[bh * n.lq + i] = softmax_row(s + r * lk_vectors, bias, width, i, scale, mask.causal,
+                                         drop, element_index(bh, i, n.lq, n.lk), factors);
       }
       if (keys > 0) {
         gemm<T>(s, lk_vectors, 1, vb, dv_vectors, keys, o, dv_vectors, rows, dv_vectors, false);
@@ -403,6 +411,58 @@ void forward_kernel(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor
         std::fill(o, o + rows * dv_vectors, 0.0f);
       }
       store_rows(o, dv_vectors, out, bh, n.lq, i0, rows, i0 + rows, n.dv);
+    }
+  });
+}
+
+// Few queries per (b, h) (decoding: the new token of each hypothesis against its cache, or the
+// K beams of a sentence against its source): converting K and V to panels would cost more than
+// the products, so each score is a dot product of q_i with a key row read in place, and O_i the
+// P-weighted sum of value rows, all in fp32.
+template <typename T>
+void forward_few_queries(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
+                         const KeyMask& mask, float scale, const DropoutStream& drop,
+                         at::Tensor& out_, at::Tensor& lse_) {
+  const Shape n(q_, v_);
+  const Rows<T> q(q_), k(k_), v(v_);
+  T* out = out_.data_ptr<T>();
+  float* lse = lse_.data_ptr<float>();
+  const int64_t lk_vectors = whole_vectors(n.lk), d_vectors = whole_vectors(n.d),
+                dv_vectors = whole_vectors(n.dv);
+  run_workers([&](const auto& next) {
+    // Workspace: one query row, its scores, bias, factors and output row.
+    std::vector<float> work(d_vectors + 3 * lk_vectors + dv_vectors);
+    float* qb = work.data();
+    float* s = qb + d_vectors;
+    float* bias = s + lk_vectors;
+    float* factors = bias + lk_vectors;
+    float* o = factors + lk_vectors;
+    for (int64_t bh = next(); bh < n.batch * n.heads; bh = next()) {
+      const int64_t b = bh / n.heads, h = bh % n.heads;
+      mask.bias(b, bias, whole_vectors(mask.key_end[b]));
+      for (int64_t i = 0; i < n.lq; ++i) {
+        const int64_t keys = mask.keys_of_block(b, i + 1), width = whole_vectors(keys);
+        load_rows(q, b, h, i, 1, n.d, qb, d_vectors);
+        for (int64_t j = 0; j < keys; ++j) {
+          const T* key = k.at(b, h, j);
+          Vec dot = Vec{};
+          for (int64_t d = 0; d < n.d; d += kLanes)
+            dot += load(qb + d) * load_float(key + d, std::min(kLanes, n.d - d));
+          s[j] = horizontal_sum(dot);
+        }
+        std::fill(s + keys, s + width, 0.0f);
+        lse[bh * n.lq + i] = softmax_row(s, bias, width, i, scale, mask.causal, drop,
+                                         element_index(bh, i, n.lq, n.lk), factors);
+        std::fill(o, o + dv_vectors, 0.0f);
+        for (int64_t j = 0; j < keys; ++j) {
+          if (s[j] == 0.0f) continue;  // hidden (or dropped) key
+          const T* value = v.at(b, h, j);
+          const Vec p = splat(s[j]);
+          for (int64_t d = 0; d < n.dv; d += kLanes)
+            store(o + d, load(o + d) + p * load_float(value + d, std::min(kLanes, n.dv - d)));
+        }
+        store_rows(o, dv_vectors, out, bh, n.lq, i, 1, i + 1, n.dv);
+      }
     }
   });
 }
@@ -515,7 +575,11 @@ std::tuple<at::Tensor, at::Tensor> attention_cpp(
   const DropoutStream drop(seed, dropout_p);
   dispatch_float(q.scalar_type(), "attention_cpp", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    forward_kernel<T>(q, k, v, mask, static_cast<float>(scale), drop, out, lse);
+    if (n.lq <= kFewQueries) {
+      forward_few_queries<T>(q, k, v, mask, static_cast<float>(scale), drop, out, lse);
+    } else {
+      forward_kernel<T>(q, k, v, mask, static_cast<float>(scale), drop, out, lse);
+    }
   });
   return {out, lse};
 }

@@ -103,9 +103,13 @@ inline WordVec word_lane_indices() {
 }
 
 inline float horizontal_max(Vec v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps(reinterpret_cast<__m512>(v));
+#else
   float m = v[0];
   for (int l = 1; l < kLanes; ++l) m = std::max(m, v[l]);
   return m;
+#endif
 }
 
 // Bit l set where lane l of v is greater than x (one mask compare on AVX-512).
@@ -120,9 +124,13 @@ inline uint32_t greater_mask(Vec v, float x) {
 }
 
 inline float horizontal_sum(Vec v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));  // a tree of shuffles
+#else
   float s = 0.0f;
   for (int l = 0; l < kLanes; ++l) s += v[l];
   return s;
+#endif
 }
 
 // exp(x) (Cephes' expf polynomial after x = n ln2 + r, |r| <= ln2 / 2; ~2 ulp). x is clamped to

@@ -101,8 +101,16 @@ class KVCache:
     def reorder(self, index: torch.Tensor) -> None:
         """Keep batch entries ``index`` (B',) in that order, e.g. the surviving beams."""
         if self._key is not None:
-            self._key = self._key.index_select(0, index)
-            self._value = self._value.index_select(0, index)
+            self._key = self._gather(self._key, index)
+            self._value = self._gather(self._value, index)
+
+    def _gather(self, storage: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """New storage holding ``storage``'s entries ``index``: only the filled steps are copied
+        (up to half of a doubled capacity is empty)."""
+        gathered = storage.new_empty(index.shape[0], *storage.shape[1:])
+        filled = slice(0, self.length)
+        torch.index_select(storage[:, :, filled], 0, index, out=gathered[:, :, filled])
+        return gathered
 
 
 class MultiheadAttention(nn.Module):

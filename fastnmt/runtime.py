@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 
 # oneDNN (through ideep) keeps a compiled GEMM primitive per distinct shape, 1,024 by default. A
 # translation trainer meets new shapes with every token bucket and decoder step: the caches grew a
@@ -11,8 +13,40 @@ import os
 # primitive is created, so setting them at the start of a process is early enough.
 PRIMITIVE_CACHE_CAPACITY = "64"
 
+# glibc's malloc serves blocks from 128 KB up (raised adaptively to at most 32 MB) with mmap and
+# gives them back on free, and trims the heap top past 128 KB: every step of decoding or training
+# then page-faults its large tensors in afresh (zeroed by the kernel). Beam-4 decoding of 1,000
+# sentences took 535k minor faults and 4.0 s of system time for three passes; with the settings
+# below, 177k and 1.7 s (measured 2026-11-22). The cost is that freed memory stays with the
+# process for reuse, as PyTorch's CUDA caching allocator does on a GPU.
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+_MALLOC_SETTINGS = {
+    _M_MMAP_THRESHOLD: 32 << 20,  # glibc's maximum: blocks below it come from the heap
+    _M_TRIM_THRESHOLD: 1 << 30,  # keep up to 1 GB of free heap top
+    _M_TOP_PAD: 64 << 20,  # grow the heap in 64 MB steps
+}
+_MALLOC_ENV_VARS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+
 
 def limit_primitive_caches() -> None:
     """Cap oneDNN's primitive caches, unless the environment already sets them."""
     for name in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
         os.environ.setdefault(name, PRIMITIVE_CACHE_CAPACITY)
+
+
+def keep_freed_memory() -> bool:
+    """On glibc, let malloc keep freed blocks for reuse instead of returning them to the kernel
+    (unless the environment sets glibc's own MALLOC_* tuning). Returns whether it applied."""
+    if not sys.platform.startswith("linux") or any(v in os.environ for v in _MALLOC_ENV_VARS):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt  # absent from other C libraries (e.g. musl)
+    except (OSError, AttributeError):
+        return False
+    return all(mallopt(option, value) == 1 for option, value in _MALLOC_SETTINGS.items())
+
+
+def configure_process() -> None:
+    """The settings above, for a process that trains or translates."""
+    limit_primitive_caches()
+    keep_freed_memory()

@@ -40,7 +40,7 @@ from fastnmt.data import (
 )
 from fastnmt.model import PRESETS, ModelConfig, Transformer, preset
 from fastnmt.ops import linear_cross_entropy
-from fastnmt.runtime import limit_primitive_caches
+from fastnmt.runtime import configure_process
 from fastnmt.translator import Translator, autocast
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -780,7 +780,7 @@ def train(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    limit_primitive_caches()
+    configure_process()
     args = build_parser().parse_args(argv)
     try:
         return train(args)

@@ -23,7 +23,7 @@ import fastnmt
 from fastnmt import metrics
 from fastnmt.checkpoint import CheckpointError
 from fastnmt.data import DataError, read_lines
-from fastnmt.runtime import limit_primitive_caches
+from fastnmt.runtime import configure_process
 from fastnmt.translator import PRECISIONS, Translation, Translator
 
 
@@ -320,7 +320,7 @@ def _report(totals: Totals, source: Input, references: list[str] | None) -> None
 def run_command(run_args, parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     """Exit code of ``run_args(parsed argv)``: 2 with a one-line error for bad input or a bad
     checkpoint, 130 on Ctrl-C, 0 when stdout's reader closed the pipe."""
-    limit_primitive_caches()
+    configure_process()
     args = parser.parse_args(argv)
     try:
         return run_args(args)

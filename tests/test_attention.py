@@ -192,6 +192,15 @@ class TestIncrementalDecoding:
         cache.reorder(torch.tensor([2, 2, 0]))
         torch.testing.assert_close(cache.key, keys[[2, 2, 0]])
         torch.testing.assert_close(cache.value, keys[[2, 2, 0]] + 1)
+        # Appending after a reorder (into the capacity it kept) and reordering again.
+        step = torch.randn(3, 2, 1, 8)
+        cache.append(step, step - 1)
+        cache.reorder(torch.tensor([1, 0]))
+        expected = torch.cat([keys[[2, 2, 0]], step], dim=2)[[1, 0]]
+        torch.testing.assert_close(cache.key, expected)
+        torch.testing.assert_close(
+            cache.value, torch.cat([keys[[2, 2, 0]] + 1, step - 1], 2)[[1, 0]]
+        )
 
 
 def test_swap_inside_torch_transformer_keeps_outputs_and_gradients():

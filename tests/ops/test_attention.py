@@ -419,6 +419,10 @@ CPP_CASES = [  # B, H, Lq, Lk, D, causal, masks, dtype, dropout_p
     (2, 2, 33, 1, 48, True, "padding", FP32, 0.0),
     (3, 4, 70, 130, 64, True, "lengths", FP32, 0.3),  # several query blocks, Lk > one block
     (2, 2, 70, 70, 80, False, "padding", BF16, 0.0),
+    # Up to 8 queries take the decoding path (dot products in place of panels): its edges.
+    (3, 2, 4, 21, 20, False, "lengths", BF16, 0.0),  # beam step, D not a multiple of 16
+    (2, 2, 8, 40, 64, True, "padding", BF16, 0.3),
+    (2, 2, 9, 40, 64, True, "lengths", FP32, 0.3),
 ]
 
 
