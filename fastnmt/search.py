@@ -105,7 +105,7 @@ def _check(max_lens: torch.Tensor, src: torch.Tensor, beam: int = 1, nbest: int 
         raise ValueError(f"max_lens must be ({src.shape[0]},) positive lengths, got {max_lens}")
 
 
-@torch.no_grad()
+@torch.inference_mode()  # no autograd bookkeeping: part of the per-op cost of a decoding step
 def greedy(
     model: Transformer,
     src: torch.Tensor,
@@ -148,7 +148,7 @@ def greedy(
     return results
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def beam_search(
     model: Transformer,
     src: torch.Tensor,

@@ -145,7 +145,7 @@ class Translator:
         """The best translation of each sentence, in input order; options as ``translate_full``."""
         return [t.text for t in self.translate_full(sentences, **options)]
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def translate_full(
         self,
         sentences: list[str],
