@@ -305,14 +305,18 @@ class Vocabulary:
     def __len__(self) -> int:
         return self._processor.get_piece_size()
 
+    # One sentence at a time: sentencepiece's list calls start a thread pool per call, which
+    # costs ~100-180 us against ~5 us for encoding one short sentence (translating sentence by
+    # sentence made that a visible share of decoding).
+
     def encode(self, sentences: list[str]) -> list[list[int]]:
         """Token ids per sentence, without bos/eos."""
-        return self._processor.encode(sentences, out_type=int)
+        return [self._processor.encode(sentence, out_type=int) for sentence in sentences]
 
     def decode(self, ids: list[list[int]]) -> list[str]:
         """Text per id sequence: everything from the first eos on is dropped, as are pad and bos,
         so raw decoder output can be passed in."""
-        return self._processor.decode([self._strip(sequence) for sequence in ids])
+        return [self._processor.decode(self._strip(sequence)) for sequence in ids]
 
     def _strip(self, ids: list[int]) -> list[int]:
         if self.eos_id in ids:
