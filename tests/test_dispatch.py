@@ -110,6 +110,7 @@ def test_every_op_explains_itself():
         "add_layer_norm": ((x, x), {}),
         "feed_forward": ((x, torch.randn(16, 8), None, torch.randn(8, 16), None), {}),
         "linear_cross_entropy": ((x, torch.randn(11, 8), None, torch.tensor([1, 2, 3, 4])), {}),
+        "log_softmax_topk": ((x, 3), {"banned": torch.tensor([0])}),
     }
     assert set(calls) == set(dispatch.OPS)
     for name, (args, kwargs) in calls.items():
