@@ -17,7 +17,6 @@ chosen when the graph is traced and stays part of it: force a backend before com
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.util
 import os
 from collections.abc import Callable, Iterable, Iterator
@@ -78,13 +77,12 @@ def forced_backend(op_name: str) -> str | None:
     return None if name == _AUTO else name
 
 
-@functools.cache  # a module search per op call was ~1% of a decoding step
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+# Looked up once: a module search per op call was ~1% of a decoding step.
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
 
 def _triton_device_reasons(device: torch.device, forced: bool) -> list[str]:
-    if not _triton_installed():
+    if not _TRITON_INSTALLED:
         return ["triton is not installed"]
     if device.type == "cuda":
         return []
