@@ -77,7 +77,7 @@ def _prepare(logits, k, banned=None):
     if banned.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"banned must hold int64 or int32 token ids, got {banned.dtype}")
     _checks.same_device("banned", banned, "logits", logits)
-    if banned.numel() and not (int(banned.min()) >= 0 and int(banned.max()) < vocab):
+    if bool(((banned < 0) | (banned >= vocab)).any()):  # one host sync per decoding step
         raise ValueError(f"banned must hold token ids in [0, {vocab}), got {banned.tolist()}")
     return logits.device, dict(logits=logits, k=k, banned=banned.long())
 
