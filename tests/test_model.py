@@ -74,3 +74,11 @@ def test_too_long_input_is_a_clear_error():
     src, src_lengths, _ = _batch(src_len=6)
     with pytest.raises(ValueError, match="exceeds max_positions"):
         model.encode(src, src_lengths)
+
+
+def test_logits_with_the_transposed_output_weight_equal_the_plain_ones():
+    model = Transformer(preset("tiny", vocab_size=50, d_model=32, heads=2, d_ff=64))
+    states = torch.randn(3, 5, 32)
+    torch.testing.assert_close(
+        model.logits(states, model.output_weight_t()), model.logits(states), rtol=1e-6, atol=1e-6
+    )
