@@ -17,7 +17,6 @@ chosen when the graph is traced and stays part of it: force a backend before com
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
@@ -25,6 +24,7 @@ from contextvars import ContextVar
 import torch
 
 from fastnmt._extension import extension_available, extension_status
+from fastnmt._triton import TRITON_AVAILABLE, triton_status
 
 BACKENDS = ("triton", "cpp", "reference")
 ENV_VAR = "FASTNMT_BACKEND"
@@ -77,13 +77,9 @@ def forced_backend(op_name: str) -> str | None:
     return None if name == _AUTO else name
 
 
-# Looked up once: a module search per op call was ~1% of a decoding step.
-_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
-
-
 def _triton_device_reasons(device: torch.device, forced: bool) -> list[str]:
-    if not _TRITON_INSTALLED:
-        return ["triton is not installed"]
+    if not TRITON_AVAILABLE:
+        return [triton_status()]
     if device.type == "cuda":
         return []
     if os.environ.get("TRITON_INTERPRET") != "1":

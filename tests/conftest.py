@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
 import pytest
 
 import fastnmt
-from tests.helpers import require_backend
+from tests.helpers import TRITON_DEVICE, require_backend
 
 
 @pytest.fixture(autouse=True)
@@ -23,8 +23,16 @@ def _seeded_and_auto_backend(monkeypatch):
 
 @pytest.fixture(params=["triton", "cpp"])
 def fused(request):
-    """Each fused backend in turn, forced: Triton (interpreter on a CPU; output buffers start as
-    NaN there, so an element a kernel fails to write shows) and the C++ kernels."""
+    """Each fused backend in turn, forced: Triton (compiled on a GPU; the interpreter on a CPU,
+    where output buffers start as NaN, so an element a kernel fails to write shows) and the C++
+    kernels. Tensors go on ``device_of(fused)`` (tests.helpers)."""
     require_backend(request.param)
     with fastnmt.backend(request.param):
         yield request.param
+
+
+@pytest.fixture
+def triton_device():
+    """The device Triton tests put their tensors on: CUDA when present, else the CPU
+    (interpreter)."""
+    return TRITON_DEVICE

@@ -7,6 +7,16 @@ import torch
 
 import fastnmt
 
+# Where Triton kernels run in the tests: compiled on a CUDA GPU when there is one, else in the
+# Triton interpreter on CPU tensors (tests/conftest.py sets TRITON_INTERPRET=1 first).
+TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def device_of(backend: str) -> torch.device:
+    """The device a test's tensors live on for ``backend``: the C++ kernels take CPU tensors,
+    Triton (and the reference compared with it) the Triton device."""
+    return torch.device("cpu") if backend == "cpp" else TRITON_DEVICE
+
 
 def assert_error_within(candidate, same_dtype_torch, oracle, factor, atol):
     """FlashAttention's rule: the candidate is at most ``factor`` times as far from the float64

@@ -38,11 +38,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from fastnmt import _checks, dispatch
 from fastnmt._extension import extension_available
+from fastnmt._triton import tl, triton
 from fastnmt.compile_check import CompileCase
 from fastnmt.ops.triton_common import (
     INTERPRETER,

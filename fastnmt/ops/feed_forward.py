@@ -32,11 +32,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from fastnmt import _checks, dispatch
 from fastnmt._extension import extension_available
+from fastnmt._triton import tl, triton
 from fastnmt.compile_check import CompileCase
 from fastnmt.ops import triton_common
 from fastnmt.ops.layer_norm import apply_dropout

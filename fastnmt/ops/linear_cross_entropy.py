@@ -43,10 +43,9 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from fastnmt import _checks, dispatch
+from fastnmt._triton import tl, triton
 from fastnmt.compile_check import CompileCase
 from fastnmt.ops import triton_common
 

@@ -1,0 +1,41 @@
+"""The one module that imports Triton, so that ``import fastnmt`` works where Triton is absent.
+
+Triton ships for Linux x86-64 (and aarch64 from some versions); on macOS, Windows or a machine
+without it, the C++ and reference backends still run. When the import fails, ``triton`` and ``tl``
+here are stand-ins that let the op modules define their kernels (``@triton.jit`` returns the
+function unchanged, ``tl.constexpr(x)`` is ``x``) but never launch them: the dispatcher gives the
+Triton backend the reason ``triton_status()``.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as error:
+    _STATUS = f"triton is not installed ({error})"
+
+    def _jit(fn=None, **_options):
+        return fn if fn is not None else (lambda f: f)
+
+    triton = SimpleNamespace(
+        jit=_jit,
+        cdiv=lambda a, b: -(-a // b),
+        next_power_of_2=lambda n: 1 << max(0, math.ceil(math.log2(n))) if n > 0 else 1,
+    )
+    tl = SimpleNamespace(constexpr=lambda value: value)
+    TRITON_AVAILABLE = False
+else:
+    _STATUS = f"triton {triton.__version__} is installed"
+    TRITON_AVAILABLE = True
+
+
+def triton_status() -> str:
+    """One line: whether Triton is importable, and if not, why."""
+    return _STATUS
+
+
+__all__ = ["TRITON_AVAILABLE", "tl", "triton", "triton_status"]
