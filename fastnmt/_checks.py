@@ -1,8 +1,16 @@
-"""Argument checks shared by the ops: each raises TypeError/ValueError naming the argument."""
+"""Argument checks shared by the ops: each raises TypeError/ValueError naming the argument.
+
+Checks of shapes, dtypes and devices are free; checks of tensor *values* (lengths, class indices,
+token ids in range) read the tensor on the host, a device sync per call. The ops make them only
+under ``FASTNMT_CHECK_VALUES=1`` (debugging); otherwise their callers check once per batch where
+the data is still on the CPU (the trainer's batches, the translator's inputs), and the kernels
+stay memory-safe for any value (out-of-range lengths are clamped to [0, L]).
+"""
 
 from __future__ import annotations
 
 import numbers
+import os
 
 import torch
 
@@ -53,3 +61,8 @@ def positive(name: str, value) -> float:
 def autocasting(device: torch.device) -> bool:
     """Under autocast, activations and weights may legitimately differ in dtype."""
     return torch.is_autocast_enabled(device.type)
+
+
+def values_checked() -> bool:
+    """Whether ops check tensor values (a host sync each): ``FASTNMT_CHECK_VALUES=1``."""
+    return os.environ.get("FASTNMT_CHECK_VALUES") == "1"
