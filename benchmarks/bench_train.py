@@ -16,7 +16,7 @@ import torch
 import fastnmt
 from fastnmt.data import make_batch
 from fastnmt.model import Transformer, preset
-from fastnmt.train import label_smoothed_loss
+from fastnmt.trainer import label_smoothed_loss
 from fastnmt.translator import autocast
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -60,7 +60,7 @@ def test_training_step(benchmark, preset_name, precision, variant):
     def step():
         with VARIANTS[variant](), autocast(DEVICE, PRECISIONS[precision]):
             states = model(batch.src, batch.src_lengths, batch.tgt_in)
-            loss, _, _ = label_smoothed_loss(model, states, batch.tgt_out, cfg.pad_id, 0.1)
+            loss, _, _ = label_smoothed_loss(model, states, batch.tgt_out, batch.tgt_positions, 0.1)
         (loss / tokens).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -402,15 +402,24 @@ class Batch:
     tgt_out: torch.Tensor  # (B, T) target + eos (what the decoder must predict)
     tgt_lengths: torch.Tensor  # (B,) int64
     indices: torch.Tensor  # (B,) positions of these pairs in the corpus, to restore order
+    # (tokens,) int64 flat positions of the non-pad targets in tgt_out.view(-1): the loss gathers
+    # them without a boolean mask, whose size a GPU would have to report back (a host sync).
+    tgt_positions: torch.Tensor
 
     @property
     def num_tgt_tokens(self) -> int:
         """Non-pad target tokens: the normaliser of the loss and the unit of throughput."""
-        return int(self.tgt_lengths.sum())
+        return self.tgt_positions.shape[0]
 
     def to(self, device: torch.device | str) -> Batch:
-        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self)}
-        return replace(self, **moved)
+        device = torch.device(device)
+
+        def move(tensor):
+            if device.type == "cuda":  # from pinned memory: the copy does not block the host
+                return tensor.pin_memory().to(device, non_blocking=True)
+            return tensor.to(device)
+
+        return replace(self, **{f.name: move(getattr(self, f.name)) for f in fields(self)})
 
 
 def _padded(rows: list[list[int]], pad_id: int) -> torch.Tensor:
@@ -444,6 +453,7 @@ def make_batch(
         tgt_out=tgt_out,
         tgt_lengths=tgt_lengths,
         indices=torch.as_tensor(indices, dtype=torch.int64),
+        tgt_positions=(tgt_out.reshape(-1) != pad_id).nonzero()[:, 0],
     )
 
 

@@ -38,10 +38,13 @@ def autocast(device: torch.device | str, dtype: torch.dtype | None):
 
 
 def fastest_dtype(device: torch.device | str) -> torch.dtype | None:
-    """bf16 where the hardware computes in it (AMX / AVX512-BF16 CPUs, recent GPUs), else fp32."""
+    """bf16 where the hardware computes in it (AVX512-BF16 / AMX CPUs, GPUs of compute capability
+    8.0 or later), fp16 on older GPUs (``torch.cuda.is_bf16_supported()`` also counts bf16 that
+    is only emulated there), else fp32 (None)."""
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        native_bf16 = torch.cuda.get_device_capability(device) >= (8, 0)
+        return torch.bfloat16 if native_bf16 else torch.float16
     return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from fastnmt import checkpoint, train
+from fastnmt import checkpoint, train, trainer
 from fastnmt.model import ModelConfig, Transformer
 from tests.helpers import multi30k_dir
 
@@ -142,7 +142,8 @@ def test_label_smoothed_loss_matches_cross_entropy():
     states = torch.randn(2, 5, 8)
     targets = torch.randint(1, 30, (2, 5))
     targets[1, 3:] = 0
-    loss, nll, correct = train.label_smoothed_loss(model, states, targets, 0, 0.1)
+    positions = (targets.view(-1) != 0).nonzero()[:, 0]
+    loss, nll, correct = trainer.label_smoothed_loss(model, states, targets, positions, 0.1)
     logits = model.logits(states).view(-1, 30)
     expected = F.cross_entropy(
         logits, targets.view(-1), ignore_index=0, label_smoothing=0.1, reduction="sum"
@@ -156,24 +157,24 @@ def test_label_smoothed_loss_matches_cross_entropy():
 
 
 def test_inverse_sqrt_schedule():
-    assert train.inverse_sqrt_lr(1, 1e-3, 100) == pytest.approx(1e-5)
-    assert train.inverse_sqrt_lr(100, 1e-3, 100) == pytest.approx(1e-3)
-    assert train.inverse_sqrt_lr(400, 1e-3, 100) == pytest.approx(5e-4)
+    assert trainer.inverse_sqrt_lr(1, 1e-3, 100) == pytest.approx(1e-5)
+    assert trainer.inverse_sqrt_lr(100, 1e-3, 100) == pytest.approx(1e-3)
+    assert trainer.inverse_sqrt_lr(400, 1e-3, 100) == pytest.approx(5e-4)
 
 
 def test_non_finite_loss_stops_naming_the_step_and_last_checkpoint(
     corpus, tmp_path, monkeypatch, capsys
 ):
     args = train.build_parser().parse_args(_arguments(corpus, tmp_path, "--save-interval", "2"))
-    trainer = train.prepare(args)
-    real_loss = train.label_smoothed_loss
+    run = train.prepare(args)
+    real_loss = trainer.label_smoothed_loss
 
     def poisoned(*a, **k):
         loss, nll, correct = real_loss(*a, **k)
-        return (loss * float("nan") if trainer.progress.step == 3 else loss), nll, correct
+        return (loss * float("nan") if run.progress.step == 3 else loss), nll, correct
 
-    monkeypatch.setattr(train, "label_smoothed_loss", poisoned)
-    assert trainer.run() == 1
+    monkeypatch.setattr(trainer, "label_smoothed_loss", poisoned)
+    assert run.run() == 1
     message = capsys.readouterr().err
     assert "loss became nan at step 4" in message
     assert "checkpoint_step2" in message
@@ -181,16 +182,16 @@ def test_non_finite_loss_stops_naming_the_step_and_last_checkpoint(
 
 def test_ctrl_c_saves_and_exits(corpus, tmp_path, monkeypatch):
     args = train.build_parser().parse_args(_arguments(corpus, tmp_path))
-    trainer = train.prepare(args)
-    real_step = trainer.train_step
+    run = train.prepare(args)
+    real_step = run.train_step
 
     def interrupted(batches):
-        if trainer.progress.step == 2:
+        if run.progress.step == 2:
             raise KeyboardInterrupt
         return real_step(batches)
 
-    monkeypatch.setattr(trainer, "train_step", interrupted)
-    assert trainer.run() == 130
+    monkeypatch.setattr(run, "train_step", interrupted)
+    assert run.run() == 130
     state = torch.load(tmp_path / "checkpoint_last" / "trainer_state.pt", weights_only=True)
     assert state["progress"]["step"] == 2
 

@@ -1,0 +1,525 @@
+"""The training loop of ``python -m fastnmt.train``: updates, validation, checkpoints, logging.
+
+A training step makes no host sync on the device (``tests/test_trainer.py`` counts them): the
+step's loss statistics and gradient norm stay on the device in a ``Window`` until a log line,
+a checkpoint or the end of training reads them all at once (and only then is a non-finite loss
+noticed, naming its step; nothing non-finite is ever saved). Token counts come from the batches,
+which are built on the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from fastnmt import checkpoint, metrics
+from fastnmt.data import EncodedCorpus, ParallelCorpus, TokenBatches, Vocabulary, encode_corpus
+from fastnmt.distributed import Distributed
+from fastnmt.model import ModelConfig, Transformer
+from fastnmt.ops import linear_cross_entropy
+from fastnmt.translator import Translator, autocast
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# What must match for a run to continue from an output directory's checkpoint (with the model).
+RESUME_KEYS = ("dataset", "train", "train_tsv", "src_lang", "tgt_lang", "vocab_size", "preset")
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+@dataclass
+class Corpora:
+    train: ParallelCorpus
+    valid: ParallelCorpus
+    test: ParallelCorpus | None
+
+
+def inverse_sqrt_lr(step: int, peak: float, warmup: int) -> float:
+    """Linear warmup to ``peak`` over ``warmup`` steps, then peak * sqrt(warmup / step)."""
+    step = max(step, 1)
+    return peak * min(step / warmup, math.sqrt(warmup / step)) if warmup else peak
+
+
+def label_smoothed_loss(model: Transformer, states, targets, positions, smoothing: float):
+    """Summed label-smoothed cross entropy over the targets at flat ``positions`` (the non-pad
+    ones: ``Batch.tgt_positions``) (the definition of ``F.cross_entropy(label_smoothing=)``), the
+    summed nll, and the count of correct argmaxes. Only those positions are projected, by the
+    fused op that never forms all their logits."""
+    states = states.reshape(-1, states.shape[-1]).index_select(0, positions)  # (tokens, E)
+    targets = targets.reshape(-1).index_select(0, positions)  # (tokens,)
+    out = linear_cross_entropy(
+        states, model.embedding.weight, None, targets, smoothing, reduction="sum"
+    )
+    return out.loss, out.nll, out.correct
+
+
+class Window:
+    """The updates since the last log line. Each update's statistics (a float64 device tensor:
+    loss sum, nll sum, correct predictions, gradient norm) stay on the device until ``values()``
+    copies the pending ones to the host in one sync."""
+
+    def __init__(self):
+        self.started = time.monotonic()
+        self.tokens = 0.0  # target tokens on all ranks
+        self.steps: list[int] = []
+        self._pending: list[torch.Tensor] = []
+        self._host: list[list[float]] = []
+
+    def add(self, step: int, statistics: torch.Tensor, tokens: float) -> None:
+        self.steps.append(step)
+        self._pending.append(statistics)
+        self.tokens += tokens
+
+    def values(self) -> list[list[float]]:
+        """[loss, nll, correct, grad_norm] of every update in the window, on the host."""
+        if self._pending:
+            self._host += torch.stack(self._pending).tolist()
+            self._pending = []
+        return self._host
+
+    def first_non_finite(self) -> tuple[int, float] | None:
+        """(step, value) of the first update whose loss (else gradient norm) was not finite."""
+        for step, (loss, _, _, grad_norm) in zip(self.steps, self.values(), strict=True):
+            for value in (loss, grad_norm):
+                if not math.isfinite(value):
+                    return step, value
+        return None
+
+    def tokens_per_second(self) -> float:
+        return self.tokens / max(time.monotonic() - self.started, 1e-9)
+
+
+class Log:
+    """Log lines on stderr (rank 0), a progress bar on a terminal, and metrics.jsonl."""
+
+    def __init__(self, output_dir: Path, enabled: bool, progress: bool):
+        self.enabled = enabled
+        self.progress = progress and enabled and sys.stderr.isatty()
+        self.jsonl = output_dir / "metrics.jsonl"
+        self._bar_shown = False
+        if enabled:
+            output_dir.mkdir(parents=True, exist_ok=True)
+
+    def line(self, text: str) -> None:
+        if self.enabled:
+            self._clear_bar()
+            print(text, file=sys.stderr, flush=True)
+
+    def record(self, event: str, **values) -> None:
+        if self.enabled:
+            with self.jsonl.open("a") as f:
+                f.write(json.dumps({"event": event, **values}) + "\n")
+
+    def bar(self, epoch: int, done: int, total: int, text: str) -> None:
+        if self.progress:
+            width = 30
+            filled = int(width * done / max(total, 1))
+            sys.stderr.write(f"\repoch {epoch} [{'#' * filled}{'.' * (width - filled)}] {text}")
+            sys.stderr.flush()
+            self._bar_shown = True
+
+    def _clear_bar(self) -> None:
+        if self._bar_shown:
+            sys.stderr.write("\r\033[K")
+            self._bar_shown = False
+
+
+@dataclass
+class Progress:
+    """Where training stands; saved in every checkpoint."""
+
+    step: int = 0
+    epoch: int = 1
+    batch_in_epoch: int = 0  # batches of this epoch already trained on (this rank)
+    best_bleu: float = -1.0
+    epochs_without_gain: int = 0
+    elapsed: float = 0.0  # training seconds before this process started
+
+
+class Trainer:
+    def __init__(
+        self,
+        args,
+        cfg: ModelConfig,
+        vocab: Vocabulary,
+        data: EncodedCorpus,
+        corpora: Corpora,
+        device: torch.device,
+        world: Distributed,
+    ):
+        self.args, self.cfg, self.vocab, self.corpora = args, cfg, vocab, corpora
+        self.device, self.world = device, world
+        self.output_dir = Path(args.output_dir)
+        self.autocast_dtype = PRECISIONS[args.precision]
+        self.model = Transformer(cfg).to(device)
+        self.ddp = DistributedDataParallel(self.model) if world.world_size > 1 else None
+        # fused: one pass over each parameter per update instead of six elementwise ops; on a
+        # CPU the unfused update of a tiny model costs a good share of its step.
+        self.optimizer = torch.optim.Adam(
+            self.model.parameters(), lr=args.lr, betas=(0.9, 0.98), eps=1e-9, fused=True
+        )
+        self.scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
+        self.batches = TokenBatches(
+            data,
+            args.max_tokens,
+            seed=args.seed,
+            rank=world.rank,
+            world_size=world.world_size,
+            pad_id=vocab.pad_id,
+            bos_id=vocab.bos_id,
+            eos_id=vocab.eos_id,
+        )
+        self.progress = Progress()
+        self.window = Window()
+        self.log = Log(self.output_dir, world.main, not args.no_progress)
+        self.started = time.monotonic()
+        self.valid_data = encode_corpus(corpora.valid, vocab, max_len=args.max_len)
+        self.last_saved: Path | None = None
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def config_record(self) -> dict:
+        resumable = {key: getattr(self.args, key) for key in RESUME_KEYS}
+        return {"model": self.cfg.to_dict(), "data": resumable, "training": vars(self.args)}
+
+    def save(self) -> Path | None:
+        """A checkpoint of this moment (rank 0), after checking that every update since the
+        last one was finite."""
+        self.check_finite()
+        if not self.world.main:
+            return None
+        state = {
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "progress": vars(replace(self.progress, elapsed=self.elapsed())),
+            "rng": {"torch": torch.get_rng_state(), "python": list(random.getstate()[1])},
+        }
+        if self.device.type == "cuda":
+            state["rng"]["cuda"] = torch.cuda.get_rng_state(self.device)
+        saved = checkpoint.Checkpoint(
+            {k: v.contiguous() for k, v in self.model.state_dict().items()},
+            self.config_record(),
+            self.vocab.to_bytes(),
+            state,
+        )
+        keep = max(self.args.keep_last, self.args.average_last)
+        return checkpoint.save(self.output_dir, self.progress.step, saved, keep)
+
+    def restore(self, loaded: checkpoint.Checkpoint) -> None:
+        self.model.load_state_dict(loaded.weights)
+        state = loaded.trainer_state
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.progress = Progress(**state["progress"])
+        self.started = time.monotonic()
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate((3, tuple(state["rng"]["python"]), None))
+        if "cuda" in state["rng"] and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
+
+    def elapsed(self) -> float:
+        """Training seconds, including those of the runs this one resumed."""
+        return self.progress.elapsed + time.monotonic() - self.started
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def train_step(self, batches) -> dict:
+        """One update over ``batches`` (update_freq micro-batches on this rank, on the host),
+        normalised by the target tokens of all of them on all ranks. Adds the update's statistics
+        to the window without reading them (no host sync)."""
+        local_tokens = sum(b.num_tgt_tokens for b in batches)
+        total_tokens, stop_votes = self.world.sum([local_tokens, float(self.out_of_time())])
+        model = self.ddp or self.model
+        self.model.train()
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss, nll, correct
+        for i, batch in enumerate(batches):
+            batch = batch.to(self.device)
+            # DDP all-reduces gradients on the last micro-batch only.
+            last = i == len(batches) - 1
+            sync = self.ddp.no_sync() if self.ddp and not last else contextlib.nullcontext()
+            with sync, autocast(self.device, self.autocast_dtype):
+                states = model(batch.src, batch.src_lengths, batch.tgt_in)
+                loss, nll, correct = label_smoothed_loss(
+                    self.model,
+                    states,
+                    batch.tgt_out,
+                    batch.tgt_positions,
+                    self.args.label_smoothing,
+                )
+            # DDP averages gradients over ranks; scaling by world_size makes that a global sum.
+            self.scaler.scale(loss * (self.world.world_size / total_tokens)).backward()
+            sums += torch.stack([loss.detach(), nll, correct]).double()
+        lr = inverse_sqrt_lr(self.progress.step + 1, self.args.lr, self.args.warmup)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.scaler.unscale_(self.optimizer)
+        max_norm = self.args.clip_norm or float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        # With loss scaling the scaler skips non-finite updates itself (fused Adam: on device).
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.progress.step += 1
+        statistics = torch.cat([sums, grad_norm.double().reshape(1)])
+        self.window.add(self.progress.step, statistics, total_tokens)
+        return {"lr": lr, "stop": stop_votes > 0}
+
+    def check_finite(self) -> None:
+        """Raise NonFiniteLoss naming the first update of the window whose loss or gradient was
+        not finite (without loss scaling, which skips those updates)."""
+        found = self.window.first_non_finite()
+        if found is not None and not self.scaler.is_enabled():
+            raise NonFiniteLoss(f"loss became {found[1]} at step {found[0]}")
+
+    def out_of_time(self) -> bool:
+        return self.args.max_time is not None and self.elapsed() >= self.args.max_time
+
+    # -- validation -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def validation_loss(self) -> dict:
+        self.model.eval()
+        batches = TokenBatches(
+            self.valid_data,
+            self.args.max_tokens,
+            shuffle=False,
+            pad_id=self.vocab.pad_id,
+            bos_id=self.vocab.bos_id,
+            eos_id=self.vocab.eos_id,
+        )
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss, nll, correct
+        tokens = 0
+        for batch in batches.iterate(epoch=1):
+            batch = batch.to(self.device)
+            with autocast(self.device, self.autocast_dtype):
+                states = self.model(batch.src, batch.src_lengths, batch.tgt_in)
+                loss, nll, correct = label_smoothed_loss(
+                    self.model,
+                    states,
+                    batch.tgt_out,
+                    batch.tgt_positions,
+                    self.args.label_smoothing,
+                )
+            sums += torch.stack([loss, nll, correct]).double()
+            tokens += batch.num_tgt_tokens
+        loss, nll, correct = sums.tolist()
+        base2 = tokens * math.log(2)
+        return {
+            "loss": loss / base2,
+            "nll": nll / base2,
+            "ppl": 2 ** (nll / base2),
+            "accuracy": correct / tokens,
+        }
+
+    def translate(self, sentences: list[str], beam: int = 1) -> list[str]:
+        """Translations by the model being trained (greedy unless ``beam`` > 1)."""
+        translator = Translator(
+            self.model,
+            self.vocab,
+            device=self.device,
+            dtype=self.autocast_dtype,
+            max_tokens=self.args.max_tokens,
+        )
+        return translator.translate(sentences, beam=beam)
+
+    def validate(self) -> dict:
+        """Validation loss and greedy sacreBLEU, computed on rank 0 and shared with all ranks."""
+        result = None
+        if self.world.main:
+            started = time.monotonic()
+            result = self.validation_loss()
+            hypotheses = self.translate(self.corpora.valid.src)
+            result["bleu"] = metrics.bleu(hypotheses, self.corpora.valid.tgt).score
+            result["seconds"] = time.monotonic() - started
+        return self.world.broadcast(result)
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Train until a budget runs out; then score the best checkpoint on the test set."""
+        try:
+            self.train_epochs()
+        except NonFiniteLoss as error:
+            where = self.last_saved or "none saved yet"
+            self.log.line(f"error: {error}; training stopped. Last good checkpoint: {where}")
+            return 1
+        except KeyboardInterrupt:
+            path = self.save()
+            self.log.line(
+                f"interrupted at step {self.progress.step}; saved {path}; "
+                f"run the same command again to resume"
+            )
+            return 130
+        if self.world.main:
+            self.keep_average_if_better()
+        self.evaluate_test()
+        return 0
+
+    def train_epochs(self) -> None:
+        args, progress = self.args, self.progress
+        self.log.line(
+            f"training {sum(p.numel() for p in self.model.parameters()):,} parameters "
+            f"on {self.device} ({args.precision}), {len(self.batches)} batches per epoch"
+            f"{f' per rank x {self.world.world_size}' if self.world.world_size > 1 else ''}"
+        )
+        validated_at = progress.step
+        while not args.max_epochs or progress.epoch <= args.max_epochs:
+            stopped = self.train_epoch()
+            if progress.batch_in_epoch >= len(self.batches):  # the epoch is complete
+                progress.epoch, progress.batch_in_epoch = progress.epoch + 1, 0
+            if progress.step > validated_at:
+                stopped = self.end_of_epoch() or stopped
+                validated_at = progress.step
+            if stopped:
+                break
+        if self.args.check_replicas:
+            self.check_replicas()
+
+    def check_replicas(self) -> None:
+        """Verify that DDP kept every rank's parameters identical (elementwise min == max)."""
+        flat = torch.cat([p.detach().reshape(-1).double() for p in self.model.parameters()])
+        low, high = flat.clone(), flat.clone()
+        if self.world.world_size > 1:
+            dist.all_reduce(low, op=dist.ReduceOp.MIN)
+            dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        if not torch.equal(low, high):
+            raise RuntimeError("DDP replicas diverged: parameters differ between ranks")
+        self.log.line(f"parameters identical on all {self.world.world_size} ranks")
+
+    def train_epoch(self) -> bool:
+        """Train on the rest of the current epoch; True when a budget ran out."""
+        args, progress = self.args, self.progress
+        total = len(self.batches)
+        group = []
+        for batch in self.batches.iterate(progress.epoch, start=progress.batch_in_epoch):
+            if args.max_steps and progress.step >= args.max_steps:  # e.g. resumed at the end
+                return True
+            group.append(batch)
+            if len(group) < args.update_freq and progress.batch_in_epoch + len(group) < total:
+                continue
+            step = self.train_step(group)
+            progress.batch_in_epoch += len(group)
+            group = []
+            self.log.bar(
+                progress.epoch,
+                progress.batch_in_epoch,
+                total,
+                f"step {progress.step} {self.window.tokens_per_second():,.0f} tok/s",
+            )
+            if progress.step % args.log_interval == 0:
+                self.report(step["lr"])
+            if args.save_interval and progress.step % args.save_interval == 0:
+                self.last_saved = self.save()
+            if step["stop"] or (args.max_steps and progress.step >= args.max_steps):
+                return True
+        return False
+
+    def report(self, lr: float) -> None:
+        """The log line of the window (every rank takes part: the sums cross ranks), then a new
+        window."""
+        self.check_finite()
+        window, progress = self.window, self.progress
+        totals = [sum(column) for column in zip(*window.values(), strict=True)]
+        loss, nll, correct, _ = self.world.sum(totals)
+        tokens, base2 = window.tokens, window.tokens * math.log(2)
+        values = {
+            "epoch": progress.epoch,
+            "step": progress.step,
+            "loss": loss / base2,
+            "nll": nll / base2,
+            "ppl": 2 ** (nll / base2),
+            "accuracy": correct / tokens,
+            "lr": lr,
+            "grad_norm": window.values()[-1][3],
+            "tgt_tokens_per_s": window.tokens_per_second(),
+            "elapsed": self.elapsed(),
+        }
+        self.window = Window()
+        self.log.record("train", **values)
+        self.log.line(
+            f"epoch {progress.epoch} step {progress.step} | loss {values['loss']:.3f} "
+            f"nll {values['nll']:.3f} ppl {values['ppl']:.2f} acc {values['accuracy']:.3f} "
+            f"| lr {lr:.2e} gnorm {values['grad_norm']:.2f} "
+            f"| {values['tgt_tokens_per_s']:,.0f} tgt tok/s | {values['elapsed']:.0f} s"
+        )
+
+    def end_of_epoch(self) -> bool:
+        """Validate, keep the best checkpoint; True when patience ran out."""
+        progress = self.progress
+        result = self.validate()
+        improved = result["bleu"] > progress.best_bleu
+        progress.best_bleu = max(progress.best_bleu, result["bleu"])
+        progress.epochs_without_gain = 0 if improved else progress.epochs_without_gain + 1
+        self.last_saved = self.save()
+        if self.world.main and improved:
+            checkpoint.point(self.output_dir, checkpoint.BEST, self.last_saved)
+        self.log.record("valid", epoch=progress.epoch - 1, step=progress.step, **result)
+        self.log.line(
+            f"validation after {progress.step} steps | loss {result['loss']:.3f} "
+            f"ppl {result['ppl']:.2f} acc {result['accuracy']:.3f} | BLEU {result['bleu']:.2f}"
+            f"{' (best)' if improved else ''} | {result['seconds']:.0f} s"
+        )
+        patience = self.args.patience
+        return bool(patience) and progress.epochs_without_gain >= patience
+
+    def keep_average_if_better(self) -> None:
+        """Average the weights of the last ``--average-last`` checkpoints (Vaswani et al.'s
+        checkpoint averaging); if that scores higher validation BLEU than the best checkpoint,
+        save it as ``checkpoint_average`` and point ``checkpoint_best`` at it."""
+        steps = checkpoint.step_checkpoints(self.output_dir)[-self.args.average_last :]
+        if self.args.average_last < 2 or len(steps) < 2:
+            return
+        self.model.load_state_dict(checkpoint.average_weights(steps))
+        bleu = metrics.bleu(self.translate(self.corpora.valid.src), self.corpora.valid.tgt).score
+        best = self.progress.best_bleu
+        kept = bleu > best
+        self.log.record("average", checkpoints=[p.name for p in steps], bleu=bleu, kept=kept)
+        self.log.line(
+            f"average of the last {len(steps)} checkpoints: validation BLEU {bleu:.2f} vs "
+            f"{best:.2f} for the best one; {'kept' if kept else 'not kept'}"
+        )
+        if kept:
+            latest = checkpoint.load(steps[-1], with_trainer_state=False)
+            averaged = checkpoint.Checkpoint(
+                {k: v.contiguous() for k, v in self.model.state_dict().items()},
+                latest.config,
+                latest.spm_model,
+                None,
+            )
+            path = checkpoint.write(self.output_dir, checkpoint.AVERAGE, averaged)
+            checkpoint.point(self.output_dir, checkpoint.BEST, path)
+
+    def evaluate_test(self) -> None:
+        """Score the best checkpoint on the test set; write its translations beside it."""
+        test = self.corpora.test
+        if test is None or not self.world.main:
+            return
+        best = checkpoint.load(checkpoint.resolve(self.output_dir), with_trainer_state=False)
+        self.model.load_state_dict(best.weights)
+        started = time.monotonic()
+        hypotheses = self.translate(test.src, beam=self.args.beam)
+        seconds = time.monotonic() - started
+        output = self.output_dir / f"test.{self.args.tgt_lang}.hyp"
+        output.write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
+        scores = [metrics.bleu(hypotheses, test.tgt), metrics.chrf(hypotheses, test.tgt)]
+        self.log.record(
+            "test",
+            **{s.name: s.score for s in scores},
+            signatures={s.name: s.signature for s in scores},
+            seconds=seconds,
+            beam=self.args.beam,
+        )
+        search = "greedy" if self.args.beam == 1 else f"beam {self.args.beam}"
+        self.log.line(f"test ({test.name}, {search}): " + " | ".join(map(str, scores)))
+        self.log.line(f"translations written to {output}")
