@@ -552,7 +552,7 @@ def hidden_keys(
 ) -> torch.Tensor | None:
     """Bool mask, True where query i may not see key j, broadcastable to (B, 1, Lq, Lk)."""
     hidden = None
-    if key_lengths is not None:
+    if key_lengths is not None:  # a length < 0 hides every key, one > lk none: clamped
         key_padding_mask = torch.arange(lk, device=device) >= key_lengths[:, None]  # (B, Lk)
     if key_padding_mask is not None:
         hidden = key_padding_mask[:, None, None, :]  # (B, 1, 1, Lk)
@@ -827,9 +827,8 @@ def _argument_type(name: str, constexprs: dict) -> str:
 def gpu_compile_cases(dtype: str) -> list[CompileCase]:
     """Every kernel x every GPU launch config, for ``python -m fastnmt.compile_check``, at the
     widest head dim each config serves, all mask features and dropout on: the most registers."""
-    # fp16/bf16 operands: tl.dot's precision is "ieee" (TF32 applies to fp32 operands only).
     flags = dict(CAUSAL=True, HAS_LENGTHS=True, HAS_PADDING=True, DROPOUT=True)
-    flags |= dict(DOT_PRECISION="ieee")
+    flags["DOT_PRECISION"] = "ieee"  # what fp16 and bf16 get: TF32 is for fp32 operands
 
     def case(kernel, config, needs_wgmma: bool, label: str, **constexprs) -> CompileCase:
         signature = {name: _argument_type(name, constexprs) for name in kernel.arg_names}

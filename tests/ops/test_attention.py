@@ -488,20 +488,20 @@ def _recorded_launch_configs(monkeypatch) -> dict:
 
 
 def test_launch_config_buckets_by_lengths_and_widest_head_dim():
+    choose = attention_module.launch_config
     forward, dq = _GPU_CONFIGS["forward"], _GPU_CONFIGS["dq"]
-    short_dkdv = _GPU_CONFIGS["dkdv"]["short"]
     with gpu_tiles():
-        assert attention_module.launch_config("forward", 16, 1000, 128) == forward["decode"][128]
-        assert attention_module.launch_config("forward", 17, 256, 64) == forward["short"][64]
-        assert attention_module.launch_config("forward", 17, 256, 65) == forward["short"][128]
-        assert attention_module.launch_config("forward", 257, 17, 64) == forward["long"][64]
-        assert attention_module.launch_config("forward", 17, 257, 65) == forward["long"][128]
-        assert attention_module.launch_config("dq", 300, 300, 64) == dq["long"][64]
-        # Kernels without a bucket fall back to "short"; dq "long" has no config past 64.
-        assert attention_module.launch_config("dq", 300, 300, 65) == dq["short"][128]
-        assert attention_module.launch_config("dkdv", 1, 300, 65) == short_dkdv[128]
-    interpreter_blocks = attention_module.launch_config("forward", 17, 257, 65)
-    assert (interpreter_blocks == forward["long"][128]) == use_gpu_tiles()
+        assert choose("forward", 16, 1000, 128) == forward["decode"][128]
+        assert choose("forward", 17, 256, 64) == forward["short"][64]
+        assert choose("forward", 17, 256, 65) == forward["short"][128]
+        assert choose("forward", 257, 17, 64) == forward["long"][64]
+        assert choose("forward", 17, 257, 65) == forward["long"][128]
+        assert choose("dq", 300, 300, 64) == dq["long"][64]
+        # A bucket a kernel lacks, or lacks a config for the head dim in, falls back to "short".
+        assert choose("dq", 300, 300, 65) == dq["short"][128]
+        assert choose("dkdv", 1, 300, 65) == _GPU_CONFIGS["dkdv"]["short"][128]
+    # Outside gpu_tiles(), the interpreter picks its own blocks (a GPU always takes its rules).
+    assert (choose("forward", 17, 257, 65) == forward["long"][128]) == use_gpu_tiles()
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -511,7 +511,8 @@ def test_triton_gpu_tiling_matches_float64_oracle(case, causal, monkeypatch):
     than q and k), forward and backward, with the masks and dtypes varied across configs."""
     kernel, bucket, widest, config, narrower = case
     lq, lk = BUCKET_LENGTHS[bucket]
-    head_dim, value_dim = widest - 8, max(narrower + 1, widest - 24)
+    head_dim = widest - (widest - narrower) // 8  # in (narrower, widest], as value_dim
+    value_dim = (narrower + widest) // 2 + 1
     variant = GPU_CONFIG_CASES.index(case) + causal
     masks, dtype = ("lengths", "padding")[variant % 2], (FP16, BF16, FP32)[variant % 3]
     chosen = _recorded_launch_configs(monkeypatch)
