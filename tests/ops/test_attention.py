@@ -429,6 +429,24 @@ def test_forced_triton_runs_every_mask_kind():
     assert explained["chosen"] == "triton" and explained["triton"] == []
 
 
+def test_triton_launches_under_a_guard_for_the_inputs_device(monkeypatch):
+    """So that tensors on cuda:1 launch on cuda:1 whatever the current device."""
+    guarded = []
+    guard = attention_module.device_guard
+
+    def recording(device):
+        guarded.append(device)
+        return guard(device)
+
+    monkeypatch.setattr(attention_module, "device_guard", recording)
+    q, k, v = _qkv(1, 1, 3, 5, 16, requires_grad=True, device=TRITON_DEVICE)
+    out = _triton(q, k, v, 0.3)[0]
+    out.backward(torch.randn_like(out))
+    attention_module.dropout_keep_mask(dropout_seed(q.device), (1, 1, 3, 5), 0.3)
+    launchers = ["forward", "delta", "dK/dV and dQ", "dropout mask"]
+    assert guarded == [q.device] * len(launchers)
+
+
 def test_opcheck_forward_and_backward_ops():
     # strided, as MultiheadAttention's heads
     q = torch.randn(2, 5, 2, 16, device=TRITON_DEVICE).transpose(1, 2)
