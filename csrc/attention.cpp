@@ -560,11 +560,13 @@ void backward_kernel(const at::Tensor& grad_out_, const float* grad_lse, const a
 
 }  // namespace
 
+// The arguments of the Triton ops fastnmt::attention_forward / attention_backward, in their
+// order, so that one autograd registration serves both backends.
 std::tuple<at::Tensor, at::Tensor> attention_cpp(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const c10::optional<at::Tensor>& key_lengths,
-    const c10::optional<at::Tensor>& key_padding_mask, bool causal, double scale,
-    double dropout_p, const at::Tensor& seed) {
+    const c10::optional<at::Tensor>& key_padding_mask, const c10::optional<at::Tensor>& seed,
+    bool causal, double dropout_p, double scale) {
   check_cpu(q_in, "q");
   const auto q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),
              v = last_dim_contiguous(v_in);
@@ -584,11 +586,15 @@ std::tuple<at::Tensor, at::Tensor> attention_cpp(
   return {out, lse};
 }
 
+// `out` is not read: delta_i = sum_j P_ij dP_ij is computed from P, exactly in fp32, rather than
+// as dO_i . O_i from the output rounded to its dtype.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_cpp_backward(
     const at::Tensor& grad_out_in, const c10::optional<at::Tensor>& grad_lse,
-    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& lse_in, const c10::optional<at::Tensor>& key_lengths,
-    const c10::optional<at::Tensor>& key_padding_mask, bool causal, double scale,
-    double dropout_p, const at::Tensor& seed) {
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& /*out*/, const at::Tensor& lse_in,
+    const c10::optional<at::Tensor>& key_lengths,
+    const c10::optional<at::Tensor>& key_padding_mask, const c10::optional<at::Tensor>& seed,
+    bool causal, double dropout_p, double scale) {
   check_cpu(grad_out_in, "grad_out");
   const auto q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),
              v = last_dim_contiguous(v_in),
@@ -628,12 +634,12 @@ at::Tensor attention_cpp_dropout_mask(const at::Tensor& seed, int64_t batch, int
 TORCH_LIBRARY_FRAGMENT(fastnmt, m) {
   m.def(
       "attention_cpp(Tensor q, Tensor k, Tensor v, Tensor? key_lengths, "
-      "Tensor? key_padding_mask, bool causal, float scale, float dropout_p, Tensor seed) "
+      "Tensor? key_padding_mask, Tensor? seed, bool causal, float dropout_p, float scale) "
       "-> (Tensor, Tensor)");
   m.def(
       "attention_cpp_backward(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, "
-      "Tensor lse, Tensor? key_lengths, Tensor? key_padding_mask, bool causal, "
-      "float scale, float dropout_p, Tensor seed) -> (Tensor, Tensor, Tensor)");
+      "Tensor out, Tensor lse, Tensor? key_lengths, Tensor? key_padding_mask, Tensor? seed, "
+      "bool causal, float dropout_p, float scale) -> (Tensor, Tensor, Tensor)");
   m.def(
       "attention_cpp_dropout_mask(Tensor seed, int batch, int heads, int lq, int lk, "
       "float dropout_p) -> Tensor");

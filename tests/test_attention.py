@@ -14,22 +14,22 @@ from fastnmt.attention import (
     scaled_dot_product_attention,
     swap_multihead_attention,
 )
-from tests.helpers import random_lengths
+from tests.helpers import TRITON_DEVICE, random_lengths
 
 E, HEADS = 24, 4
 
 
-def _pair(**kwargs):
+def _pair(device="cpu", **kwargs):
     """A torch.nn.MultiheadAttention and fastnmt's, loaded from the same state_dict."""
-    theirs = nn.MultiheadAttention(E, HEADS, **kwargs)
-    ours = MultiheadAttention(E, HEADS, **kwargs)
+    theirs = nn.MultiheadAttention(E, HEADS, **kwargs).to(device)
+    ours = MultiheadAttention(E, HEADS, **kwargs).to(device)
     ours.load_state_dict(theirs.state_dict())
     return theirs, ours
 
 
-def _padding(batch, length, min_length=1):
-    lengths = random_lengths(batch, length, low=min_length)
-    return lengths, torch.arange(length)[None, :] >= lengths[:, None]
+def _padding(batch, length, min_length=1, device="cpu"):
+    lengths = random_lengths(batch, length, low=min_length).to(device)
+    return lengths, torch.arange(length, device=device)[None, :] >= lengths[:, None]
 
 
 def _assert_same(theirs, ours, inputs, **forward):
@@ -260,7 +260,8 @@ BAD_MODULE_INPUTS = [
 
 
 @pytest.mark.parametrize(("override", "error", "message"), BAD_MODULE_INPUTS)
-def test_bad_module_inputs_name_the_argument(override, error, message):
+def test_bad_module_inputs_name_the_argument(override, error, message, monkeypatch):
+    monkeypatch.setenv("FASTNMT_CHECK_VALUES", "1")  # key_lengths' range is checked too
     _, ours = _pair(batch_first=True)
     x = torch.randn(2, 5, E)
     arguments = dict(query=x, key=x, value=x)
@@ -289,35 +290,40 @@ def test_traced_by_torch_compile_without_graph_breaks():
 
 
 class TestTritonBackend:
-    """The module forced onto the Triton kernels (interpreter) against torch's, unchanged API."""
+    """The module forced onto the Triton kernels (on TRITON_DEVICE: the interpreter without a
+    GPU) against torch's, unchanged API."""
 
     def test_padded_self_attention_matches_torch(self):
-        theirs, ours = _pair(batch_first=True)
-        _, padding = _padding(3, 7)
-        x = torch.randn(3, 7, E)
+        theirs, ours = _pair(TRITON_DEVICE, batch_first=True)
+        _, padding = _padding(3, 7, device=TRITON_DEVICE)
+        x = torch.randn(3, 7, E, device=TRITON_DEVICE)
         with fastnmt.dispatch.backend("triton"):
             _assert_same(theirs, ours, [x, x, x], key_padding_mask=padding)
 
     def test_padded_causal_self_attention_matches_torch(self):
-        theirs, ours = _pair()
-        _, padding = _padding(2, 6)
-        x = torch.randn(6, 2, E)
-        causal = nn.Transformer.generate_square_subsequent_mask(6)
+        theirs, ours = _pair(TRITON_DEVICE)
+        _, padding = _padding(2, 6, device=TRITON_DEVICE)
+        x = torch.randn(6, 2, E, device=TRITON_DEVICE)
+        causal = nn.Transformer.generate_square_subsequent_mask(6, device=TRITON_DEVICE)
         forward = dict(key_padding_mask=padding, attn_mask=causal, is_causal=True)
         with fastnmt.dispatch.backend("triton"):
             _assert_same(theirs, ours, [x, x, x], **forward)
 
     def test_padded_cross_attention_matches_torch(self):
-        theirs, ours = _pair(kdim=10, vdim=14, batch_first=True)
-        _, padding = _padding(3, 9)
-        inputs = [torch.randn(3, 5, E), torch.randn(3, 9, 10), torch.randn(3, 9, 14)]
+        theirs, ours = _pair(TRITON_DEVICE, kdim=10, vdim=14, batch_first=True)
+        _, padding = _padding(3, 9, device=TRITON_DEVICE)
+        inputs = [
+            torch.randn(3, 5, E, device=TRITON_DEVICE),
+            torch.randn(3, 9, 10, device=TRITON_DEVICE),
+            torch.randn(3, 9, 14, device=TRITON_DEVICE),
+        ]
         with fastnmt.dispatch.backend("triton"):
             _assert_same(theirs, ours, inputs, key_padding_mask=padding, average_attn_weights=False)
 
     def test_decoding_steps_read_the_cache_in_place(self):
         """Lq = 1 steps against a growing KVCache (a strided view of its storage, no copy)."""
-        _, ours = _pair(batch_first=True)
-        x = torch.randn(3, 9, E)
+        _, ours = _pair(TRITON_DEVICE, batch_first=True)
+        x = torch.randn(3, 9, E, device=TRITON_DEVICE)
         full, _ = ours(x, x, x, is_causal=True, need_weights=False)
         cache = KVCache()
         with fastnmt.dispatch.backend("triton"):
@@ -329,9 +335,9 @@ class TestTritonBackend:
         torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-6, rtol=1e-6)
 
     def test_traced_by_torch_compile_without_graph_breaks(self):
-        _, ours = _pair(batch_first=True)
-        x = torch.randn(2, 5, E, requires_grad=True)
-        lengths = torch.tensor([5, 3])
+        _, ours = _pair(TRITON_DEVICE, batch_first=True)
+        x = torch.randn(2, 5, E, requires_grad=True, device=TRITON_DEVICE)
+        lengths = torch.tensor([5, 3], device=TRITON_DEVICE)
         call = lambda x, lengths: ours(x, x, x, key_lengths=lengths, is_causal=True)  # noqa: E731
         with fastnmt.dispatch.backend("triton"):
             compiled = torch.compile(call, fullgraph=True, backend="aot_eager")

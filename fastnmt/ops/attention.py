@@ -4,6 +4,7 @@ Math, for one batch entry b and head h, queries i < Lq, keys j < Lk:
 
     S_ij   = scale * q_i . k_j                                   scale defaults to D^-1/2
     vis_ij = (j < key_length_b) and (not causal or j <= i) and attn_mask allows (i, j)
+             key_length_b clamped to [0, Lk]: a negative length shows no key, one past Lk all
     lse_i  = log sum_{j: vis_ij} exp(S_ij)                       -inf when row i sees no key
     P_ij   = exp(S_ij - lse_i) if vis_ij else 0                  a row that sees no key is all 0
     O_i    = sum_j Pd_ij v_j,     Pd_ij = P_ij * keep_ij / (1 - p)   (dropout with probability p)
@@ -27,14 +28,13 @@ The Triton backend: a FlashAttention-2 forward (online softmax in exp2, fp32 acc
 program per (b, h, block of queries)) that takes key lengths and the bool key-padding mask as they
 are (no dense mask, no host sync), skips the key blocks past a sequence's length or causally
 hidden, draws dropout in-kernel and writes the LSE; a backward of three kernels (delta, dK/dV,
-dQ) that recompute P from the LSE and the dropout mask from its seed, with no atomics. The C++
+dQ) that recompute P from the LSE and the dropout mask from its seed, with no atomics. Its fp32
+products use TF32 where torch allows it for its own fp32 matmuls (``dot_precision``). The C++
 kernels register themselves as a further backend of the same dispatch entry; the reference is the
 fallback (e.g. for ``attn_mask``) and the test oracle.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -44,11 +44,14 @@ from fastnmt._extension import extension_available
 from fastnmt._triton import tl, triton
 from fastnmt.compile_check import CompileCase
 from fastnmt.ops.triton_common import (
-    INTERPRETER,
+    LaunchConfig,
+    device_guard,
+    dot_precision,
     dropout_seed,
     kernel_output_dtype,
     new_output,
     upcast_in_interpreter,
+    use_gpu_tiles,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -133,10 +136,12 @@ def _dropout_keep(
 
 @triton.jit
 def _key_end(KEY_LENGTHS, b, Lk, HAS_LENGTHS: tl.constexpr):
-    """min(Lk, key_lengths[b]): keys at or past it are padding."""
+    """key_lengths[b] clamped to [0, Lk]: keys at or past it are padding. Clamped before the
+    int32 cast, so that no int64 length wraps around."""
     key_end = Lk
     if HAS_LENGTHS:
-        key_end = tl.minimum(tl.load(KEY_LENGTHS + b).to(tl.int32), Lk)
+        length = tl.load(KEY_LENGTHS + b)
+        key_end = tl.minimum(tl.maximum(length, 0), Lk).to(tl.int32)
     return key_end
 
 
@@ -186,6 +191,7 @@ def _attention_forward_kernel(
     HAS_PADDING: tl.constexpr,
     DROPOUT: tl.constexpr,
     UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # tl.dot's input_precision: "ieee", or "tf32" where allowed
     BLOCK_M: tl.constexpr,  # query rows per program
     BLOCK_N: tl.constexpr,  # keys per step of the online softmax
     BLOCK_D: tl.constexpr,  # D padded to a power of two
@@ -218,7 +224,7 @@ def _attention_forward_kernel(
         offs_n = start_n + offs_n0
         k = _load_tile(K, offs_n, offs_d, stride_kn, stride_kd, Lk, D, UPCAST)
         v = _load_tile(V, offs_n, offs_dv, stride_vn, stride_vd, Lk, Dv, UPCAST)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         visible = _visible_keys(
             PADDING, stride_pb, stride_pn, b, offs_m, offs_n, Lq, key_end, CAUSAL, HAS_PADDING
         )
@@ -230,7 +236,7 @@ def _attention_forward_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:  # 1 / (1 - p) is applied once, at the end
             p = tl.where(_dropout_keep(seed, offset, bh, offs_m, offs_n, Lk, dropout_p), p, 0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     seen = l_i > 0
@@ -288,14 +294,15 @@ def _probabilities_and_dp(
     keep,  # (BLOCK_M, BLOCK_N) keep_ij (vis_ij without dropout: P is 0 off it anyway)
     qk_scale,  # scale * log2(e)
     dropout_p,
+    DOT_PRECISION: tl.constexpr,
 ):
     """P (before dropout), Pd (after) and dP of the math comment for one tile, recomputed from
     the LSE; shared by the dK/dV and dQ kernels."""
-    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     p = tl.where(visible, tl.exp2(s - lse2[:, None]), 0.0)
     inverse_keep = 1.0 / (1.0 - dropout_p)
     pd = tl.where(keep, p * inverse_keep, 0.0)
-    dp = tl.where(keep, tl.dot(do, tl.trans(v), input_precision="ieee") * inverse_keep, 0.0)
+    dp = tl.where(keep, tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) * inverse_keep, 0.0)
     return p, pd, dp
 
 
@@ -351,6 +358,7 @@ def _attention_backward_dkdv_kernel(
     HAS_PADDING: tl.constexpr,
     DROPOUT: tl.constexpr,
     UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,  # queries per step
     BLOCK_N: tl.constexpr,  # key rows per program
     BLOCK_D: tl.constexpr,
@@ -398,10 +406,12 @@ def _attention_backward_dkdv_kernel(
         keep = visible  # without dropout every visible key is kept
         if DROPOUT:
             keep = _dropout_keep(seed, offset, bh, offs_m, offs_n, Lk, dropout_p)
-        p, pd, dp = _probabilities_and_dp(q, k, v, do, lse2, visible, keep, qk_scale, dropout_p)
-        dv += tl.dot(tl.trans(pd.to(do.dtype)), do, input_precision="ieee")
+        p, pd, dp = _probabilities_and_dp(
+            q, k, v, do, lse2, visible, keep, qk_scale, dropout_p, DOT_PRECISION
+        )
+        dv += tl.dot(tl.trans(pd.to(do.dtype)), do, input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision="ieee")
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PRECISION)
 
     dk *= tl.cast(scale, tl.float32)
     DK += bh.to(tl.int64) * Lk * D
@@ -460,6 +470,7 @@ def _attention_backward_dq_kernel(
     HAS_PADDING: tl.constexpr,
     DROPOUT: tl.constexpr,
     UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query rows per program
     BLOCK_N: tl.constexpr,  # keys per step
     BLOCK_D: tl.constexpr,
@@ -501,9 +512,11 @@ def _attention_backward_dq_kernel(
         keep = visible  # without dropout every visible key is kept
         if DROPOUT:
             keep = _dropout_keep(seed, offset, bh, offs_m, offs_n, Lk, dropout_p)
-        p, _, dp = _probabilities_and_dp(q, k, v, do, lse2, visible, keep, qk_scale, dropout_p)
+        p, _, dp = _probabilities_and_dp(
+            q, k, v, do, lse2, visible, keep, qk_scale, dropout_p, DOT_PRECISION
+        )
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision="ieee")
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
 
     dq *= tl.cast(scale, tl.float32)
     DQ += bh.to(tl.int64) * Lq * D
@@ -539,7 +552,7 @@ def hidden_keys(
 ) -> torch.Tensor | None:
     """Bool mask, True where query i may not see key j, broadcastable to (B, 1, Lq, Lk)."""
     hidden = None
-    if key_lengths is not None:
+    if key_lengths is not None:  # a length < 0 hides every key, one > lk none: clamped
         key_padding_mask = torch.arange(lk, device=device) >= key_lengths[:, None]  # (B, Lk)
     if key_padding_mask is not None:
         hidden = key_padding_mask[:, None, None, :]  # (B, 1, 1, Lk)
@@ -624,20 +637,6 @@ MAX_HEAD_DIM = 128
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-@dataclass(frozen=True)
-class LaunchConfig:
-    """Block sizes and launch options of one kernel."""
-
-    block_m: int  # query rows per block
-    block_n: int  # keys per block
-    num_warps: int
-    num_stages: int
-
-    @property
-    def label(self) -> str:
-        return f"M{self.block_m} N{self.block_n} w{self.num_warps} s{self.num_stages}"
-
-
 # A documented heuristic rather than triton.autotune: MT batches change shape every step, and
 # autotuning each new shape would cost more than it saves. Keyed on buckets of (Lq, Lk):
 # - "decode": Lq <= 16, incremental decoding and beam search against a KV cache (forward only):
@@ -679,7 +678,7 @@ def _length_buckets(lq: int, lk: int) -> list[str]:
 def launch_config(kernel: str, lq: int, lk: int, head_dim: int) -> LaunchConfig:
     """Block sizes of ``kernel`` ("forward", "dkdv", "dq" or "delta") for lengths lq, lk and the
     larger of the q/k and v head dims."""
-    if INTERPRETER:
+    if not use_gpu_tiles():
         return LaunchConfig(_interpreter_block(lq), _interpreter_block(lk), 4, 1)
     for bucket in _length_buckets(lq, lk):
         for widest, config in _GPU_CONFIGS[kernel].get(bucket, {}).items():
@@ -704,13 +703,15 @@ def _launch_options(config: LaunchConfig, head_dim: int, value_dim: int) -> dict
     )
 
 
-def _mask_flags(key_lengths, padding, seed, causal: bool, dtype: torch.dtype) -> dict:
+def _kernel_flags(key_lengths, padding, seed, causal: bool, dtype: torch.dtype) -> dict:
+    """The constexpr flags of the forward, dK/dV and dQ kernels."""
     return dict(
         CAUSAL=causal,
         HAS_LENGTHS=key_lengths is not None,
         HAS_PADDING=padding is not None,
         DROPOUT=seed is not None,
         UPCAST=upcast_in_interpreter(dtype),
+        DOT_PRECISION=dot_precision(dtype),
     )
 
 
@@ -729,13 +730,14 @@ def _launch_forward(q, k, v, key_lengths, key_padding_mask, seed, causal, dropou
     lse = new_output((batch, heads, lq), torch.float32, q.device)
     padding, padding_strides = _padding_view(key_padding_mask)
     config = launch_config("forward", lq, lk, max(head_dim, value_dim))
-    _attention_forward_kernel[(batch * heads, triton.cdiv(lq, config.block_m))](
-        q, k, v, out, lse, key_lengths, padding, seed,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *padding_strides,
-        heads, lq, lk, head_dim, value_dim, scale, dropout_p,
-        **_mask_flags(key_lengths, padding, seed, causal, q.dtype),
-        **_launch_options(config, head_dim, value_dim),
-    )  # fmt: skip
+    with device_guard(q.device):
+        _attention_forward_kernel[(batch * heads, triton.cdiv(lq, config.block_m))](
+            q, k, v, out, lse, key_lengths, padding, seed,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *padding_strides,
+            heads, lq, lk, head_dim, value_dim, scale, dropout_p,
+            **_kernel_flags(key_lengths, padding, seed, causal, q.dtype),
+            **_launch_options(config, head_dim, value_dim),
+        )  # fmt: skip
     return out.to(q.dtype), lse
 
 
@@ -745,11 +747,13 @@ def _launch_delta(out, grad_out, grad_lse):
     batch, heads, lq, value_dim = out.shape
     delta = new_output((batch, heads, lq), torch.float32, out.device)
     config = launch_config("delta", lq, lq, value_dim)
-    _attention_backward_delta_kernel[(batch * heads, triton.cdiv(lq, config.block_m))](
-        out, grad_out, delta, *out.stride(), *grad_out.stride(), heads, lq, value_dim,
-        UPCAST=upcast_in_interpreter(out.dtype), BLOCK_M=config.block_m,
-        BLOCK_DV=_head_block(value_dim), num_warps=config.num_warps,
-    )  # fmt: skip
+    with device_guard(out.device):
+        _attention_backward_delta_kernel[(batch * heads, triton.cdiv(lq, config.block_m))](
+            out, grad_out, delta, *out.stride(), *grad_out.stride(), heads, lq, value_dim,
+            UPCAST=upcast_in_interpreter(out.dtype), BLOCK_M=config.block_m,
+            BLOCK_DV=_head_block(value_dim), num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )  # fmt: skip
     return delta if grad_lse is None else delta - grad_lse
 
 
@@ -770,17 +774,18 @@ def _launch_backward(
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *padding_strides,
         heads, lq, lk, head_dim, value_dim, scale, dropout_p,
     )  # fmt: skip
-    flags = _mask_flags(key_lengths, padding, seed, causal, q.dtype)
+    flags = _kernel_flags(key_lengths, padding, seed, causal, q.dtype)
     config = launch_config("dkdv", lq, lk, max(head_dim, value_dim))
-    _attention_backward_dkdv_kernel[(batch * heads, triton.cdiv(lk, config.block_n))](
-        q, k, v, grad_out, lse, delta, grad_k, grad_v, *shared,
-        **flags, **_launch_options(config, head_dim, value_dim),
-    )  # fmt: skip
-    config = launch_config("dq", lq, lk, max(head_dim, value_dim))
-    _attention_backward_dq_kernel[(batch * heads, triton.cdiv(lq, config.block_m))](
-        q, k, v, grad_out, lse, delta, grad_q, *shared,
-        **flags, **_launch_options(config, head_dim, value_dim),
-    )  # fmt: skip
+    with device_guard(q.device):
+        _attention_backward_dkdv_kernel[(batch * heads, triton.cdiv(lk, config.block_n))](
+            q, k, v, grad_out, lse, delta, grad_k, grad_v, *shared,
+            **flags, **_launch_options(config, head_dim, value_dim),
+        )  # fmt: skip
+        config = launch_config("dq", lq, lk, max(head_dim, value_dim))
+        _attention_backward_dq_kernel[(batch * heads, triton.cdiv(lq, config.block_m))](
+            q, k, v, grad_out, lse, delta, grad_q, *shared,
+            **flags, **_launch_options(config, head_dim, value_dim),
+        )  # fmt: skip
     return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype)
 
 
@@ -796,10 +801,11 @@ def dropout_keep_mask(seed: torch.Tensor, shape: tuple[int, int, int, int], drop
     keep = new_output(shape, torch.uint8, seed.device)
     config = _KEEP_CONFIG
     grid = (batch * heads, triton.cdiv(lq, config.block_m), triton.cdiv(lk, config.block_n))
-    _dropout_keep_kernel[grid](
-        keep, seed, lq, lk, dropout_p, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )  # fmt: skip
+    with device_guard(seed.device):
+        _dropout_keep_kernel[grid](
+            keep, seed, lq, lk, dropout_p, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )  # fmt: skip
     return keep.bool()
 
 
@@ -822,6 +828,7 @@ def gpu_compile_cases(dtype: str) -> list[CompileCase]:
     """Every kernel x every GPU launch config, for ``python -m fastnmt.compile_check``, at the
     widest head dim each config serves, all mask features and dropout on: the most registers."""
     flags = dict(CAUSAL=True, HAS_LENGTHS=True, HAS_PADDING=True, DROPOUT=True)
+    flags["DOT_PRECISION"] = "ieee"  # what fp16 and bf16 get: TF32 is for fp32 operands
 
     def case(kernel, config, needs_wgmma: bool, label: str, **constexprs) -> CompileCase:
         signature = {name: _argument_type(name, constexprs) for name in kernel.arg_names}
@@ -863,8 +870,9 @@ def _check_key_lengths(key_lengths, batch: int, lk: int, like: torch.Tensor) -> 
         raise TypeError(f"key_lengths must be int32 or int64, got {key_lengths.dtype}")
     _checks.shape("key_lengths", key_lengths, (batch,), "one length per batch entry")
     _checks.same_device("key_lengths", key_lengths, "q", like)
-    # Out-of-range lengths would silently read padding; the check costs one sync outside tracing.
-    if not torch.compiler.is_compiling() and key_lengths.numel():
+    # Every backend clamps lengths to [0, lk]; reading them to reject the out-of-range ones
+    # syncs a GPU with the host, so only in debugging runs (FASTNMT_CHECK_VALUES=1).
+    if _checks.values_checked() and not torch.compiler.is_compiling() and key_lengths.numel():
         low, high = torch.aminmax(key_lengths)
         if low < 0 or high > lk:
             raise ValueError(
@@ -956,9 +964,11 @@ ATTENTION = dispatch.define("attention", _prepare)
 ATTENTION.register("reference")(attention_reference)
 
 
-# The Triton backend: two torch.library ops (forward, backward), opaque to torch.compile, tied
-# together by autograd. The forward saves its inputs, output, LSE and the dropout seed; the
-# backward recomputes P from the LSE and regenerates the dropout mask from the seed.
+# Each fused backend is two torch.library ops (forward, backward), opaque to torch.compile, tied
+# together by autograd. The Triton ops and the C++ ops (csrc/attention.cpp) take the same
+# arguments in the same order, so one setup_context / backward pair serves both. The forward
+# saves its inputs, output, LSE and the dropout seed; the backward recomputes P from the LSE and
+# regenerates the dropout mask from the seed.
 
 
 @torch.library.custom_op("fastnmt::attention_forward", mutates_args=())
@@ -974,12 +984,6 @@ def _attention_forward_op(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _launch_forward(q, k, v, key_lengths, key_padding_mask, seed, causal, dropout_p, scale)
-
-
-@_attention_forward_op.register_fake
-def _(q, k, v, key_lengths, key_padding_mask, seed, causal, dropout_p, scale):
-    out = q.new_empty((*q.shape[:3], v.shape[3]))
-    return out, q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("fastnmt::attention_backward", mutates_args=())
@@ -1004,8 +1008,12 @@ def _attention_backward_op(
     )  # fmt: skip
 
 
-@_attention_backward_op.register_fake
-def _(grad_out, grad_lse, q, k, v, *_):
+def _forward_fake(q, k, v, key_lengths, key_padding_mask, seed, causal, dropout_p, scale):
+    out = q.new_empty((*q.shape[:3], v.shape[3]))
+    return out, q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+def _backward_fake(grad_out, grad_lse, q, k, v, *_):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous
 
 
@@ -1016,16 +1024,37 @@ def _setup_context(ctx, inputs, output):
     ctx.causal, ctx.dropout_p, ctx.scale = causal, dropout_p, scale
 
 
-def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, key_lengths, key_padding_mask, seed = ctx.saved_tensors
-    grads = _attention_backward_op(
-        grad_out, grad_lse, q, k, v, out, lse, key_lengths, key_padding_mask, seed, ctx.causal,
-        ctx.dropout_p, ctx.scale,
-    )  # fmt: skip
-    return *grads, None, None, None, None, None, None
+def _make_backward(backward_op):
+    """The autograd backward of a forward op whose backward op is ``backward_op``."""
+
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse, key_lengths, key_padding_mask, seed = ctx.saved_tensors
+        grads = backward_op(
+            grad_out, grad_lse, q, k, v, out, lse, key_lengths, key_padding_mask, seed,
+            ctx.causal, ctx.dropout_p, ctx.scale,
+        )  # fmt: skip
+        return *grads, None, None, None, None, None, None  # masks, seed, causal, p, scale
+
+    return backward
 
 
-_attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
+def _register_autograd(forward_op, backward_op) -> None:
+    torch.library.register_fake(forward_op)(_forward_fake)
+    torch.library.register_fake(backward_op)(_backward_fake)
+    torch.library.register_autograd(
+        forward_op, _make_backward(backward_op), setup_context=_setup_context
+    )
+
+
+_register_autograd(_attention_forward_op, _attention_backward_op)
+
+# The C++ ops fastnmt::attention_cpp / attention_cpp_backward are defined in C++ for CPU tensors;
+# their backward ignores ``out``: it computes delta_i = sum_j P_ij dP_ij from P, exactly in fp32,
+# rather than from the rounded output.
+if extension_available():
+    _register_autograd(
+        torch.ops.fastnmt.attention_cpp.default, torch.ops.fastnmt.attention_cpp_backward.default
+    )
 
 
 def _triton_unsupported(q, k, v, attn_mask, **_):
@@ -1048,43 +1077,7 @@ def attention_triton(
     return out, (lse if return_lse else None)
 
 
-# The C++ backend (csrc/attention.cpp): ops fastnmt::attention_cpp (returns out, lse) and
-# fastnmt::attention_cpp_backward (recomputes P from the LSE and the dropout mask from the seed,
-# and delta_i = sum_j P_ij dP_ij from them, so it needs no O), defined in C++ for CPU tensors;
-# their fake implementations and autograd are registered here.
 _CPP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _cpp_forward_fake(q, k, v, key_lengths, key_padding_mask, causal, scale, dropout_p, seed):
-    out = q.new_empty((*q.shape[:3], v.shape[3]))
-    return out, q.new_empty(q.shape[:3], dtype=torch.float32)
-
-
-def _cpp_backward_fake(grad_out, grad_lse, q, k, v, *_):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous
-
-
-def _cpp_setup_context(ctx, inputs, output):
-    q, k, v, key_lengths, key_padding_mask, causal, scale, dropout_p, seed = inputs
-    ctx.save_for_backward(q, k, v, output[1], key_lengths, key_padding_mask, seed)
-    ctx.causal, ctx.scale, ctx.dropout_p = causal, scale, dropout_p
-
-
-def _cpp_backward(ctx, grad_out, grad_lse):
-    q, k, v, lse, key_lengths, key_padding_mask, seed = ctx.saved_tensors
-    grads = torch.ops.fastnmt.attention_cpp_backward(
-        grad_out, grad_lse, q, k, v, lse, key_lengths, key_padding_mask, ctx.causal,
-        ctx.scale, ctx.dropout_p, seed,
-    )  # fmt: skip
-    return *grads, None, None, None, None, None, None
-
-
-if extension_available():
-    torch.library.register_fake("fastnmt::attention_cpp")(_cpp_forward_fake)
-    torch.library.register_fake("fastnmt::attention_cpp_backward")(_cpp_backward_fake)
-    torch.library.register_autograd(
-        "fastnmt::attention_cpp", _cpp_backward, setup_context=_cpp_setup_context
-    )
 
 
 def _cpp_unsupported(q, attn_mask, **_):
@@ -1098,10 +1091,9 @@ def _cpp_unsupported(q, attn_mask, **_):
 def attention_cpp(
     q, k, v, key_lengths, key_padding_mask, attn_mask, causal, dropout_p, scale, return_lse
 ):
-    # Without dropout the seed is never read; the op's schema still takes a tensor.
-    seed = dropout_seed(q.device) if dropout_p > 0.0 else q.new_zeros(2, dtype=torch.int64)
+    seed = dropout_seed(q.device) if dropout_p > 0.0 else None
     out, lse = torch.ops.fastnmt.attention_cpp(
-        q, k, v, key_lengths, key_padding_mask, causal, scale, dropout_p, seed
+        q, k, v, key_lengths, key_padding_mask, seed, causal, dropout_p, scale
     )
     return out, (lse if return_lse else None)
 
@@ -1123,7 +1115,10 @@ def attention(
 
     Args:
         q, k, v: (B, H, Lq, D), (B, H, Lk, D), (B, H, Lk, Dv); one floating dtype, any strides.
-        key_lengths: int (B,): keys j >= key_lengths[b] are padding. Or
+        key_lengths: int (B,): keys j >= key_lengths[b] are padding. Every backend clamps the
+            lengths to [0, Lk] (a negative one hides every key, one past Lk hides none) rather
+            than reading them on the host, which would sync a GPU; with FASTNMT_CHECK_VALUES=1
+            an out-of-range length raises ValueError instead (debugging). Or
         key_padding_mask: bool (B, Lk), True = padding (as in ``nn.MultiheadAttention``).
         attn_mask: extra mask broadcastable to (B, H, Lq, Lk): bool (True = may attend, as in
             SDPA) or additive float. Backends that cannot take it step aside for it.

@@ -1,5 +1,6 @@
 """fastnmt.ops.attention against an independent float64 oracle: the reference backend, then the
-Triton backend, forced, in the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1)."""
+Triton backend, forced, on ``TRITON_DEVICE`` (compiled on a GPU; without one in the Triton
+interpreter, which tests/conftest.py sets up), then the C++ backend on CPU tensors."""
 
 import functools
 import importlib
@@ -9,10 +10,19 @@ import torch
 
 from fastnmt import dispatch
 from fastnmt.ops import attention, attention_probabilities
-from fastnmt.ops.triton_common import dropout_seed
-from tests.helpers import assert_error_within, attention_oracle, random_lengths, require_backend
+from fastnmt.ops.triton_common import LaunchConfig, dropout_seed, gpu_tiles, use_gpu_tiles
+from tests.helpers import (
+    TRITON_DEVICE,
+    assert_error_within,
+    attention_oracle,
+    device_of,
+    random_lengths,
+    require_backend,
+)
 
 attention_module = importlib.import_module("fastnmt.ops.attention")
+
+FP32, FP16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
 
 SHAPES = [  # (B, H, Lq, Lk, D)
@@ -23,11 +33,17 @@ SHAPES = [  # (B, H, Lq, Lk, D)
 ]
 
 
-def _qkv(batch, heads, lq, lk, head_dim, dtype=torch.float32, requires_grad=False):
-    make = lambda length: torch.randn(  # noqa: E731
-        batch, heads, length, head_dim, dtype=dtype, requires_grad=requires_grad
-    )
-    return make(lq), make(lk), make(lk)
+def _qkv(
+    batch, heads, lq, lk, head_dim, dtype=FP32, requires_grad=False, device="cpu", value_dim=None
+):
+    """Random q, k, v; v's head dim is ``value_dim`` (default: ``head_dim``)."""
+
+    def make(length, width):
+        return torch.randn(
+            batch, heads, length, width, dtype=dtype, device=device, requires_grad=requires_grad
+        )
+
+    return make(lq, head_dim), make(lk, head_dim), make(lk, value_dim or head_dim)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -166,7 +182,8 @@ BAD_INPUTS = [
 
 
 @pytest.mark.parametrize(("override", "error", "message"), BAD_INPUTS)
-def test_bad_inputs_name_the_argument(override, error, message):
+def test_bad_inputs_name_the_argument(override, error, message, monkeypatch):
+    monkeypatch.setenv("FASTNMT_CHECK_VALUES", "1")  # key_lengths' range is checked too
     arguments = dict(
         q=torch.randn(1, 2, 3, 8), k=torch.randn(1, 2, 5, 8), v=torch.randn(1, 2, 5, 8)
     )
@@ -174,6 +191,31 @@ def test_bad_inputs_name_the_argument(override, error, message):
     q, k, v = arguments.pop("q"), arguments.pop("k"), arguments.pop("v")
     with pytest.raises(error, match=message):
         attention(q, k, v, **arguments)
+
+
+def test_out_of_range_key_lengths_raise_one_line_under_value_checks(monkeypatch):
+    monkeypatch.setenv("FASTNMT_CHECK_VALUES", "1")
+    q, k, v = _qkv(2, 1, 3, 5, 8)
+    with pytest.raises(ValueError) as raised:
+        attention(q, k, v, key_lengths=torch.tensor([-1, 8]))
+    assert (
+        str(raised.value)
+        == "key_lengths must lie in [0, 5] (the key length), got values in [-1, 8]"
+    )
+
+
+def test_key_lengths_are_not_read_without_value_checks(monkeypatch):
+    """Reading them would sync a GPU with the host at every call."""
+
+    def host_read(*_):
+        raise AssertionError("key_lengths read on the host")
+
+    monkeypatch.setattr(torch, "aminmax", host_read)
+    q, k, v = _qkv(2, 1, 3, 5, 8)
+    attention(q, k, v, key_lengths=torch.tensor([2, 5]))
+    monkeypatch.setenv("FASTNMT_CHECK_VALUES", "1")
+    with pytest.raises(AssertionError, match="read on the host"):
+        attention(q, k, v, key_lengths=torch.tensor([2, 5]))
 
 
 def test_mixed_devices_are_rejected():
@@ -184,11 +226,11 @@ def test_mixed_devices_are_rejected():
 
 
 # ---------------------------------------------------------------------------------------------
-# Triton backend (interpreter). Small B * H, one large block per sequence (see launch_config),
+# Triton backend, on TRITON_DEVICE: compiled on a GPU, else in the interpreter. Small B * H, one
+# large block per sequence in the interpreter (see launch_config) but for the GPU tilings below,
 # and a pairwise selection of the matrix rather than its full product, to stay within minutes.
 # ---------------------------------------------------------------------------------------------
 
-FP32, FP16, BF16 = torch.float32, torch.float16, torch.bfloat16
 # Allowed absolute error on top of FlashAttention's rule, per dtype.
 ATOL = {FP32: 1e-5, FP16: 5e-4, BF16: 5e-3}
 
@@ -207,28 +249,30 @@ TRITON_CASES = [  # B, H, Lq, Lk, D, causal, masks, dtype, dropout_p
 ]
 
 
-def _masks(kind: str, batch: int, lk: int) -> dict:
+def _masks(kind: str, batch: int, lk: int, device="cpu") -> dict:
     """No mask, lengths including full, 0 and 1, or a bool padding mask that is not a suffix."""
     if kind == "none":
         return {}
-    lengths = torch.tensor([lk, 0, 1])[:batch]
+    lengths = torch.tensor([lk, 0, 1], device=device)[:batch]
     if kind == "lengths":
         return dict(key_lengths=lengths)
-    padding = torch.rand(batch, lk) < 0.3
+    padding = torch.rand(batch, lk, device=device) < 0.3
     padding[0] = False
     padding[1:2] = True  # batch entry 1 sees no key
     return dict(key_padding_mask=padding)
 
 
 def _oracle(q, k, v, keep, dropout_p, key_lengths=None, key_padding_mask=None, causal=False):
-    """float64 attention given the dropout keep mask: the independent oracle's probabilities."""
-    allowed = None if key_padding_mask is None else ~key_padding_mask[:, None, None, :]
-    _, lse, probs = attention_oracle(
-        q, k, v, key_lengths=key_lengths, causal=causal, attn_mask=allowed
-    )
+    """float64 attention given the dropout keep mask: the independent oracle's probabilities,
+    computed on the CPU (differentiably) and returned on the inputs' device."""
+    device = q.device
+    q, k, v = (x.cpu() for x in (q, k, v))
+    allowed = None if key_padding_mask is None else ~key_padding_mask.cpu()[:, None, None, :]
+    lengths = None if key_lengths is None else key_lengths.cpu()
+    _, lse, probs = attention_oracle(q, k, v, key_lengths=lengths, causal=causal, attn_mask=allowed)
     if keep is not None:
-        probs = probs * keep / (1 - dropout_p)
-    return probs @ v.double(), lse
+        probs = probs * keep.cpu() / (1 - dropout_p)
+    return (probs @ v.double()).to(device), lse.to(device)
 
 
 def _plain_torch(q, k, v, keep, dropout_p, causal=False, **masks):
@@ -262,26 +306,31 @@ def _keep_mask_writer(backend):
     return lambda seed, shape, p: torch.ops.fastnmt.attention_cpp_dropout_mask(seed, *shape, p)
 
 
-def _kernel_keep_mask(backend, seed_state, shape, dropout_p):
-    """The mask of the ``backend`` call made after ``torch.set_rng_state(seed_state)``: both
-    backends' first random draw is their seed (see ``dropout_keep_mask``)."""
+def _kernel_keep_mask(backend, generator_seed, device, shape, dropout_p):
+    """The mask of the ``backend`` call on ``device`` made after
+    ``torch.manual_seed(generator_seed)``: both backends' first random draw is their seed (see
+    ``dropout_keep_mask``)."""
     if dropout_p == 0.0:
         return None
-    torch.set_rng_state(seed_state)
-    seed = dropout_seed(torch.device("cpu"))
+    torch.manual_seed(generator_seed)
+    seed = dropout_seed(device)
     return _keep_mask_writer(backend)(seed, shape, dropout_p)
 
 
-def _check_case(backend, batch, heads, lq, lk, head_dim, causal, masks, dtype, dropout_p):
+def _check_case(
+    backend, batch, heads, lq, lk, head_dim, causal, masks, dtype, dropout_p, value_dim=None
+):
     """``backend`` forced against the float64 oracle given the kernel's own dropout mask, with
     FlashAttention's error rule against plain PyTorch in the same dtype."""
-    q, k, v = _qkv(batch, heads, lq, lk, head_dim, dtype=dtype)
-    grad_out = torch.randn(batch, heads, lq, head_dim, dtype=dtype)
-    masks = _masks(masks, batch, lk)
-    state = torch.get_rng_state()
+    device = device_of(backend)
+    q, k, v = _qkv(batch, heads, lq, lk, head_dim, dtype, device=device, value_dim=value_dim)
+    grad_out = torch.randn(batch, heads, lq, v.shape[-1], dtype=dtype, device=device)
+    masks = _masks(masks, batch, lk, device)
+    generator_seed = int(torch.randint(2**31, ()))  # fresh per case, replayed for the mask
+    torch.manual_seed(generator_seed)
     run = functools.partial(_forced, backend)
     out, lse, grads = _with_grads(run, (q, k, v), grad_out, dropout_p, causal, **masks)
-    keep = _kernel_keep_mask(backend, state, (batch, heads, lq, lk), dropout_p)
+    keep = _kernel_keep_mask(backend, generator_seed, device, (batch, heads, lq, lk), dropout_p)
     expected, expected_lse, expected_grads = _with_grads(
         _oracle, (q, k, v), grad_out, keep, dropout_p, causal=causal, **masks
     )
@@ -313,22 +362,24 @@ def test_triton_with_many_blocks_per_sequence(monkeypatch):
     """Small blocks exercise the online softmax across key blocks, the causal loop bounds and
     the skipped padding blocks; the dropout mask does not depend on the tiling."""
     case = (2, 1, 33, 64, 48, True, "lengths", FP32, 0.3)
-    q, k, v = _qkv(*case[:5])
+    q, k, v = _qkv(*case[:5], device=TRITON_DEVICE)
+    masks = _masks("lengths", 2, 64, TRITON_DEVICE)
     torch.manual_seed(7)
-    one_block = _triton(q, k, v, 0.3, True, **_masks("lengths", 2, 64))[0]
-    small = attention_module.LaunchConfig(16, 16, 4, 1)
+    one_block = _triton(q, k, v, 0.3, True, **masks)[0]
+    small = LaunchConfig(16, 16, 4, 1)
     monkeypatch.setattr(attention_module, "launch_config", lambda *_: small)
     _check_triton_case(*case)
     torch.manual_seed(7)
-    many_blocks = _triton(q, k, v, 0.3, True, **_masks("lengths", 2, 64))[0]
+    many_blocks = _triton(q, k, v, 0.3, True, **masks)[0]
     torch.testing.assert_close(many_blocks, one_block, atol=1e-6, rtol=1e-6)
 
 
 def test_triton_strided_inputs_and_output_gradient():
-    packed = torch.randn(2, 9, 3, 2, 48)  # (B, L, 3, H, D) as a fused QKV projection gives
+    # (B, L, 3, H, D) as a fused QKV projection gives
+    packed = torch.randn(2, 9, 3, 2, 48, device=TRITON_DEVICE)
     q, k, v = (packed[:, :, i].transpose(1, 2) for i in range(3))
-    grad_out = torch.randn(2, 9, 2, 48).transpose(1, 2)
-    lengths = torch.tensor([9, 4])
+    grad_out = torch.randn(2, 9, 2, 48, device=TRITON_DEVICE).transpose(1, 2)
+    lengths = torch.tensor([9, 4], device=TRITON_DEVICE)
     out, _, grads = _with_grads(_triton, (q, k, v), grad_out, 0.0, key_lengths=lengths)
     expected, _, expected_grads = _with_grads(
         _oracle, (q, k, v), grad_out, None, 0.0, key_lengths=lengths
@@ -339,12 +390,13 @@ def test_triton_strided_inputs_and_output_gradient():
 
 
 def test_triton_probabilities_from_lse():
-    q, k, v = _qkv(2, 3, 7, 19, 48)
-    lengths = torch.tensor([19, 0])
+    q, k, v = _qkv(2, 3, 7, 19, 48, device=TRITON_DEVICE)
+    lengths = torch.tensor([19, 0], device=TRITON_DEVICE)
     _, lse = _triton(q, k, v, 0.0, True, key_lengths=lengths)
     probs = attention_probabilities(q, k, key_lengths=lengths, causal=True, lse=lse)
-    _, _, expected = attention_oracle(q, k, v, key_lengths=lengths, causal=True)
-    torch.testing.assert_close(probs.double(), expected, atol=1e-6, rtol=1e-6)
+    q, k, v = (x.cpu() for x in (q, k, v))
+    _, _, expected = attention_oracle(q, k, v, key_lengths=lengths.cpu(), causal=True)
+    torch.testing.assert_close(probs.cpu().double(), expected, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -362,6 +414,7 @@ def test_triton_steps_aside_with_a_reason(override, reason):
     arguments.update(override)
     if arguments["q"].dtype == torch.float64:
         arguments["k"], arguments["v"] = arguments["k"].double(), arguments["v"].double()
+    arguments = {name: x.to(TRITON_DEVICE) for name, x in arguments.items()}
     q, k, v = arguments.pop("q"), arguments.pop("k"), arguments.pop("v")
     assert dispatch.explain("attention", q, k, v, **arguments)["chosen"] != "triton"
     with dispatch.backend("triton"), pytest.raises(dispatch.BackendUnavailableError, match=reason):
@@ -369,18 +422,37 @@ def test_triton_steps_aside_with_a_reason(override, reason):
 
 
 def test_forced_triton_runs_every_mask_kind():
-    q, k, v = _qkv(2, 2, 3, 5, 16)
-    padding = torch.tensor([[False, True, False, False, True]] * 2)
+    q, k, v = _qkv(2, 2, 3, 5, 16, device=TRITON_DEVICE)
+    padding = torch.tensor([[False, True, False, False, True]] * 2, device=TRITON_DEVICE)
     with dispatch.backend("triton"):
         explained = dispatch.explain("attention", q, k, v, causal=True, key_padding_mask=padding)
     assert explained["chosen"] == "triton" and explained["triton"] == []
 
 
+def test_triton_launches_under_a_guard_for_the_inputs_device(monkeypatch):
+    """So that tensors on cuda:1 launch on cuda:1 whatever the current device."""
+    guarded = []
+    guard = attention_module.device_guard
+
+    def recording(device):
+        guarded.append(device)
+        return guard(device)
+
+    monkeypatch.setattr(attention_module, "device_guard", recording)
+    q, k, v = _qkv(1, 1, 3, 5, 16, requires_grad=True, device=TRITON_DEVICE)
+    out = _triton(q, k, v, 0.3)[0]
+    out.backward(torch.randn_like(out))
+    attention_module.dropout_keep_mask(dropout_seed(q.device), (1, 1, 3, 5), 0.3)
+    launchers = ["forward", "delta", "dK/dV and dQ", "dropout mask"]
+    assert guarded == [q.device] * len(launchers)
+
+
 def test_opcheck_forward_and_backward_ops():
-    q = torch.randn(2, 5, 2, 16).transpose(1, 2)  # strided, as MultiheadAttention's heads
-    _, k, v = _qkv(2, 2, 5, 7, 16)
-    lengths = torch.tensor([7, 2])
-    padding = torch.rand(2, 7) < 0.3
+    # strided, as MultiheadAttention's heads
+    q = torch.randn(2, 5, 2, 16, device=TRITON_DEVICE).transpose(1, 2)
+    _, k, v = _qkv(2, 2, 5, 7, 16, device=TRITON_DEVICE)
+    lengths = torch.tensor([7, 2], device=TRITON_DEVICE)
+    padding = torch.rand(2, 7, device=TRITON_DEVICE) < 0.3
     seed = dropout_seed(q.device)
     forward = (q.requires_grad_(), k, v, lengths, padding, seed, True, 0.3, 0.25)
     torch.library.opcheck(torch.ops.fastnmt.attention_forward.default, forward)
@@ -388,6 +460,92 @@ def test_opcheck_forward_and_backward_ops():
     backward = (torch.randn_like(out), torch.randn_like(lse), q.detach(), k, v, out.detach())
     backward += (lse.detach(), lengths, padding, seed, True, 0.3, 0.25)
     torch.library.opcheck(torch.ops.fastnmt.attention_backward.default, backward)
+
+
+# ---------------------------------------------------------------------------------------------
+# The GPU's tilings, run in the interpreter too (``gpu_tiles()``): every launch configuration of
+# every kernel, from _GPU_CONFIGS, so that a config added there is tested without more code.
+# ---------------------------------------------------------------------------------------------
+
+_GPU_CONFIGS = attention_module._GPU_CONFIGS
+# (Lq, Lk) that fall in each length bucket: Lq != Lk, not powers of two.
+BUCKET_LENGTHS = {"decode": (3, 37), "short": (45, 70), "long": (21, 300)}
+
+
+def _gpu_config_cases():
+    """(kernel, bucket, widest head dim, config, the next narrower widest of the bucket or 0)."""
+    cases = []
+    for kernel, buckets in _GPU_CONFIGS.items():
+        for bucket, configs in buckets.items():
+            narrower = 0
+            for widest, config in configs.items():
+                cases.append((kernel, bucket, widest, config, narrower))
+                narrower = widest
+    return cases
+
+
+GPU_CONFIG_CASES = _gpu_config_cases()
+
+
+def _gpu_case_id(case):
+    kernel, bucket, widest, config, _ = case
+    return f"{kernel}-{bucket}-D<={widest}-{config.label.replace(' ', '_')}"
+
+
+def _recorded_launch_configs(monkeypatch) -> dict:
+    """kernel -> the config its launcher last asked launch_config for."""
+    chosen = {}
+    choose = attention_module.launch_config
+
+    def recording(kernel, *args):
+        chosen[kernel] = choose(kernel, *args)
+        return chosen[kernel]
+
+    monkeypatch.setattr(attention_module, "launch_config", recording)
+    return chosen
+
+
+def test_launch_config_buckets_by_lengths_and_widest_head_dim():
+    choose = attention_module.launch_config
+    forward, dq = _GPU_CONFIGS["forward"], _GPU_CONFIGS["dq"]
+    with gpu_tiles():
+        assert choose("forward", 16, 1000, 128) == forward["decode"][128]
+        assert choose("forward", 17, 256, 64) == forward["short"][64]
+        assert choose("forward", 17, 256, 65) == forward["short"][128]
+        assert choose("forward", 257, 17, 64) == forward["long"][64]
+        assert choose("forward", 17, 257, 65) == forward["long"][128]
+        assert choose("dq", 300, 300, 64) == dq["long"][64]
+        # A bucket a kernel lacks, or lacks a config for the head dim in, falls back to "short".
+        assert choose("dq", 300, 300, 65) == dq["short"][128]
+        assert choose("dkdv", 1, 300, 65) == _GPU_CONFIGS["dkdv"]["short"][128]
+    # Outside gpu_tiles(), the interpreter picks its own blocks (a GPU always takes its rules).
+    assert (choose("forward", 17, 257, 65) == forward["long"][128]) == use_gpu_tiles()
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", GPU_CONFIG_CASES, ids=_gpu_case_id)
+def test_triton_gpu_tiling_matches_float64_oracle(case, causal, monkeypatch):
+    """Each config on the shape that selects it (head dims just under its widest, v narrower
+    than q and k), forward and backward, with the masks and dtypes varied across configs."""
+    kernel, bucket, widest, config, narrower = case
+    lq, lk = BUCKET_LENGTHS[bucket]
+    head_dim = widest - (widest - narrower) // 8  # in (narrower, widest], as value_dim
+    value_dim = (narrower + widest) // 2 + 1
+    variant = GPU_CONFIG_CASES.index(case) + causal
+    masks, dtype = ("lengths", "padding")[variant % 2], (FP16, BF16, FP32)[variant % 3]
+    chosen = _recorded_launch_configs(monkeypatch)
+    with gpu_tiles():
+        _check_triton_case(3, 1, lq, lk, head_dim, causal, masks, dtype, 0.0, value_dim)
+    assert chosen[kernel] == config
+
+
+def test_triton_gpu_tiling_with_dropout(monkeypatch):
+    """The dropout mask under the long forward and dQ tilings (BLOCK_M 128) and dK/dV's (32)."""
+    chosen = _recorded_launch_configs(monkeypatch)
+    with gpu_tiles():
+        _check_triton_case(2, 1, *BUCKET_LENGTHS["long"], 40, False, "lengths", FP16, 0.3)
+    assert chosen["forward"] == _GPU_CONFIGS["forward"]["long"][64]
+    assert chosen["dq"] == _GPU_CONFIGS["dq"]["long"][64]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -493,13 +651,14 @@ class TestCpp:
         _, k, v = _qkv(2, 2, 5, 7, 16)
         lengths = torch.tensor([7, 2])
         padding = torch.rand(2, 7) < 0.3
-        seed = dropout_seed(q.device)
-        for masks in ((lengths, None), (None, padding)):
-            forward = (q.requires_grad_(), k, v, *masks, True, 0.25, 0.3, seed)
+        # The Triton ops' arguments, in their order; no seed without dropout.
+        with_dropout = ((lengths, None), dropout_seed(q.device), 0.3)
+        for masks, seed, dropout_p in (with_dropout, ((None, padding), None, 0.0)):
+            forward = (q.requires_grad_(), k, v, *masks, seed, True, dropout_p, 0.25)
             torch.library.opcheck(torch.ops.fastnmt.attention_cpp.default, forward)
             out, lse = torch.ops.fastnmt.attention_cpp(*forward)
             backward = (torch.randn_like(out), torch.randn_like(lse), q.detach(), k, v)
-            backward += (lse.detach(), *masks, True, 0.25, 0.3, seed)
+            backward += (out.detach(), lse.detach(), *masks, seed, True, dropout_p, 0.25)
             torch.library.opcheck(torch.ops.fastnmt.attention_cpp_backward.default, backward)
 
 
@@ -509,9 +668,10 @@ class TestCpp:
 
 
 def test_fused_gradient_through_lse(fused):
-    q, k, v = (x.requires_grad_() for x in _qkv(2, 2, 7, 19, 16))
-    lengths = torch.tensor([19, 5])
-    upstream = torch.randn(2, 2, 7, 16), torch.randn(2, 2, 7)
+    device = device_of(fused)
+    q, k, v = (x.requires_grad_() for x in _qkv(2, 2, 7, 19, 16, device=device))
+    lengths = torch.tensor([19, 5], device=device)
+    upstream = torch.randn(2, 2, 7, 16, device=device), torch.randn(2, 2, 7, device=device)
     out, lse = _forced(fused, q, k, v, 0.0, True, key_lengths=lengths)
     grads = torch.autograd.grad((out, lse), (q, k, v), upstream)
     expected_out, expected_lse = _oracle(q, k, v, None, 0.0, key_lengths=lengths, causal=True)
@@ -522,8 +682,9 @@ def test_fused_gradient_through_lse(fused):
 
 
 def test_fused_rows_that_see_no_key_give_zero_output_and_zero_grad(fused):
-    q, k, v = _qkv(3, 2, 4, 5, 16, requires_grad=True)
-    padding = torch.zeros(3, 5, dtype=torch.bool)
+    device = device_of(fused)
+    q, k, v = _qkv(3, 2, 4, 5, 16, requires_grad=True, device=device)
+    padding = torch.zeros(3, 5, dtype=torch.bool, device=device)
     padding[1] = True
     out, lse = _forced(fused, q, k, v, 0.3, key_padding_mask=padding)
     out.backward(torch.randn_like(out))
@@ -532,11 +693,35 @@ def test_fused_rows_that_see_no_key_give_zero_output_and_zero_grad(fused):
         assert torch.isfinite(grad).all() and (grad[1] == 0).all()
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton", "cpp"])
+def test_out_of_range_key_lengths_are_clamped(backend):
+    """Every backend reads a length below 0 as 0 (no key: zero output and gradients) and one
+    past Lk as Lk, without reading out of bounds."""
+    require_backend(backend)
+    device = device_of(backend)
+    lq, lk = 6, 11
+    q, k, v = _qkv(3, 2, lq, lk, 24, device=device)
+    grad_out = torch.randn(3, 2, lq, 24, device=device)
+    lengths = torch.tensor([-1, lk + 3, 4], device=device)
+    run = functools.partial(_forced, backend)
+    out, lse, grads = _with_grads(run, (q, k, v), grad_out, 0.0, True, key_lengths=lengths)
+    clamped = torch.tensor([0, lk, 4], device=device)
+    expected, expected_lse, expected_grads = _with_grads(
+        _oracle, (q, k, v), grad_out, None, 0.0, causal=True, key_lengths=clamped
+    )
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    assert torch.isneginf(lse[0]).all() and torch.isfinite(lse[1:]).all()
+    torch.testing.assert_close(lse[1:].double(), expected_lse[1:], atol=1e-5, rtol=1e-5)
+    for grad, expected_grad in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad, expected_grad, atol=1e-5, rtol=1e-5)
+        assert (grad[0] == 0).all()
+
+
 class TestFusedDropout:
     def test_keep_fraction_and_seed_dependence(self, fused):
         shape, p = (4, 4, 64, 64), 0.3
         keep_mask = _keep_mask_writer(fused)
-        seed = dropout_seed(torch.device("cpu"))
+        seed = dropout_seed(device_of(fused))
         keep = keep_mask(seed, shape, p)
         assert abs(keep.float().mean().item() - (1 - p)) < 0.01
         assert torch.equal(keep_mask(seed, shape, p), keep)
@@ -544,12 +729,12 @@ class TestFusedDropout:
         assert abs((other == keep).float().mean().item() - (p**2 + (1 - p) ** 2)) < 0.01
 
     def test_output_keeps_one_minus_p_of_the_mass(self, fused):
-        q, k, v = _qkv(4, 4, 64, 64, 16)
+        q, k, v = _qkv(4, 4, 64, 64, 16, device=device_of(fused))
         out = _forced(fused, q, torch.zeros_like(k), torch.ones_like(v), 0.3)[0]  # P = 1/64
         assert abs((out[..., 0] * 0.7).mean().item() - 0.7) < 0.01
 
     def test_same_seed_same_output(self, fused):
-        q, k, v = _qkv(2, 2, 8, 8, 16)
+        q, k, v = _qkv(2, 2, 8, 8, 16, device=device_of(fused))
         torch.manual_seed(5)
         first = _forced(fused, q, k, v, 0.3)[0]
         second = _forced(fused, q, k, v, 0.3)[0]
