@@ -1,11 +1,26 @@
-"""``fastnmt.ops.feed_forward`` (Linear, ReLU, dropout, Linear) against the same nn modules."""
+"""``fastnmt.ops.feed_forward`` (Linear, ReLU, dropout, Linear) against the same nn modules.
 
+The Triton backend runs twice: on its default path (library GEMMs around one fused elementwise
+kernel) and on the fused-GEMM path (``FASTNMT_FFN_FUSED_GEMM=1``: Triton GEMMs with the bias,
+activation and dropout in their epilogues). Which is faster on a GPU decides the default of
+``fastnmt.ops.feed_forward``: compare the rows "fused GEMM" and "library GEMM"."""
+
+import importlib
+
+import pytest
 from torch import nn
 
 from fastnmt.ops import feed_forward
 
+# The module, not the function fastnmt.ops re-exports under the same name.
+FUSED_GEMM_ENV_VAR = importlib.import_module("fastnmt.ops.feed_forward").FUSED_GEMM_ENV_VAR
 
-def test_feed_forward(bench):
+
+@pytest.mark.parametrize("gemm", ["library", "fused"])
+def test_feed_forward(bench, monkeypatch, gemm):
+    if gemm == "fused" and bench.impl != "triton":
+        pytest.skip("only the Triton backend has a fused-GEMM path")
+    monkeypatch.setenv(FUSED_GEMM_ENV_VAR, "1" if gemm == "fused" else "0")
     case = bench.case
     width, hidden = case.d_model, 4 * case.d_model
     x = bench.randn(case.batch * case.max_len, width)
@@ -28,6 +43,6 @@ def test_feed_forward(bench):
         def forward():
             return feed_forward(*args)
 
-        label = "fastnmt.ops.feed_forward"
+        label = "fastnmt.ops.feed_forward" + (f" ({gemm} GEMM)" if bench.impl == "triton" else "")
     flops = 2 * 2 * x.shape[0] * width * hidden  # two GEMMs of M x K x F
     bench.run("feed_forward", label, forward, forward_flops=flops)

@@ -13,13 +13,22 @@ Backward, given dy:
     dW1 = da^T x,  db1 = sum_rows da,  dx = da W1
 
 Weights use ``nn.Linear``'s (out_features, in_features) layout so a module's parameters pass as
-they are. The Triton backend has two paths, chosen per call by ``prefers_fused_gemm``:
+they are. The Triton backend has two paths:
 
-- fused GEMM: one Triton GEMM kernel (fp32 accumulator, grouped program order, autotuned) runs
-  every product; its epilogue adds the bias, and for ``a`` applies activation + dropout in the
-  forward and ``* keep / (1-p) * act'(a)`` on ``dz`` in the backward;
-- library GEMM: ``torch.matmul``/``addmm`` for the products and one fused elementwise Triton kernel
-  for activation + dropout (forward) and its derivative (backward).
+- library GEMM (the default): ``torch.matmul``/``addmm`` for the products and one fused
+  elementwise Triton kernel for activation + dropout (forward) and its derivative (backward);
+- fused GEMM: one Triton GEMM kernel (fp32 accumulator, grouped program order, block sizes by the
+  rule of ``gemm_config``, no per-shape autotuning) runs every product; its epilogue adds the
+  bias, and for ``a`` applies activation + dropout in the forward and ``* keep / (1-p) * act'(a)``
+  on ``dz`` in the backward. Chosen by ``feed_forward_triton(..., fused_gemm=True)`` or, for every
+  call, by the environment variable ``FASTNMT_FFN_FUSED_GEMM=1``.
+
+The fused path saves one write and read of the (M, F) pre-activation but trades cuBLAS's GEMMs for
+Triton's. Which wins has not been measured on a GPU yet, so the default is the library path, the
+one that cannot be much slower than PyTorch's own Linear layers. The benchmark that decides it is
+``benchmarks/ops/bench_feed_forward.py`` (rows "fused GEMM" against "library GEMM", forward and
+forward + backward, fp16 / bf16 / fp32, on an A100 or H100); make the fused path the default at
+the shapes where it is faster there.
 
 Saved for the backward (both paths): x, W1, W2, z (needed for dW2 anyway) and the dropout seed;
 the mask is regenerated, never stored. ReLU needs nothing more: z != 0 exactly where a > 0 and
@@ -29,6 +38,8 @@ in the backward (a third more backward FLOPs) to save M*F elements of memory.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +105,7 @@ def _matmul_kernel(
     HAS_DROPOUT: tl.constexpr,
     SAVE_PREACTIVATION: tl.constexpr,  # the "activation" epilogue also writes a to SAVED
     UPCAST: tl.constexpr,  # compute from fp32 copies of the loads (bf16 in the interpreter)
+    INPUT_PRECISION: tl.constexpr,  # tl.dot's: "ieee", or "tf32" where torch allows it for fp32
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -123,7 +135,7 @@ def _matmul_kernel(
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision="ieee")  # fp32 inputs as torch: no TF32
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         a_tile += BLOCK_K * stride_ak
         b_tile += BLOCK_K * stride_bk
 
@@ -197,7 +209,7 @@ def feed_forward_reference(x, w1, b1, w2, b2, activation, dropout_p):
 
 
 # ---------------------------------------------------------------------------------------------
-# Launchers and the choice of path.
+# Launchers: block sizes by rule, and the choice of path.
 # ---------------------------------------------------------------------------------------------
 
 # Tile shapes for translation models' GEMMs (M = 1k-16k tokens, K and N = d_model 256-1024 or
@@ -205,43 +217,63 @@ def feed_forward_reference(x, w1, b1, w2, b2, activation, dropout_p):
 # dropout (four 32-bit lanes per element) and GELU keep several more values live per element, and
 # 64 per thread (128 x 128 on 8 warps, 128 x 256, or 4 warps on 128 x 64) spill on sm_80/sm_90
 # when the operands are not known to be 16-byte aligned (fastnmt.compile_check).
-_GPU_CONFIGS = [
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, 8, 3),
-    triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, 8, 3),
-    triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, 4, 3),
-]
-# One large-tile configuration in the interpreter: autotuning there only burns time.
-_INTERPRETER_CONFIGS = [
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 2}, 4, 1)
-]
-_matmul = triton.autotune(
-    configs=_INTERPRETER_CONFIGS if triton_common.INTERPRETER else _GPU_CONFIGS,
-    key=["M", "N", "K", "EPILOGUE"],
-)(_matmul_kernel)
-
-_ELEMENTWISE_BLOCK = 4096 if triton_common.INTERPRETER else 1024
-_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-# The choice between the two paths, from a roofline argument; the constants are what a GPU
-# benchmark pins down (see ``prefers_fused_gemm``).
-RIDGE_FLOPS_PER_BYTE = 200  # A100/H100 half-precision tensor-core FLOP/s per byte/s of DRAM
-TRITON_GEMM_DEFICIT = 0.1  # assumed relative slowdown of the Triton GEMM against cuBLAS
+_GPU_CONFIGS = (
+    triton_common.LaunchConfig(128, 64, 8, 3, block_k=64, group_m=8),  # many rows
+    triton_common.LaunchConfig(64, 128, 8, 3, block_k=64, group_m=8),  # fewer rows, wide outputs
+    triton_common.LaunchConfig(64, 64, 4, 3, block_k=64, group_m=8),  # fewer rows, narrow outputs
+)
+_TALL, _WIDE, _SMALL = _GPU_CONFIGS
+# The interpreter's cost grows with the number of programs: one large tile.
+_INTERPRETER_CONFIG = triton_common.LaunchConfig(128, 128, 4, 1, block_k=64, group_m=2)
+_MANY_ROWS = 2048  # from here on, 128-row tiles still give 16 or more row blocks
+_NARROW = 128  # outputs this narrow would leave half of a 128-column tile empty
 
 
-def prefers_fused_gemm(d_model: int, element_size: int) -> bool:
-    """Whether the fused-epilogue Triton GEMMs beat library GEMMs + one elementwise kernel.
+def gemm_config(m: int, n: int) -> triton_common.LaunchConfig:
+    """The GEMM kernel's launch configuration for an (m, n) output, by a fixed rule rather than
+    autotuning: M changes with every token bucket and beam step, and autotuning would re-benchmark
+    every new M. M in two buckets, then N:
 
-    The elementwise pass costs one extra write and read of the (M, F) pre-activation,
-    ``2 * element_size * M * F`` bytes; the fused path costs ``TRITON_GEMM_DEFICIT`` of the
-    forward's ``4 * M * d_model * F`` FLOPs. Fusion wins when the first is the larger, i.e. when
-    ``d_model < element_size * RIDGE_FLOPS_PER_BYTE / (2 * TRITON_GEMM_DEFICIT)``: with these
-    constants d_model <= 1024 in half precision and <= 2048 in fp32 (d_model 256-1024 of
-    translation models: fused). Confirmed or refuted by the benchmark "feed_forward fused vs
-    library, forward + backward, M = 4096 and 16384 tokens, d_model 256 / 512 / 1024 / 2048,
-    d_ff = 4 d_model, fp16 and bf16" on an A100 and an H100: set TRITON_GEMM_DEFICIT to the
-    measured slowdown of the Triton GEMM, and the crossover d_model should follow.
+    - m >= ``_MANY_ROWS`` (training batches, the weight gradients' d_ff rows): 128 x 64 tiles,
+      which load fewer operand bytes per output element than 64 x 64 and still give 16+ row blocks;
+    - fewer rows (decoding steps, small batches) and n > ``_NARROW``: 64 x 128, the same reuse
+      with half as many rows of padding;
+    - fewer rows and narrow outputs: 64 x 64.
+
+    K does not enter: every tile steps through it 64 at a time. The thresholds rest on no GPU
+    timing yet, only on the configurations compiling without spills; benchmarks/ops/
+    bench_feed_forward.py (fused GEMM rows) is where to check them.
     """
-    return d_model < element_size * RIDGE_FLOPS_PER_BYTE / (2 * TRITON_GEMM_DEFICIT)
+    if not triton_common.use_gpu_tiles():
+        return _INTERPRETER_CONFIG
+    if m >= _MANY_ROWS:
+        return _TALL
+    return _WIDE if n > _NARROW else _SMALL
+
+
+def _programs(config: triton_common.LaunchConfig, m: int, n: int) -> int:
+    return triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+
+
+_GPU_ELEMENTWISE_BLOCK = 1024  # elements per program of the activation kernels
+_INTERPRETER_ELEMENTWISE_BLOCK = 4096
+
+
+def _elementwise_block() -> int:
+    return (
+        _GPU_ELEMENTWISE_BLOCK if triton_common.use_gpu_tiles() else _INTERPRETER_ELEMENTWISE_BLOCK
+    )
+
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FUSED_GEMM_ENV_VAR = "FASTNMT_FFN_FUSED_GEMM"
+
+
+# torch.compile cannot trace os.environ; the path is a constant of the compiled graph.
+@torch.compiler.assume_constant_result
+def fused_gemm_requested() -> bool:
+    """Whether ``FASTNMT_FFN_FUSED_GEMM=1`` asks for the fused-GEMM path on every call."""
+    return os.environ.get(FUSED_GEMM_ENV_VAR) == "1"
 
 
 def _output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -265,46 +297,55 @@ def _matmul_launch(
     (m, k), n = a.shape, b.shape[1]
     c = _output((m, n), a.dtype, a.device)
     bias = None if bias is None else bias.contiguous()
-    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-    _matmul[grid](
-        a,
-        b,
-        c,
-        bias,
-        saved,
-        seed,
-        m,
-        n,
-        k,
-        a.stride(0),
-        a.stride(1),
-        b.stride(0),
-        b.stride(1),
-        dropout_p,
-        EPILOGUE=epilogue,
-        ACTIVATION=activation,
-        HAS_BIAS=bias is not None,
-        HAS_DROPOUT=dropout_p > 0.0,
-        SAVE_PREACTIVATION=save_preactivation,
-        UPCAST=triton_common.upcast_in_interpreter(a.dtype),
-    )
+    config = gemm_config(m, n)
+    with triton_common.device_guard(a.device):
+        _matmul_kernel[(_programs(config, m, n),)](
+            a,
+            b,
+            c,
+            bias,
+            saved,
+            seed,
+            m,
+            n,
+            k,
+            a.stride(0),
+            a.stride(1),
+            b.stride(0),
+            b.stride(1),
+            dropout_p,
+            EPILOGUE=epilogue,
+            ACTIVATION=activation,
+            HAS_BIAS=bias is not None,
+            HAS_DROPOUT=dropout_p > 0.0,
+            SAVE_PREACTIVATION=save_preactivation,
+            UPCAST=triton_common.upcast_in_interpreter(a.dtype),
+            INPUT_PRECISION=triton_common.dot_precision(a.dtype),
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k,
+            GROUP_M=config.group_m,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
     return c.to(a.dtype)
 
 
 def _elementwise_launch(kernel, inputs, dtype, seed, activation, dropout_p):
     """Runs an activation kernel over contiguous (M, F) ``inputs``; returns its output."""
     out = _output(inputs[0].shape, dtype, inputs[0].device)
-    numel = out.numel()
-    kernel[(triton.cdiv(numel, _ELEMENTWISE_BLOCK),)](
-        *inputs,
-        out,
-        seed,
-        numel,
-        dropout_p,
-        ACTIVATION=activation,
-        HAS_DROPOUT=dropout_p > 0.0,
-        BLOCK=_ELEMENTWISE_BLOCK,
-    )
+    numel, block = out.numel(), _elementwise_block()
+    with triton_common.device_guard(out.device):
+        kernel[(triton.cdiv(numel, block),)](
+            *inputs,
+            out,
+            seed,
+            numel,
+            dropout_p,
+            ACTIVATION=activation,
+            HAS_DROPOUT=dropout_p > 0.0,
+            BLOCK=block,
+        )
     return out.to(dtype)
 
 
@@ -484,10 +525,11 @@ def _autocast_operands(x, w1, b1, w2, b2):
 
 
 def feed_forward_triton(x, w1, b1, w2, b2, activation, dropout_p, fused_gemm=None):
-    """The Triton backend; ``fused_gemm`` picks the path (None: ``prefers_fused_gemm``)."""
+    """The Triton backend; ``fused_gemm`` picks the path (None: the library GEMMs, unless
+    ``FASTNMT_FFN_FUSED_GEMM=1``)."""
     x, w1, b1, w2, b2 = _autocast_operands(x, w1, b1, w2, b2)
     if fused_gemm is None:
-        fused_gemm = prefers_fused_gemm(x.shape[-1], x.element_size())
+        fused_gemm = fused_gemm_requested()
     seed = triton_common.dropout_seed(x.device) if dropout_p > 0.0 else None
     return _feed_forward_op(x, w1, b1, w2, b2, activation, dropout_p, seed, fused_gemm)[0]
 
@@ -596,17 +638,20 @@ _EPILOGUES = {
 }
 
 
-def _matmul_case(config: triton.Config, epilogue: str) -> CompileCase:
+def _matmul_case(config: triton_common.LaunchConfig, epilogue: str) -> CompileCase:
     constexprs = {
         "ACTIVATION": "gelu",
         "HAS_BIAS": True,
         "HAS_DROPOUT": True,
         "UPCAST": False,
+        "INPUT_PRECISION": "ieee",  # dot_precision of half-precision operands
         **_EPILOGUES[epilogue],
-        **config.kwargs,
+        "BLOCK_M": config.block_m,
+        "BLOCK_N": config.block_n,
+        "BLOCK_K": config.block_k,
+        "GROUP_M": config.group_m,
     }
     signature = {**_MATMUL_SIGNATURE, **dict.fromkeys(constexprs, "constexpr")}
-    tile = "x".join(str(config.kwargs[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
     return CompileCase(
         _matmul_kernel,
         signature,
@@ -614,12 +659,12 @@ def _matmul_case(config: triton.Config, epilogue: str) -> CompileCase:
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         needs_wgmma=True,
-        label=f"{epilogue} gelu {tile} w{config.num_warps} s{config.num_stages}",
+        label=f"{epilogue} gelu {config.label}",
     )
 
 
 def _elementwise_case(kernel, pointers: tuple[str, ...]) -> CompileCase:
-    constexprs = {"ACTIVATION": "gelu", "HAS_DROPOUT": True, "BLOCK": 1024}
+    constexprs = {"ACTIVATION": "gelu", "HAS_DROPOUT": True, "BLOCK": _GPU_ELEMENTWISE_BLOCK}
     signature = {
         **dict.fromkeys(pointers, "*DTYPE"),
         "SEED": "*i64",
@@ -627,11 +672,13 @@ def _elementwise_case(kernel, pointers: tuple[str, ...]) -> CompileCase:
         "dropout_p": "fp32",
         **dict.fromkeys(constexprs, "constexpr"),
     }
-    return CompileCase(kernel, signature, constexprs, label="gelu dropout 1024")
+    return CompileCase(
+        kernel, signature, constexprs, label=f"gelu dropout {_GPU_ELEMENTWISE_BLOCK}"
+    )
 
 
 def gpu_compile_cases(dtype: str) -> list[CompileCase]:
-    """Every autotuned GEMM configuration with each epilogue (GELU and dropout: the most
+    """Every GPU GEMM configuration with each epilogue (GELU and dropout: the most
     registers), and the library path's elementwise kernels (``dtype`` is substituted by
     compile_check)."""
     return [

@@ -188,9 +188,10 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _tile(rows: int, width: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for a (rows, width) problem."""
+    """(BLOCK_M, BLOCK_N, num_warps) for a (rows, width) problem: whole rows, as many as fit
+    the tile (the GPU's, or in the interpreter outside ``gpu_tiles()`` its own)."""
     block_n = triton.next_power_of_2(width)
-    tile = _INTERPRETER_TILE if triton_common.INTERPRETER else _GPU_TILE
+    tile = _GPU_TILE if triton_common.use_gpu_tiles() else _INTERPRETER_TILE
     block_m = min(max(1, tile // block_n), triton.next_power_of_2(rows))
     num_warps = min(8, max(1, block_m * block_n // 512))
     return block_m, block_n, num_warps
@@ -224,28 +225,29 @@ def _launch_forward(x, residual, weight, bias, eps, dropout_p, residual_in_fp32,
     mean = output((rows,), torch.float32, x.device)
     rstd = output((rows,), torch.float32, x.device)
     block_m, block_n, num_warps = _tile(rows, width)
-    _add_layer_norm_forward_kernel[(triton.cdiv(rows, block_m),)](
-        x2,
-        None if residual is None else residual.reshape(-1, width).contiguous(),
-        _contiguous(weight),
-        _contiguous(bias),
-        y,
-        h,
-        mean,
-        rstd,
-        seed,
-        rows,
-        width,
-        eps,
-        dropout_p,
-        HAS_RESIDUAL=residual is not None,
-        HAS_WEIGHT=weight is not None,
-        HAS_BIAS=bias is not None,
-        HAS_DROPOUT=dropout_p > 0.0,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        num_warps=num_warps,
-    )
+    with triton_common.device_guard(x.device):
+        _add_layer_norm_forward_kernel[(triton.cdiv(rows, block_m),)](
+            x2,
+            None if residual is None else residual.reshape(-1, width).contiguous(),
+            _contiguous(weight),
+            _contiguous(bias),
+            y,
+            h,
+            mean,
+            rstd,
+            seed,
+            rows,
+            width,
+            eps,
+            dropout_p,
+            HAS_RESIDUAL=residual is not None,
+            HAS_WEIGHT=weight is not None,
+            HAS_BIAS=bias is not None,
+            HAS_DROPOUT=dropout_p > 0.0,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            num_warps=num_warps,
+        )
     return y.to(x.dtype).view_as(x), h.to(h_dtype).view_as(x), mean, rstd
 
 
@@ -261,30 +263,31 @@ def _launch_backward(dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_res
         output((programs, width), torch.float32, h.device) if wanted else None
         for wanted in (weight is not None, has_bias)
     )
-    _add_layer_norm_backward_kernel[(programs,)](
-        dy.reshape(rows, width).contiguous(),
-        None if dh_out is None else dh_out.reshape(rows, width).contiguous(),
-        h.reshape(rows, width),
-        _contiguous(weight),
-        mean,
-        rstd,
-        seed,
-        dx,
-        dh,
-        dweight_partial,
-        dbias_partial,
-        rows,
-        width,
-        dropout_p,
-        HAS_DH_OUT=dh_out is not None,
-        HAS_RESIDUAL=has_residual,
-        HAS_WEIGHT=weight is not None,
-        HAS_BIAS=has_bias,
-        HAS_DROPOUT=dropout_p > 0.0,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        num_warps=num_warps,
-    )
+    with triton_common.device_guard(h.device):
+        _add_layer_norm_backward_kernel[(programs,)](
+            dy.reshape(rows, width).contiguous(),
+            None if dh_out is None else dh_out.reshape(rows, width).contiguous(),
+            h.reshape(rows, width),
+            _contiguous(weight),
+            mean,
+            rstd,
+            seed,
+            dx,
+            dh,
+            dweight_partial,
+            dbias_partial,
+            rows,
+            width,
+            dropout_p,
+            HAS_DH_OUT=dh_out is not None,
+            HAS_RESIDUAL=has_residual,
+            HAS_WEIGHT=weight is not None,
+            HAS_BIAS=has_bias,
+            HAS_DROPOUT=dropout_p > 0.0,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            num_warps=num_warps,
+        )
     return dx, dh, dweight_partial, dbias_partial
 
 
@@ -525,7 +528,8 @@ _FLAGS = ("HAS_RESIDUAL", "HAS_WEIGHT", "HAS_BIAS", "HAS_DROPOUT")
 
 
 def _layer_norm_case(kernel, tensors: tuple[str, ...], flags: tuple[str, ...], width: int):
-    block_m, block_n, num_warps = _tile(1 << 20, width)
+    with triton_common.gpu_tiles():  # what a GPU launches, whatever this process runs on
+        block_m, block_n, num_warps = _tile(1 << 20, width)
     constexprs = {**dict.fromkeys(flags, True), "BLOCK_M": block_m, "BLOCK_N": block_n}
     signature = {
         **{

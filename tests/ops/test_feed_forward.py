@@ -1,7 +1,9 @@
 """fastnmt.ops.feed_forward: the reference backend against an independent float64 oracle, and
-both Triton paths (fused-epilogue GEMMs; library GEMMs + elementwise kernel), forced and run in
-the interpreter on a CPU, against the reference with FlashAttention's error rule."""
+both Triton paths (fused-epilogue GEMMs; library GEMMs + elementwise kernel), forced and run on
+the Triton device (compiled on a GPU, the interpreter on a CPU, where the GPU's block sizes are
+exercised too), against the reference with FlashAttention's error rule."""
 
+import contextlib
 import importlib
 import math
 
@@ -22,10 +24,11 @@ def feed_forward_oracle(x, w1, b1, w2, b2, activation):
     return z @ w2.double().T + b2.double()
 
 
-def _inputs(tokens, d_model, d_ff, dtype=torch.float32, requires_grad=False):
-    make = lambda *shape: (torch.randn(*shape, dtype=dtype) / math.sqrt(shape[-1])).requires_grad_(  # noqa: E731
-        requires_grad
-    )
+def _inputs(tokens, d_model, d_ff, dtype=torch.float32, requires_grad=False, device="cpu"):
+    def make(*shape):
+        values = torch.randn(*shape, dtype=dtype, device=device) / math.sqrt(shape[-1])
+        return values.requires_grad_(requires_grad)
+
     return (
         make(tokens, d_model),
         make(d_ff, d_model),
@@ -95,13 +98,15 @@ def test_bad_inputs_name_the_argument(override, error, message):
 
 
 # ---------------------------------------------------------------------------------------------
-# Triton paths (interpreter on a CPU), forced onto the triton backend.
+# Triton paths (compiled on a GPU, the interpreter on a CPU), forced onto the triton backend.
 # ---------------------------------------------------------------------------------------------
 
 
 @pytest.fixture
-def triton_backend():
-    """Forces the Triton kernels (output buffers start as NaN under the interpreter)."""
+def triton_backend(monkeypatch):
+    """Forces the Triton kernels (output buffers start as NaN under the interpreter), on the
+    default path unless a test asks for the other."""
+    monkeypatch.delenv(feed_forward_module.FUSED_GEMM_ENV_VAR, raising=False)
     with fastnmt.backend("triton"):
         yield
 
@@ -130,9 +135,11 @@ TRITON_CASES = [
 
 
 @pytest.mark.parametrize(("shape", "fused_gemm", "activation", "dtype"), TRITON_CASES)
-def test_triton_matches_reference_error_rule(triton_backend, shape, fused_gemm, activation, dtype):
-    inputs = _inputs(*shape, dtype)
-    dy = torch.randn(shape[0], shape[1], dtype=torch.float64)
+def test_triton_matches_reference_error_rule(
+    triton_backend, triton_device, shape, fused_gemm, activation, dtype
+):
+    inputs = _inputs(*shape, dtype, device=triton_device)
+    dy = torch.randn(shape[0], shape[1], dtype=torch.float64, device=triton_device)
     reference = feed_forward_module.feed_forward_reference
     oracle = _run(lambda *a: reference(*a, activation, 0.0), [t.double() for t in inputs], dy)
     same_dtype = _run(lambda *a: reference(*a, activation, 0.0), inputs, dy)
@@ -149,9 +156,9 @@ def test_triton_matches_reference_error_rule(triton_backend, shape, fused_gemm, 
 
 
 @pytest.mark.parametrize("fused_gemm", [True, False])
-def test_triton_dropout_keep_fraction_and_seed(triton_backend, fused_gemm):
-    x = torch.ones(512, 4)
-    w1, w2 = torch.ones(256, 4), torch.eye(256)
+def test_triton_dropout_keep_fraction_and_seed(triton_backend, triton_device, fused_gemm):
+    x = torch.ones(512, 4, device=triton_device)
+    w1, w2 = torch.ones(256, 4, device=triton_device), torch.eye(256, device=triton_device)
     run = lambda: feed_forward_module.feed_forward_triton(  # noqa: E731
         x, w1, None, w2, None, "relu", 0.2, fused_gemm
     )
@@ -165,21 +172,30 @@ def test_triton_dropout_keep_fraction_and_seed(triton_backend, fused_gemm):
     assert not torch.equal(run(), hidden)
 
 
-@pytest.mark.parametrize(("fused_gemm", "activation"), [(True, "gelu"), (False, "relu")])
-def test_triton_dropout_backward_uses_the_forward_mask(triton_backend, fused_gemm, activation):
+@pytest.mark.parametrize(
+    ("fused_gemm", "activation", "gpu_tiles"),
+    [(True, "gelu", False), (False, "relu", False), (False, "gelu", True)],
+)
+def test_triton_dropout_backward_uses_the_forward_mask(
+    triton_backend, triton_device, fused_gemm, activation, gpu_tiles
+):
     """The mask read off the kernel's z (z != 0; where ReLU gives 0 the mask does not matter),
-    fed to a float64 oracle; both paths draw the same mask from the same seed."""
-    inputs = [t.requires_grad_() for t in _inputs(129, 72, 200)]
+    fed to a float64 oracle; both paths draw the same mask from the same seed. With the GPU's
+    block sizes, the elementwise kernels run 26 blocks of 1024 elements, the last one ragged."""
+    inputs = [t.requires_grad_() for t in _inputs(129, 72, 200, device=triton_device)]
     seed = triton_common.dropout_seed(inputs[0].device)
     forward = torch.ops.fastnmt.feed_forward_triton
-    y, z, _ = forward(*inputs, activation, 0.2, seed, fused_gemm)
-    other_path = forward(*inputs, activation, 0.2, seed, not fused_gemm)[1]
+    with triton_common.gpu_tiles() if gpu_tiles else contextlib.nullcontext():
+        if gpu_tiles:
+            assert feed_forward_module._elementwise_block() == 1024
+        y, z, _ = forward(*inputs, activation, 0.2, seed, fused_gemm)
+        other_path = forward(*inputs, activation, 0.2, seed, not fused_gemm)[1]
+        dy = torch.randn_like(y)
+        y.backward(dy)
     torch.testing.assert_close(other_path, z, atol=1e-5, rtol=1e-5)
     keep = z.detach() != 0
     if activation == "gelu":
         assert abs(keep.double().mean().item() - 0.8) < 0.01
-    dy = torch.randn_like(y)
-    y.backward(dy)
     leaves = [t.detach().double().requires_grad_() for t in inputs]
     x, w1, b1, w2, b2 = leaves
     hidden = feed_forward_module.ACTIVATIONS[activation](x @ w1.T + b1) * keep / 0.8
@@ -190,9 +206,81 @@ def test_triton_dropout_backward_uses_the_forward_mask(triton_backend, fused_gem
         torch.testing.assert_close(tensor.grad.double(), leaf.grad, atol=1e-5, rtol=1e-5)
 
 
+# The GEMM kernel at every GPU configuration (under the interpreter: inside gpu_tiles()), each
+# with one activation and dtype in turn; the shapes come from the configurations, so an added one
+# is covered too.
+GPU_GEMM_CASES = [
+    pytest.param(config, ("gelu", "relu")[i % 2], DTYPES[i % 3], id=config.label)
+    for i, config in enumerate(feed_forward_module._GPU_CONFIGS)
+]
+
+
+def _grouped_shape(config):
+    """(m, n, k) for which GROUP_M grouping matters: two full groups of row blocks and a ragged
+    third of one, two column blocks, and the last row, column and depth blocks partly outside."""
+    m = (2 * config.group_m + 1) * config.block_m - 27
+    return m, config.block_n + 37, config.block_k + 9
+
+
+def _activation_derivative(saved, activation):
+    """act'(a) from what the forward saves: z for ReLU (nonzero where a > 0 and kept), a for
+    GELU; in saved's dtype."""
+    if activation == "relu":
+        return (saved != 0).to(saved.dtype)
+    cdf = 0.5 * (1 + torch.erf(saved / math.sqrt(2)))
+    return cdf + saved * torch.exp(-0.5 * saved * saved) / math.sqrt(2 * math.pi)
+
+
+@pytest.mark.parametrize(("config", "activation", "dtype"), GPU_GEMM_CASES)
+def test_triton_gemm_epilogues_at_gpu_tiles(triton_device, config, activation, dtype):
+    """The forward epilogue (bias, activation, dropout, saving a), the backward's
+    (* keep / (1-p) * act'), and a bias-only product of a transposed operand (dW = dy^T z), each
+    against a float64 oracle by FlashAttention's rule. The oracle takes the mask off the kernel's
+    z (z != 0; where ReLU gives 0 the mask does not matter); the backward regenerates it."""
+    m, n, k = _grouped_shape(config)
+    x, w, bias, left_t, right = (
+        torch.randn(*shape, dtype=dtype, device=triton_device) / math.sqrt(shape[-1])
+        for shape in ((m, k), (n, k), (n,), (k, m), (k, n))
+    )
+    left = left_t.t()  # strides (1, m), as dy^T in dW2 = dy^T z
+    seed = triton_common.dropout_seed(triton_device)
+    launch = feed_forward_module._matmul_launch
+    act = feed_forward_module.ACTIVATIONS[activation]
+
+    with triton_common.gpu_tiles():
+        assert feed_forward_module.gemm_config(m, n) == config
+        a = feed_forward_module._output((m, n), dtype, triton_device)
+        dropout = dict(seed=seed, activation=activation, dropout_p=0.2)
+        z = launch(
+            x, w.t(), bias, epilogue="activation", saved=a, save_preactivation=True, **dropout
+        )
+        a = a.to(dtype)
+        saved = z if activation == "relu" else a
+        da = launch(left, right, epilogue="activation_grad", saved=saved, **dropout)
+        product = launch(left, right, bias)
+    keep = z != 0
+    x64, w64, bias64, left64, right64 = (t.double() for t in (x, w, bias, left, right))
+    positive = x64 @ w64.T + bias64 > 0  # where even ReLU's z shows the mask
+    assert abs(keep[positive].double().mean().item() - 0.8) < 0.02
+
+    def dropped(values):  # values * keep / (1-p) in values' dtype
+        return values * keep.to(values.dtype) / 0.8
+
+    def check(candidate, same_dtype, oracle, factor=2):
+        assert candidate.dtype == dtype
+        assert_error_within(candidate, same_dtype, oracle, factor, ATOL[dtype])
+
+    check(a, x @ w.T + bias, x64 @ w64.T + bias64)
+    check(z, dropped(act(x @ w.T + bias)), dropped(act(x64 @ w64.T + bias64)))
+    gradient_oracle = dropped(left64 @ right64) * _activation_derivative(saved.double(), activation)
+    gradient_torch = dropped(left @ right) * _activation_derivative(saved, activation)
+    check(da, gradient_torch, gradient_oracle, factor=3)
+    check(product, left @ right + bias, left64 @ right64 + bias64)
+
+
 @pytest.mark.parametrize("fused_gemm", [True, False])
-def test_triton_opcheck(triton_backend, fused_gemm):
-    inputs = [t.requires_grad_() for t in _inputs(5, 8, 12)]
+def test_triton_opcheck(triton_backend, triton_device, fused_gemm):
+    inputs = [t.requires_grad_() for t in _inputs(5, 8, 12, device=triton_device)]
     x, w1, _, w2, _ = (t.detach() for t in inputs)
     seed = triton_common.dropout_seed(x.device)
     for activation, dropout_p, seed_or_none in (("relu", 0.0, None), ("gelu", 0.2, seed)):
@@ -215,10 +303,10 @@ def test_triton_opcheck(triton_backend, fused_gemm):
 
 
 @pytest.mark.parametrize("fused_gemm", [True, False])
-def test_triton_traced_by_torch_compile(triton_backend, monkeypatch, fused_gemm):
+def test_triton_traced_by_torch_compile(triton_backend, triton_device, monkeypatch, fused_gemm):
     """Traced with fullgraph=True, dropout included: same seed, same loss and gradients."""
-    monkeypatch.setattr(feed_forward_module, "prefers_fused_gemm", lambda *_: fused_gemm)
-    inputs = [t.requires_grad_() for t in _inputs(5, 8, 12)]
+    monkeypatch.setenv(feed_forward_module.FUSED_GEMM_ENV_VAR, "1" if fused_gemm else "0")
+    inputs = [t.requires_grad_() for t in _inputs(5, 8, 12, device=triton_device)]
     step = lambda *a: (feed_forward(*a, "gelu", dropout_p=0.2) ** 2).sum()  # noqa: E731
     torch._dynamo.reset()  # the backend is chosen at trace time: no graph from another backend
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
@@ -231,7 +319,7 @@ def test_triton_traced_by_torch_compile(triton_backend, monkeypatch, fused_gemm)
         torch.testing.assert_close(got, expected)
 
 
-def test_triton_reasons_and_path_rule():
+def test_triton_reasons():
     x, w1, b1, w2, b2 = _inputs(3, 8, 12)
     cpu = fastnmt.dispatch.explain("feed_forward", x, w1, b1, w2, b2)
     assert (
@@ -242,14 +330,36 @@ def test_triton_reasons_and_path_rule():
         pytest.raises(fastnmt.BackendUnavailableError, match=r"x has dtype torch\.float64"),
     ):
         feed_forward(*(t.double() for t in (x, w1, b1, w2, b2)))
-    assert feed_forward_module.prefers_fused_gemm(512, 2)
-    assert not feed_forward_module.prefers_fused_gemm(4096, 2)
 
 
-def test_triton_under_autocast_takes_the_autocast_dtype(triton_backend):
+def test_triton_path_is_the_library_gemm_unless_asked(triton_backend, triton_device, monkeypatch):
+    """No GPU benchmark has shown the fused GEMM faster: it runs only when asked for, by
+    ``fused_gemm=True`` or FASTNMT_FFN_FUSED_GEMM=1, and ``fused_gemm=False`` overrides that."""
+    launches = []
+    launch = feed_forward_module._matmul_launch
+    monkeypatch.setattr(
+        feed_forward_module,
+        "_matmul_launch",
+        lambda *args, **kwargs: launches.append(args) or launch(*args, **kwargs),
+    )
+    inputs = _inputs(5, 8, 12, device=triton_device)
+
+    def gemm_kernel_launches(**path):
+        launches.clear()
+        feed_forward_module.feed_forward_triton(*inputs, "relu", 0.0, **path)
+        return len(launches)
+
+    assert gemm_kernel_launches() == 0
+    assert gemm_kernel_launches(fused_gemm=True) == 2
+    monkeypatch.setenv(feed_forward_module.FUSED_GEMM_ENV_VAR, "1")
+    assert gemm_kernel_launches() == 2
+    assert gemm_kernel_launches(fused_gemm=False) == 0
+
+
+def test_triton_under_autocast_takes_the_autocast_dtype(triton_backend, triton_device):
     """fp32 parameters and a bf16 activation, as a bf16-autocast model passes them."""
-    x, w1, b1, w2, b2 = (t.requires_grad_() for t in _inputs(37, 40, 100))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    x, w1, b1, w2, b2 = (t.requires_grad_() for t in _inputs(37, 40, 100, device=triton_device))
+    with torch.autocast(triton_device.type, dtype=torch.bfloat16):
         y = feed_forward(x.bfloat16(), w1, b1, w2, b2, "gelu")
         expected = feed_forward_module.feed_forward_reference(x, w1, b1, w2, b2, "gelu", 0.0)
     assert y.dtype == expected.dtype == torch.bfloat16

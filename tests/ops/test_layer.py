@@ -1,6 +1,7 @@
 """A Transformer layer's non-attention part built from add_layer_norm + feed_forward: forced onto
-Triton (the interpreter on a CPU) it matches the same layer on the reference backend, outputs and
-every parameter gradient, in fp32 without dropout, under FlashAttention's error rule."""
+Triton (compiled on a GPU, the interpreter on a CPU) it matches the same layer on the reference
+backend, outputs and every parameter gradient, in fp32 without dropout, under FlashAttention's
+error rule."""
 
 import importlib
 import math
@@ -10,7 +11,7 @@ import torch
 
 import fastnmt
 from fastnmt.ops import add_layer_norm, feed_forward
-from tests.helpers import assert_error_within
+from tests.helpers import TRITON_DEVICE, assert_error_within
 
 feed_forward_module = importlib.import_module("fastnmt.ops.feed_forward")
 
@@ -28,7 +29,7 @@ def _parameters(dtype):
     for index in range(3):
         parameters[f"norm{index}.weight"] = 1 + 0.1 * torch.randn(D_MODEL)
         parameters[f"norm{index}.bias"] = 0.1 * torch.randn(D_MODEL)
-    return {name: value.to(dtype) for name, value in parameters.items()}
+    return {name: value.to(TRITON_DEVICE, dtype) for name, value in parameters.items()}
 
 
 def _layer(x, p, prenorm):
@@ -57,10 +58,10 @@ def _run(backend, x, parameters, prenorm, dy):
 
 @pytest.mark.parametrize(("prenorm", "fused_gemm"), [(True, True), (False, False)])
 def test_triton_layer_matches_reference(monkeypatch, prenorm, fused_gemm):
-    monkeypatch.setattr(feed_forward_module, "prefers_fused_gemm", lambda *_: fused_gemm)
-    x = torch.randn(2, 7, D_MODEL)
+    monkeypatch.setenv(feed_forward_module.FUSED_GEMM_ENV_VAR, "1" if fused_gemm else "0")
+    x = torch.randn(2, 7, D_MODEL, device=TRITON_DEVICE)
     parameters = _parameters(torch.float32)
-    dy = torch.randn(2, 7, D_MODEL, dtype=torch.float64)
+    dy = torch.randn(2, 7, D_MODEL, dtype=torch.float64, device=TRITON_DEVICE)
     double = {name: value.double() for name, value in parameters.items()}
     oracle, oracle_grads = _run("reference", x.double(), double, prenorm, dy)
     same_dtype, torch_grads = _run("reference", x, parameters, prenorm, dy)

@@ -1,13 +1,18 @@
 """fastnmt.ops.add_layer_norm: the reference backend against an independent float64 oracle, and
-the Triton kernels (forced, in the interpreter on a CPU) against the reference with
-FlashAttention's error rule."""
+the fused kernels, Triton (forced; compiled on a GPU, the interpreter on a CPU, where the GPU's
+tiles are exercised too) and C++, against the reference with FlashAttention's error rule."""
+
+import importlib
+import math
 
 import pytest
 import torch
 
 import fastnmt
 from fastnmt.ops import add_layer_norm, triton_common
-from tests.helpers import assert_error_within, require_backend
+from tests.helpers import assert_error_within, device_of, require_backend
+
+layer_norm_module = importlib.import_module("fastnmt.ops.layer_norm")
 
 
 def layer_norm_oracle(x, residual, weight, bias, eps):
@@ -17,8 +22,10 @@ def layer_norm_oracle(x, residual, weight, bias, eps):
     return centered / torch.sqrt(variance + eps) * weight.double() + bias.double(), h
 
 
-def _inputs(rows, width, dtype=torch.float32, requires_grad=False):
-    make = lambda *shape: torch.randn(*shape, dtype=dtype, requires_grad=requires_grad)  # noqa: E731
+def _inputs(rows, width, dtype=torch.float32, requires_grad=False, device="cpu"):
+    def make(*shape):
+        return torch.randn(*shape, dtype=dtype, device=device, requires_grad=requires_grad)
+
     return make(rows, width), make(rows, width), make(width), make(width)
 
 
@@ -95,7 +102,7 @@ def test_bad_inputs_name_the_argument(override, error, message):
 
 
 # ---------------------------------------------------------------------------------------------
-# Fused kernels, Triton (interpreter on a CPU) and C++, each forced by the ``fused`` fixture.
+# Fused kernels, Triton (on the Triton device) and C++ (on the CPU), each forced by ``fused``.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -114,8 +121,8 @@ def _run(backend, inputs, upstream, dropout_p=0.0, residual_in_fp32=False):
 def _assert_within_error_rule(backend, inputs, prenorm, atol, residual_in_fp32=False):
     rows, width = inputs[0].shape
     upstream = (
-        torch.randn(rows, width, dtype=torch.float64),
-        torch.randn(rows, width, dtype=torch.float64) if prenorm else None,
+        torch.randn(rows, width, dtype=torch.float64, device=inputs[0].device),
+        torch.randn(rows, width, dtype=torch.float64, device=inputs[0].device) if prenorm else None,
     )
     double = [None if t is None else t.double() for t in inputs]
     expected = _run("reference", double, upstream)
@@ -142,7 +149,7 @@ FUSED_CASES = [
 
 @pytest.mark.parametrize(("width", "rows", "dtype", "prenorm"), FUSED_CASES)
 def test_fused_matches_reference_error_rule(fused, width, rows, dtype, prenorm):
-    inputs = _inputs(rows, width, dtype)
+    inputs = _inputs(rows, width, dtype, device=device_of(fused))
     _assert_within_error_rule(fused, inputs, prenorm, ATOL[dtype])
 
 
@@ -157,7 +164,7 @@ def test_fused_matches_reference_error_rule(fused, width, rows, dtype, prenorm):
     ],
 )
 def test_fused_optional_inputs_and_fp32_residual(fused, drop, dtype, residual_in_fp32):
-    x, residual, weight, bias = _inputs(3, 100, dtype)
+    x, residual, weight, bias = _inputs(3, 100, dtype, device=device_of(fused))
     inputs = dict(x=x, residual=residual, weight=weight, bias=bias)
     if drop != "nothing":
         inputs[drop] = None
@@ -167,11 +174,12 @@ def test_fused_optional_inputs_and_fp32_residual(fused, drop, dtype, residual_in
 
 
 def test_fused_wide_rows(fused):
-    _assert_within_error_rule(fused, _inputs(3, 4000), prenorm=True, atol=1e-5)
+    inputs = _inputs(3, 4000, device=device_of(fused))
+    _assert_within_error_rule(fused, inputs, prenorm=True, atol=1e-5)
 
 
 def test_fused_dropout_keep_fraction_scaling_and_seed(fused):
-    x = torch.ones(256, 1024)
+    x = torch.ones(256, 1024, device=device_of(fused))
     torch.manual_seed(1)
     _, h = add_layer_norm(x, torch.zeros_like(x), dropout_p=0.2)
     kept = h != 0
@@ -184,13 +192,13 @@ def test_fused_dropout_keep_fraction_scaling_and_seed(fused):
     assert not torch.equal(h, other)
 
 
-@pytest.mark.parametrize("prenorm", [True, False])
-def test_fused_dropout_backward_uses_the_forward_mask(fused, prenorm):
+def _assert_dropout_backward_matches_oracle(rows, width, prenorm, device):
     """The kernel's mask, read off its h (x != 0 everywhere), fed to a float64 oracle."""
-    x, residual, weight, bias = _inputs(129, 1000, requires_grad=True)
+    x, residual, weight, bias = _inputs(rows, width, requires_grad=True, device=device)
     y, h = add_layer_norm(x, residual, weight, bias, dropout_p=0.2)
     keep = (h - residual).detach() != 0
-    assert abs(keep.double().mean().item() - 0.8) < 0.01
+    # 0.01, or 4 standard deviations of the kept fraction where there are few elements
+    assert abs(keep.double().mean().item() - 0.8) < max(0.01, 4 * math.sqrt(0.16 / keep.numel()))
     dy, dh = torch.randn_like(y), torch.randn_like(h) if prenorm else torch.zeros_like(h)
     torch.autograd.backward([y, h], [dy, dh])
     leaves = [t.detach().double().requires_grad_() for t in (x, residual, weight, bias)]
@@ -203,8 +211,13 @@ def test_fused_dropout_backward_uses_the_forward_mask(fused, prenorm):
         torch.testing.assert_close(tensor.grad.double(), leaf.grad, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("prenorm", [True, False])
+def test_fused_dropout_backward_uses_the_forward_mask(fused, prenorm):
+    _assert_dropout_backward_matches_oracle(129, 1000, prenorm, device_of(fused))
+
+
 def test_fused_weight_gradient_is_deterministic(fused):
-    x, residual, weight, bias = _inputs(129, 100, requires_grad=True)
+    x, residual, weight, bias = _inputs(129, 100, requires_grad=True, device=device_of(fused))
     gradients = []
     for _ in range(2):
         y, _ = add_layer_norm(x, residual, weight, bias)
@@ -214,7 +227,7 @@ def test_fused_weight_gradient_is_deterministic(fused):
 
 @pytest.mark.parametrize("affine", [True, False])
 def test_fused_opcheck(fused, affine):
-    x, residual, weight, bias = _inputs(3, 100, requires_grad=True)
+    x, residual, weight, bias = _inputs(3, 100, requires_grad=True, device=device_of(fused))
     weight, bias = (weight, bias) if affine else (None, None)
     seed = triton_common.dropout_seed(x.device)
     for dropout_p, seed_or_none in ((0.0, None), (0.2, seed)):
@@ -240,7 +253,7 @@ def test_fused_opcheck(fused, affine):
 
 def test_fused_traced_by_torch_compile(fused):
     """Traced with fullgraph=True, dropout included: same seed, same loss and gradients."""
-    inputs = _inputs(3, 100, requires_grad=True)
+    inputs = _inputs(3, 100, requires_grad=True, device=device_of(fused))
 
     def pre_norm_step(x, residual, weight, bias):
         y, h = add_layer_norm(x, residual, weight, bias, dropout_p=0.2)
@@ -255,6 +268,31 @@ def test_fused_traced_by_torch_compile(fused):
         results.append((loss, *torch.autograd.grad(loss, inputs)))
     for expected, got in zip(*results, strict=True):
         torch.testing.assert_close(got, expected)
+
+
+# The GPU's tiles (4096 elements; under the interpreter inside gpu_tiles()): whole rows of a
+# power-of-two block, as many rows as fit. A row never spans two tiles (MAX_WIDTH is one tile),
+# so the widths run from many rows per tile to MAX_WIDTH, powers of two or not.
+GPU_TILE_CASES = [
+    (width, DTYPES[i % 3], i % 2 == 0)
+    for i, width in enumerate([40, 100, 1000, 3000, layer_norm_module.MAX_WIDTH])
+]
+
+
+@pytest.mark.parametrize(("width", "dtype", "prenorm"), GPU_TILE_CASES)
+def test_triton_at_gpu_tiles(triton_device, width, dtype, prenorm):
+    """Three row tiles, the last holding one row, so that the backward's two programs (on a CPU)
+    sum dweight/dbias over two tiles and one; forward and backward by the error rule, and with
+    dropout against the float64 oracle."""
+    with triton_common.gpu_tiles():
+        block_m, block_n, _ = layer_norm_module._tile(1 << 20, width)
+        rows = 2 * block_m + 1
+        assert layer_norm_module._tile(rows, width)[:2] == (block_m, block_n)
+        assert block_m * block_n == layer_norm_module._GPU_TILE == 4096
+        inputs = _inputs(rows, width, dtype, device=triton_device)
+        _assert_within_error_rule("triton", inputs, prenorm, ATOL[dtype])
+        with fastnmt.backend("triton"):
+            _assert_dropout_backward_matches_oracle(rows, width, prenorm, triton_device)
 
 
 def test_triton_reasons():
