@@ -83,11 +83,11 @@ class _Batch:
         for cache in self.caches or ():
             cache.cross_attn.reorder(kept)  # one entry per sentence, shared by its beams
 
-    def advance(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Continue hypotheses ``rows`` (N',) of the previous step with ``tokens`` (N',)."""
-        if rows.shape[0] != self.history.shape[0] or not torch.equal(
-            rows, torch.arange(rows.shape[0], device=rows.device)
-        ):  # copy the self-attention caches only when hypotheses moved
+    def advance(self, tokens: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Continue hypotheses ``rows`` (N',) of the previous step (None: every row, in place)
+        with ``tokens`` (N',). The caller knows whether hypotheses moved: asking the tensors
+        would sync the host."""
+        if rows is not None:  # copy the self-attention caches only when hypotheses moved
             self.history = self.history.index_select(0, rows)
             for cache in self.caches or ():
                 cache.self_attn.reorder(rows)
@@ -125,8 +125,8 @@ def greedy(
         best, tokens = (x[:, 0] for x in batch.next_tokens(step, 1))  # (A,), (A,)
         log_probs += best
         done = (tokens == model.cfg.eos_id) | (batch.max_lens <= step + 1)  # (A,)
-        rows = torch.arange(batch.size, device=src.device)
-        if done.any():
+        rows = None
+        if done.any():  # the step's one host sync
             ended = done.nonzero()[:, 0]
             generated = torch.cat([batch.history[ended, 1:], tokens[ended, None]], dim=1)
             finished = zip(
@@ -142,7 +142,7 @@ def greedy(
                 break
             batch.keep_sentences(rows)
             log_probs, tokens = log_probs[rows], tokens[rows]
-        batch.advance(rows, tokens)
+        batch.advance(tokens, rows)
     return results
 
 
@@ -194,7 +194,7 @@ def beam_search(
                 break
             batch.keep_sentences(kept)
             rows, tokens, scores = rows[kept], tokens[kept], scores[kept]
-        batch.advance(rows.view(-1), tokens.view(-1))
+        batch.advance(tokens.view(-1), rows.view(-1))
     return [sorted(h, key=lambda h: h.score, reverse=True)[:nbest] for h in finished]
 
 
@@ -202,7 +202,7 @@ def _finish(batch, finished, finishing, top, origin, tokens, k, eos_id, penalty)
     """Record the hypotheses marked ``finishing`` (A, K) (the first K candidates of each active
     sentence) that their sentence still has room for; the (A,) bool of sentences now done, or
     None when nothing finished."""
-    if not finishing.any():
+    if not finishing.any():  # the step's one host sync
         return None
     sentence, rank = finishing.nonzero(as_tuple=True)
     rows = sentence * k + origin[sentence, rank]

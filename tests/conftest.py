@@ -1,7 +1,9 @@
 """Test setup. Without a GPU, Triton kernels run in the Triton interpreter, which only works when
 TRITON_INTERPRET=1 is set before the first ``import triton`` in the process: set it here, first."""
 
+import gzip
 import os
+from pathlib import Path
 
 import torch
 
@@ -11,7 +13,7 @@ if not torch.cuda.is_available():
 import pytest
 
 import fastnmt
-from tests.helpers import TRITON_DEVICE, require_backend
+from tests.helpers import TRITON_DEVICE, multi30k_dir, require_backend
 
 
 @pytest.fixture(autouse=True)
@@ -36,3 +38,15 @@ def triton_device():
     """The device Triton tests put their tensors on: CUDA when present, else the CPU
     (interpreter)."""
     return TRITON_DEVICE
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """300 training and 20 validation pairs of Multi30k en-de as PREFIX.{en,de} files."""
+    folder = tmp_path_factory.mktemp("corpus")
+    for split, lines in (("train", 300), ("val", 20)):
+        for lang in ("en", "de"):
+            with gzip.open(multi30k_dir() / f"{split}.{lang}.gz", "rt", encoding="utf-8") as f:
+                text = [next(f) for _ in range(lines)]
+            (folder / f"{split}.{lang}").write_text("".join(text), encoding="utf-8")
+    return folder

@@ -1,5 +1,6 @@
 """Oracles and comparisons shared by the tests."""
 
+import contextlib
 import os
 
 import pytest
@@ -106,3 +107,59 @@ def tiny_checkpoint(directory, *, max_positions=1024, seed=0):
     config = {"model": cfg.to_dict(), "data": {"src_lang": "en", "tgt_lang": "de"}}
     saved = checkpoint.Checkpoint(model.state_dict(), config, vocab.to_bytes(), {})
     return checkpoint.save(directory, 1, saved, keep_last=1)
+
+
+class HostSyncs:
+    """Counts the tensor calls that make the host wait for the device on a GPU (reading a value:
+    ``item``, ``tolist``, ``bool``/``int``/``float``; a data-dependent shape: ``nonzero``; a copy
+    to the host), whatever device the tensors are on, so a CPU test sees the syncs a GPU would
+    make. The methods are wrapped on the class, not intercepted by a torch function mode, which
+    would not see the calls inside registered ops' implementations. ``names`` lists them."""
+
+    TENSOR_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu")
+    TENSOR_METHODS += ("numpy", "nonzero")
+    FUNCTIONS = ("equal", "nonzero")
+
+    def __init__(self):
+        self.names: list[str] = []
+        self._saved: list[tuple[object, str, object]] = []
+
+    def _wrap(self, owner, name: str) -> None:
+        original = getattr(owner, name)
+
+        def counted(*args, **kwargs):
+            self.names.append(name)
+            return original(*args, **kwargs)
+
+        self._saved.append((owner, name, original))
+        setattr(owner, name, counted)
+
+    def __enter__(self):
+        for name in self.TENSOR_METHODS:
+            self._wrap(torch.Tensor, name)
+        for name in self.FUNCTIONS:
+            self._wrap(torch, name)
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, original in reversed(self._saved):
+            setattr(owner, name, original)
+        self._saved = []
+
+
+@contextlib.contextmanager
+def count_host_syncs(*, none_allowed: bool = False):
+    """``with count_host_syncs() as syncs:`` counts syncs (``syncs.names``). With
+    ``none_allowed`` on a GPU, torch's own check is on too: ``set_sync_debug_mode("error")``
+    raises at the first sync of a CUDA tensor."""
+    counter = HostSyncs()
+    debug = none_allowed and torch.cuda.is_available()
+    if debug:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        with counter:
+            yield counter
+    finally:
+        if debug:
+            torch.cuda.set_sync_debug_mode("default")

@@ -8,6 +8,7 @@ import torch
 
 from fastnmt.model import ModelConfig, Transformer
 from fastnmt.search import LengthPenalty, beam_search, greedy
+from tests.helpers import TRITON_DEVICE, count_host_syncs
 
 SMALL = ModelConfig(vocab_size=50, d_model=32, heads=2, d_ff=64, encoder_layers=1, decoder_layers=1)
 # pad, bos, eos and two words: few enough outputs to enumerate them all.
@@ -206,3 +207,21 @@ def test_bad_arguments_are_named():
         beam_search(model, src, src_lengths, max_lens, beam=2, nbest=3)
     with pytest.raises(ValueError, match="max_lens must be"):
         greedy(model, src, src_lengths, torch.tensor([3, 0, 1, 1]))
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_a_decoding_step_syncs_the_host_once(beam):
+    """Each step's only sync is the check for finished sentences: a search of 9 steps makes 5
+    more than one of 4 (eos banned, so nothing finishes before the last step)."""
+    model = _model(SMALL).to(TRITON_DEVICE)
+    src, src_lengths = (t.to(TRITON_DEVICE) for t in _sources(SMALL))
+    counts = []
+    for steps in (4, 9):
+        max_lens = torch.full((src.shape[0],), steps)
+        with count_host_syncs() as syncs:
+            if beam == 1:
+                greedy(model, src, src_lengths, max_lens, eos=False)
+            else:
+                beam_search(model, src, src_lengths, max_lens, beam=beam, eos=False)
+        counts.append(len(syncs.names))
+    assert counts[1] - counts[0] == 5, counts

@@ -1,6 +1,5 @@
 """python -m fastnmt.train on small slices of Multi30k: outputs, exact resume, DDP, bad input."""
 
-import gzip
 import os
 import signal
 import socket
@@ -11,30 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from fastnmt import checkpoint, train, trainer
-from fastnmt.model import ModelConfig, Transformer
-from tests.helpers import multi30k_dir
 
 SMALL_MODEL = [
     "--vocab-size", "300", "--d-model", "32", "--heads", "2", "--d-ff", "64",
     "--encoder-layers", "1", "--decoder-layers", "1", "--max-tokens", "400",
     "--log-interval", "2", "--no-progress", "--precision", "fp32",
 ]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    """300 training and 20 validation pairs of Multi30k en-de as PREFIX.{en,de} files."""
-    folder = tmp_path_factory.mktemp("corpus")
-    for split, lines in (("train", 300), ("val", 20)):
-        for lang in ("en", "de"):
-            with gzip.open(multi30k_dir() / f"{split}.{lang}.gz", "rt", encoding="utf-8") as f:
-                text = [next(f) for _ in range(lines)]
-            (folder / f"{split}.{lang}").write_text("".join(text), encoding="utf-8")
-    return folder
 
 
 def _arguments(corpus: Path, output: Path, *extra: str) -> list[str]:
@@ -135,31 +119,6 @@ def test_ddp_with_two_gloo_processes_equals_one_process_on_the_combined_batches(
     expected, actual = _weights(single), _weights(ddp)
     for name in expected:
         torch.testing.assert_close(actual[name], expected[name], atol=2e-5, rtol=1e-4)
-
-
-def test_label_smoothed_loss_matches_cross_entropy():
-    model = Transformer(ModelConfig(vocab_size=30, d_model=8, heads=2, d_ff=16))
-    states = torch.randn(2, 5, 8)
-    targets = torch.randint(1, 30, (2, 5))
-    targets[1, 3:] = 0
-    positions = (targets.view(-1) != 0).nonzero()[:, 0]
-    loss, nll, correct = trainer.label_smoothed_loss(model, states, targets, positions, 0.1)
-    logits = model.logits(states).view(-1, 30)
-    expected = F.cross_entropy(
-        logits, targets.view(-1), ignore_index=0, label_smoothing=0.1, reduction="sum"
-    )
-    torch.testing.assert_close(loss, expected)
-    kept = targets.view(-1) != 0
-    torch.testing.assert_close(
-        nll.float(), F.cross_entropy(logits[kept], targets.view(-1)[kept], reduction="sum")
-    )
-    assert correct == (logits[kept].argmax(-1) == targets.view(-1)[kept]).sum()
-
-
-def test_inverse_sqrt_schedule():
-    assert trainer.inverse_sqrt_lr(1, 1e-3, 100) == pytest.approx(1e-5)
-    assert trainer.inverse_sqrt_lr(100, 1e-3, 100) == pytest.approx(1e-3)
-    assert trainer.inverse_sqrt_lr(400, 1e-3, 100) == pytest.approx(5e-4)
 
 
 def test_non_finite_loss_stops_naming_the_step_and_last_checkpoint(
