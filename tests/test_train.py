@@ -19,11 +19,14 @@ SMALL_MODEL = [
     "--encoder-layers", "1", "--decoder-layers", "1", "--max-tokens", "400",
     "--log-interval", "2", "--no-progress", "--precision", "fp32",
 ]  # fmt: skip
+# The CLI's behaviour (checkpoints, exact resume, DDP on gloo, errors) is checked on the CPU on
+# every machine; the GPU tests below run the same loop on CUDA.
+ON_CPU = ["--device", "cpu"]
 
 
 def _arguments(corpus: Path, output: Path, *extra: str) -> list[str]:
     data = ["--train", str(corpus / "train"), "--valid", str(corpus / "val")]
-    return [*data, *SMALL_MODEL, "--output-dir", str(output), *extra]
+    return [*data, *SMALL_MODEL, *ON_CPU, "--output-dir", str(output), *extra]
 
 
 def _run(arguments: list[str], **kwargs) -> subprocess.CompletedProcess:
@@ -212,6 +215,14 @@ class TestBadInput:
         after = _weights(tmp_path)
         assert all(torch.equal(before[k], after[k]) for k in before)
 
+    def test_bad_device(self, corpus, tmp_path):
+        assert "--device must be auto, cpu, cuda or cuda:N, got 'tpu'" in self._error(
+            _arguments(corpus, tmp_path, "--device", "tpu")
+        )
+        if not torch.cuda.is_available():
+            message = self._error(_arguments(corpus, tmp_path, "--device", "cuda:1"))
+            assert "--device cuda:1: no CUDA device is available" in message
+
     def test_resume_without_checkpoint(self, corpus, tmp_path):
         assert "no checkpoint to resume" in self._error(_arguments(corpus, tmp_path, "--resume"))
 
@@ -224,3 +235,37 @@ def test_resuming_a_finished_run_trains_no_further(corpus, tmp_path):
     assert result.returncode == 0, result.stderr
     after = _weights(tmp_path)
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_training_on_a_gpu(corpus, tmp_path, precision):
+    """A few steps on cuda:0 through the compiled kernels; needs a GPU (CPU runs are above)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU: the same loop runs on the CPU in the tests above")
+    arguments = [*_arguments(corpus, tmp_path), "--device", "cuda:0", "--precision", precision]
+    result = _run([*arguments, "--max-steps", "4", "--average-last", "1"])
+    assert result.returncode == 0, result.stderr
+    assert "on cuda:0" in result.stderr
+
+
+@pytest.mark.gpu
+def test_ddp_with_two_nccl_processes_equals_one_process(corpus, tmp_path):
+    """The gloo DDP test's code path on two GPUs (NCCL for gradients, gloo for host values)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs: the same code path runs on gloo above")
+    gpu = ["--device", "cuda", "--dropout", "0", "--attention-dropout", "0", "--max-steps", "3"]
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    result = _run([*_arguments(corpus, single, "--update-freq", "2"), *gpu])
+    assert result.returncode == 0, result.stderr
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+        "-m", "fastnmt.train", *_arguments(corpus, ddp, "--check-replicas"), *gpu,
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert "parameters identical on all 2 ranks" in result.stderr
+    expected, actual = _weights(single), _weights(ddp)
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], atol=2e-5, rtol=1e-4)
