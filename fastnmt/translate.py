@@ -23,6 +23,7 @@ import fastnmt
 from fastnmt import metrics
 from fastnmt.checkpoint import CheckpointError
 from fastnmt.data import DataError, read_lines
+from fastnmt.distributed import resolve_device
 from fastnmt.runtime import configure_process
 from fastnmt.translator import PRECISIONS, Translation, Translator
 
@@ -45,7 +46,7 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--max-sentences", type=int, default=256, help="sentences per batch")
     run.add_argument("--precision", default="auto", choices=["auto", *PRECISIONS])
     run.add_argument("--backend", default="auto", choices=["auto", *fastnmt.BACKENDS])
-    run.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    run.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda:$LOCAL_RANK if available)")
 
 
 def search_options(args) -> dict:
@@ -72,9 +73,13 @@ def search_options(args) -> dict:
 
 
 def load_translator(args) -> Translator:
+    try:
+        device = resolve_device(args.device or "auto")
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     return Translator.from_checkpoint(
         args.checkpoint,
-        device=args.device,
+        device=device,
         precision=args.precision,
         max_tokens=args.max_tokens,
         max_sentences=args.max_sentences,

@@ -20,6 +20,7 @@ import torch
 from fastnmt import checkpoint
 from fastnmt.checkpoint import CheckpointError
 from fastnmt.data import DataError, Vocabulary, make_batch
+from fastnmt.distributed import resolve_device
 from fastnmt.model import AttentionRecord, ModelConfig, Transformer
 from fastnmt.search import Hypothesis, LengthPenalty, beam_search, greedy
 
@@ -119,7 +120,7 @@ class Translator:
         if precision != "auto" and precision not in PRECISIONS:
             choices = ", ".join(PRECISIONS)
             raise ValueError(f"precision must be auto, {choices}; got {precision!r}")
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = resolve_device("auto" if device is None else str(device))
         resolved = checkpoint.resolve(Path(path))
         loaded = checkpoint.load(resolved, with_trainer_state=False)
         try:

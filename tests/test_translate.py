@@ -89,6 +89,8 @@ def test_truncation_warning_names_the_line(monkeypatch, capsys, tmp_path):
         (["--beam", "0"], "--beam must be positive"),
         (["--nbest", "3"], "--nbest must be between 1 and --beam"),
         (["--plot-attention", "plots", "--plot-lines", "x"], "--plot-lines must look like"),
+        (["--device", "tpu"], "--device must be auto, cpu, cuda or cuda:N, got 'tpu'"),
+        (["--device", "cuda:64"], "--device cuda:64: "),
     ],
 )
 def test_bad_values_are_one_line_errors(checkpoint_dir, monkeypatch, capsys, arguments, message):
