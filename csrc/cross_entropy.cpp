@@ -1,5 +1,6 @@
-// Label-smoothed cross entropy over rows of logits, turning each row into its gradient in place
-// (the row step of fastnmt/ops/linear_cross_entropy.py, whose docstring has the math).
+// Label-smoothed cross entropy over rows of logits, turning each row into the gradient of the
+// summed loss in place (g of the row step of fastnmt/ops/linear_cross_entropy.py, whose docstring
+// has the math; the caller applies a mean's 1 / tokens in fp32, after the GEMMs).
 //
 // The caller computes a chunk of logits with a library GEMM and hands it here while it is still
 // in cache; this kernel makes three vectorised passes over each row (max/argmax, sums of
@@ -67,22 +68,22 @@ ShiftedSums shifted_sums(const T* x, int64_t n, float shift) {
   return sums;
 }
 
-// x <- scale * (softmax(x) - smoothing / n), written over x (the target's -(1 - smoothing) is
-// added by the caller).
+// x <- softmax(x) - smoothing / n, written over x (the target's -(1 - smoothing) is added by the
+// caller).
 template <typename T>
-void write_gradient(T* x, int64_t n, float lse, float scale, float uniform) {
+void write_gradient(T* x, int64_t n, float lse, float uniform) {
   const int64_t whole = n / kLanes * kLanes;
   for (int64_t j = 0; j < whole; j += kLanes) {
-    store_float(x + j, (vector_exp(load_float(x + j) - lse) - uniform) * scale);
+    store_float(x + j, vector_exp(load_float(x + j) - lse) - uniform);
   }
   for (int64_t j = whole; j < n; ++j) {
-    x[j] = static_cast<T>((std::exp(to_float(x[j]) - lse) - uniform) * scale);
+    x[j] = static_cast<T>(std::exp(to_float(x[j]) - lse) - uniform);
   }
 }
 
 template <typename T>
 void rows(T* logits, const int64_t* target, float* stats, int64_t count, int64_t vocab,
-          float smoothing, int64_t ignore_index, float grad_scale, bool compute_grad) {
+          float smoothing, int64_t ignore_index, bool compute_grad) {
   const float uniform = smoothing / static_cast<float>(vocab);
   at::parallel_for(0, count, 4, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -106,15 +107,15 @@ void rows(T* logits, const int64_t* target, float* stats, int64_t count, int64_t
       out[1] = nll;
       out[2] = row.argmax == gold ? 1.0f : 0.0f;
       if (!compute_grad) continue;
-      write_gradient(x, vocab, lse, grad_scale, uniform);
+      write_gradient(x, vocab, lse, uniform);
       const float gold_probability = std::exp(gold_logit - lse);
-      x[gold] = static_cast<T>((gold_probability - uniform - (1.0f - smoothing)) * grad_scale);
+      x[gold] = static_cast<T>(gold_probability - uniform - (1.0f - smoothing));
     }
   });
 }
 
 at::Tensor cross_entropy_rows(at::Tensor logits, const at::Tensor& target, double label_smoothing,
-                              int64_t ignore_index, double grad_scale, bool compute_grad) {
+                              int64_t ignore_index, bool compute_grad) {
   check_cpu(logits, "logits");
   check_cpu(target, "target");
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous(), "logits must be a contiguous 2-D tensor");
@@ -124,6 +125,8 @@ at::Tensor cross_entropy_rows(at::Tensor logits, const at::Tensor& target, doubl
   const auto count = logits.size(0), vocab = logits.size(1);
   const auto gold = target.contiguous();
   const auto* gold_ids = gold.data_ptr<int64_t>();
+  // On the CPU the targets are at hand: checking them costs no device sync, and an out-of-range
+  // one raises here instead of indexing outside its row.
   for (int64_t i = 0; i < count; ++i) {
     TORCH_CHECK(gold_ids[i] == ignore_index || (gold_ids[i] >= 0 && gold_ids[i] < vocab),
                 "target ", gold_ids[i], " at row ", i, " is outside [0, ", vocab,
@@ -133,8 +136,7 @@ at::Tensor cross_entropy_rows(at::Tensor logits, const at::Tensor& target, doubl
   dispatch_float(logits.scalar_type(), "cross_entropy_rows", [&](auto tag) {
     using T = typename decltype(tag)::type;
     rows(logits.data_ptr<T>(), gold_ids, stats.data_ptr<float>(), count, vocab,
-         static_cast<float>(label_smoothing), ignore_index, static_cast<float>(grad_scale),
-         compute_grad);
+         static_cast<float>(label_smoothing), ignore_index, compute_grad);
   });
   return stats;
 }
@@ -144,7 +146,7 @@ at::Tensor cross_entropy_rows(at::Tensor logits, const at::Tensor& target, doubl
 TORCH_LIBRARY_FRAGMENT(fastnmt, m) {
   m.def(
       "cross_entropy_rows_cpp(Tensor(a!) logits, Tensor target, float label_smoothing, "
-      "int ignore_index, float grad_scale, bool compute_grad) -> Tensor");
+      "int ignore_index, bool compute_grad) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fastnmt, CPU, m) { m.impl("cross_entropy_rows_cpp", cross_entropy_rows); }

@@ -20,21 +20,33 @@ NaN there, which would poison a training run on an all-padding batch).
 
 Gradient, with p_i = softmax(z_i) and s = 1 (sum) or 1 / counted tokens (mean):
 
-    dz_iv = s (p_iv - eps / V - (1 - eps) [v = t_i])
-    dh_i  = sum_v dz_iv W_v,     dW = sum_i dz_i h_i^T,     db = sum_i dz_i
+    g_iv  = p_iv - eps / V - (1 - eps) [v = t_i]         the gradient of the summed loss, |g| <= 1
+    dz_iv = s g_iv
+    dh_i  = s sum_v g_iv W_v,     dW = s sum_i g_i h_i^T,     db = s sum_i g_i
+
+The kernels form g and its products (the gradient of the summed loss) and the backward multiplies
+them by (dloss s) in fp32 before casting to the gradients' dtypes. Forming s g in the kernel would
+round it to the compute dtype first: in fp16, a mean over thousands of tokens puts s g below fp16's
+normal range, and it underflows before a GradScaler's large dloss arrives in the backward (unfused
+fp16 autocast computes the cross entropy's gradient in fp32, scaled by dloss s, then casts).
 
 Chunking (Liger-Kernel's fused linear cross entropy, here for CPUs too): the tokens are processed
 in chunks of about ``_CHUNK_ELEMENTS / V`` rows. For each chunk a library GEMM writes its logits,
 a row kernel (Triton, or C++ in csrc/cross_entropy.cpp) reads each row while it is in cache, writes
-the loss statistics and overwrites the row with dz, and two more GEMMs turn dz into the chunk's dh
+the loss statistics and overwrites the row with g, and two more GEMMs turn g into the chunk's dh
 and its share of dW (accumulated in fp32). The loss is a scalar, so its gradient is computed in the
-forward and the backward only scales it by the incoming gradient: three GEMMs, as unfused, and one
-chunk of logits alive at a time instead of logits, fp32 logits, log-probabilities and their
-gradients over all tokens. reduction="none" needs each token's gradient scaled separately, so it
-runs on the reference path.
+forward and the backward only scales it by dloss s: three GEMMs, as unfused, and one chunk of
+logits alive at a time instead of logits, fp32 logits, log-probabilities and their gradients over
+all tokens. s stays a device tensor (no host sync). reduction="none" needs each token's gradient
+scaled separately, so it runs on the reference path.
 
 The Triton row kernel makes two passes over a row in BLOCK_V blocks: an online max / sum of
 exponentials / sum / argmax, then the gradient.
+
+Targets must lie in [0, V) or equal ignore_index. The op checks this only under
+``FASTNMT_CHECK_VALUES=1`` (a host sync; callers check their batches on the CPU). Otherwise an
+out-of-range target gives an undefined loss and gradient for its token, as ``F.cross_entropy`` on
+CUDA does, but the Triton kernel reads no memory outside the row (the C++ kernel raises).
 """
 
 from __future__ import annotations
@@ -56,13 +68,12 @@ from fastnmt.ops import triton_common
 
 @triton.jit
 def _cross_entropy_rows_kernel(
-    Z,  # (rows, V) logits of a chunk, contiguous; overwritten with dz when COMPUTE_GRAD
+    Z,  # (rows, V) logits of a chunk, contiguous; overwritten with g when COMPUTE_GRAD
     TARGET,  # (rows,) int64 target ids
     STATS,  # (rows, 3) fp32 output: loss_i, nll_i, [argmax z_i == t_i]
     V,  # vocabulary size
     smoothing,  # eps
     ignore_index,  # target id of tokens that count for nothing
-    grad_scale,  # s: 1 (sum) or 1 / counted tokens (mean)
     COMPUTE_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -70,7 +81,9 @@ def _cross_entropy_rows_kernel(
     z_row = Z + row * V
     target = tl.load(TARGET + row)
     counted = target != ignore_index
-    gold = tl.where(counted, target, 0)
+    # -1 (no column) for a target outside [0, V), as ignore_index usually is: nothing is read out
+    # of bounds for a wrong target either (the op checks them only under FASTNMT_CHECK_VALUES=1).
+    gold = tl.where((target >= 0) & (target < V), target, -1)
 
     # Pass 1: running max m, sum of exp(z - m), sum of (z - m) (kept relative to m: a sum of z
     # would cancel against V * lse), and the first index of the max.
@@ -91,22 +104,22 @@ def _cross_entropy_rows_kernel(
         m = new_m
     log_sum = tl.log(sum_exp)
     lse = m + log_sum
-    nll = lse - tl.load(z_row + gold).to(tl.float32)
+    nll = lse - tl.load(z_row + gold, mask=gold >= 0, other=0.0).to(tl.float32)
     uniform = smoothing / V
     loss = (1.0 - smoothing) * nll + uniform * (V * log_sum - sum_shifted)
     tl.store(STATS + row * 3, tl.where(counted, loss, 0.0))
     tl.store(STATS + row * 3 + 1, tl.where(counted, nll, 0.0))
     tl.store(STATS + row * 3 + 2, tl.where(counted & (argmax == gold), 1.0, 0.0))
 
-    # Pass 2: dz = s (p - eps / V - (1 - eps) [v = t]), zero for an ignored token.
+    # Pass 2: g = p - eps / V - (1 - eps) [v = t], zero for an ignored token.
     if COMPUTE_GRAD:
-        scale = tl.where(counted, grad_scale, 0.0)
         for start in range(0, V, BLOCK_V):
             columns = start + tl.arange(0, BLOCK_V)
             inside = columns < V
             z = tl.load(z_row + columns, mask=inside, other=0.0).to(tl.float32)
-            dz = tl.exp(z - lse) - uniform - tl.where(columns == gold, 1.0 - smoothing, 0.0)
-            tl.store(z_row + columns, (dz * scale).to(Z.dtype.element_ty), mask=inside)
+            g = tl.exp(z - lse) - uniform - tl.where(columns == gold, 1.0 - smoothing, 0.0)
+            g = tl.where(counted, g, 0.0)
+            tl.store(z_row + columns, g.to(Z.dtype.element_ty), mask=inside)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -115,7 +128,7 @@ def _cross_entropy_rows_kernel(
 
 
 class CrossEntropyOutput(NamedTuple):
-    loss: torch.Tensor  # fp32 scalar (sum / mean), or per-token losses (reduction="none")
+    loss: torch.Tensor  # fp32 (fp64 for fp64 inputs) scalar (sum / mean), or per-token losses
     nll: torch.Tensor  # sum over counted tokens of -log p(target), fp64, no gradient
     correct: torch.Tensor  # counted tokens whose argmax logit is the target, fp64
     tokens: torch.Tensor  # counted tokens (target != ignore_index), fp64
@@ -124,7 +137,8 @@ class CrossEntropyOutput(NamedTuple):
 def linear_cross_entropy_reference(
     hidden, weight, bias, target, label_smoothing, ignore_index, reduction
 ):
-    logits = F.linear(hidden, weight, bias).float()  # (N, V)
+    logits = F.linear(hidden, weight, bias)  # (N, V)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp64 stays fp64
     log_probs = F.log_softmax(logits, dim=-1)
     counted = target != ignore_index
     gold = torch.where(counted, target, 0)
@@ -160,7 +174,7 @@ def chunk_rows(vocab: int) -> int:
 
 def _block_v(vocab: int) -> tuple[int, int]:
     """(BLOCK_V, num_warps) of the row kernel."""
-    limit = _INTERPRETER_BLOCK_V if triton_common.INTERPRETER else _GPU_BLOCK_V
+    limit = _GPU_BLOCK_V if triton_common.use_gpu_tiles() else _INTERPRETER_BLOCK_V
     block_v = min(limit, triton.next_power_of_2(vocab))
     return block_v, _num_warps(block_v)
 
@@ -169,35 +183,35 @@ def _num_warps(block_v: int) -> int:
     return min(8, max(1, block_v // 512))  # up to 16 values per thread
 
 
-def _triton_rows(logits, target, label_smoothing, ignore_index, grad_scale, compute_grad):
-    """The row step on the Triton kernel; logits become dz in place, returns (rows, 3) stats."""
+def _triton_rows(logits, target, label_smoothing, ignore_index, compute_grad):
+    """The row step on the Triton kernel; logits become g in place, returns (rows, 3) stats."""
     rows, vocab = logits.shape
     # The interpreter computes bf16 wrongly: run the kernel on an fp32 copy (see triton_common).
     upcast = triton_common.upcast_in_interpreter(logits.dtype)
     z = logits.float() if upcast else logits
     stats = triton_common.new_output((rows, 3), torch.float32, logits.device)
     block_v, num_warps = _block_v(vocab)
-    _cross_entropy_rows_kernel[(rows,)](
-        z,
-        target,
-        stats,
-        vocab,
-        label_smoothing,
-        ignore_index,
-        grad_scale,
-        COMPUTE_GRAD=compute_grad,
-        BLOCK_V=block_v,
-        num_warps=num_warps,
-    )
+    with triton_common.device_guard(logits.device):
+        _cross_entropy_rows_kernel[(rows,)](
+            z,
+            target,
+            stats,
+            vocab,
+            label_smoothing,
+            ignore_index,
+            COMPUTE_GRAD=compute_grad,
+            BLOCK_V=block_v,
+            num_warps=num_warps,
+        )
     if upcast and compute_grad:
         logits.copy_(z)
     return stats
 
 
-def _cpp_rows(logits, target, label_smoothing, ignore_index, grad_scale, compute_grad):
+def _cpp_rows(logits, target, label_smoothing, ignore_index, compute_grad):
     """The row step on the C++ kernel (csrc/cross_entropy.cpp)."""
     return torch.ops.fastnmt.cross_entropy_rows_cpp(
-        logits, target, label_smoothing, ignore_index, grad_scale, compute_grad
+        logits, target, label_smoothing, ignore_index, compute_grad
     )
 
 
@@ -207,6 +221,12 @@ def _add_product(accumulator, a, b):
         accumulator.addmm_(a, b)
     else:
         accumulator += torch.mm(a, b)
+
+
+def _loss_scale(tokens: torch.Tensor, mean: bool) -> torch.Tensor:
+    """s of the math: 1 / counted tokens (1 when none count: the loss is then 0) for a mean, else
+    1; computed on the device from the counted tokens, so no host sync."""
+    return 1.0 / tokens.clamp_min(1) if mean else torch.ones_like(tokens)
 
 
 def _chunked(
@@ -221,41 +241,41 @@ def _chunked(
     compute_grad,
     dtype,
 ):
-    """(loss, statistics, dhidden, dweight, dbias) for the loss and its gradient, one chunk of
-    logits at a time; the gradients are empty unless compute_grad."""
+    """(loss, statistics, dhidden, dweight, dbias): the loss and the gradient of the *summed*
+    loss (the backward applies s), one chunk of logits at a time. dhidden has hidden's dtype,
+    dweight and dbias stay fp32 (sums over all tokens may exceed fp16's range); each is empty
+    unless compute_grad (dbias also without a bias)."""
     compute_dtype = hidden.dtype if dtype is None else dtype
     h = hidden.to(compute_dtype).contiguous()  # (N, E)
     w = weight.to(compute_dtype).contiguous()  # (V, E)
     w_t = w.t().contiguous()  # (E, V): CPU GEMMs take a transposed view slower, every chunk
     b = None if bias is None else bias.to(compute_dtype)
     tokens, vocab = h.shape[0], w.shape[0]
-    counted = (target != ignore_index).sum()
-    scale = 1.0 / max(int(counted), 1) if mean else 1.0  # one host sync, for a mean
+    counted = (target != ignore_index).sum().double()
     sums = torch.zeros(3, dtype=torch.float64, device=h.device)  # loss, nll, correct
-    dh = torch.empty_like(h) if compute_grad else None
-    dw = torch.zeros(w.shape, dtype=torch.float32, device=h.device) if compute_grad else None
-    has_db = compute_grad and b is not None
-    db = torch.zeros(vocab, dtype=torch.float32, device=h.device) if has_db else None
+
+    def gradient_of(shape, dtype=torch.float32, wanted=compute_grad):
+        return torch.zeros(shape if wanted else (0,), dtype=dtype, device=h.device)
+
+    dh = gradient_of(h.shape, compute_dtype)
+    dw = gradient_of(w.shape)
+    db = gradient_of((vocab,), wanted=compute_grad and b is not None)
     step = chunk_rows(vocab)
     for start in range(0, tokens, step):
         h_chunk = h[start : start + step]
         z = torch.mm(h_chunk, w_t) if b is None else torch.addmm(b, h_chunk, w_t)  # (C, V)
         row_stats = rows_step(
-            z, target[start : start + step], label_smoothing, ignore_index, scale, compute_grad
+            z, target[start : start + step], label_smoothing, ignore_index, compute_grad
         )
         sums += row_stats.sum(0, dtype=torch.float64)
-        if compute_grad:  # z now holds dz
+        if compute_grad:  # z now holds g
             torch.mm(z, w, out=dh[start : start + step])
             _add_product(dw, z.t(), h_chunk)
-            if has_db:
+            if b is not None:
                 db += z.sum(0, dtype=torch.float32)
-    loss = (sums[0] * scale).float()
-    statistics = torch.stack([sums[1], sums[2], counted.double()])
-
-    def finished(grad, like):  # every output its own tensor: op outputs may not alias
-        return h.new_empty(0) if grad is None else grad.to(like.dtype)
-
-    return loss, statistics, finished(dh, hidden), finished(dw, weight), finished(db, bias)
+    loss = (sums[0] * _loss_scale(counted, mean)).float()
+    statistics = torch.stack([sums[1], sums[2], counted])
+    return loss, statistics, dh.to(hidden.dtype), dw, db
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,7 +298,7 @@ def _define(name: str, rows_step):
         compute_grad: bool,
         dtype: torch.dtype | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(loss, [nll, correct, tokens], dhidden, dweight, dbias) for the unscaled loss."""
+        """(loss, [nll, correct, tokens], dhidden, dweight, dbias): see ``_chunked``."""
         return _chunked(
             rows_step,
             hidden,
@@ -294,27 +314,34 @@ def _define(name: str, rows_step):
 
     @fused.register_fake
     def _(hidden, weight, bias, target, label_smoothing, ignore_index, mean, compute_grad, dtype):
-        def grad_like(t):
-            return t.new_empty(t.shape if compute_grad else (0,))
+        def gradient_of(shape, dtype=torch.float32, wanted=compute_grad):
+            return hidden.new_empty(shape if wanted else (0,), dtype=dtype)
 
         return (
             hidden.new_empty((), dtype=torch.float32),
             hidden.new_empty(3, dtype=torch.float64),
-            grad_like(hidden),
-            grad_like(weight),
-            hidden.new_empty(0) if bias is None else grad_like(bias),
+            gradient_of(hidden.shape, hidden.dtype),
+            gradient_of(weight.shape),
+            gradient_of((weight.shape[0],), wanted=compute_grad and bias is not None),
         )
 
     def setup_context(ctx, inputs, output):
-        ctx.has_bias = inputs[2] is not None
-        ctx.compute_grad = inputs[7]
-        ctx.save_for_backward(*output[2:])
+        hidden, weight, bias = inputs[:3]
+        ctx.mean, ctx.compute_grad = inputs[6], inputs[7]
+        ctx.grad_dtypes = [hidden.dtype, weight.dtype, None if bias is None else bias.dtype]
+        ctx.save_for_backward(*output[1:])
 
     def backward(ctx, dloss, _dstatistics, _dh, _dw, _db):
         if not ctx.compute_grad:
             raise RuntimeError(f"fastnmt::{name} ran with compute_grad=False: no gradient kept")
-        dh, dw, db = ctx.saved_tensors
-        return (dh * dloss, dw * dloss, db * dloss if ctx.has_bias else None, *[None] * 6)
+        statistics, *summed_grads = ctx.saved_tensors
+        # (dloss s) in fp32 before the cast: s g in fp16 would underflow (module docstring).
+        factor = dloss.float() * _loss_scale(statistics[2], ctx.mean).float()
+        grads = [
+            None if dtype is None else (grad.float() * factor).to(dtype)
+            for grad, dtype in zip(summed_grads, ctx.grad_dtypes, strict=True)
+        ]
+        return (*grads, *[None] * 6)
 
     fused.register_autograd(backward, setup_context=setup_context)
     return fused
@@ -408,9 +435,9 @@ def _prepare(
 
 
 def _check_target_range(target, vocab: int, ignore_index: int) -> None:
-    """Class indices in [0, V) or ignore_index: one host sync, outside tracing (the C++ kernel
-    checks again)."""
-    if torch.compiler.is_compiling():
+    """Class indices in [0, V) or ignore_index: a host sync, so only under
+    FASTNMT_CHECK_VALUES=1 and outside tracing (the kernels stay memory-safe without it)."""
+    if not _checks.values_checked() or torch.compiler.is_compiling():
         return
     outside = ((target < 0) | (target >= vocab)) & (target != ignore_index)
     if outside.any():
@@ -471,7 +498,6 @@ def gpu_compile_cases(dtype: str) -> list[CompileCase]:
         "V": "i32",
         "smoothing": "fp32",
         "ignore_index": "i32",
-        "grad_scale": "fp32",
         "COMPUTE_GRAD": "constexpr",
         "BLOCK_V": "constexpr",
     }

@@ -17,6 +17,12 @@ need the shift: no (N, V) log-probability tensor is written. Beam search then ra
 candidates of a sentence (each beam's best 2K contain the sentence's best 2K) instead of its K*V.
 A row with every column banned or -inf gives -inf values.
 
+Banned ids must lie in [0, V). The op checks this only under ``FASTNMT_CHECK_VALUES=1`` (a host
+sync per decoding step otherwise; the search bans fixed ids: pad, bos). Unchecked, a wrong id
+still reads and writes nothing out of bounds: the C++ kernel checks the ids, which are on the CPU
+with it, and raises; the reference's ``index_fill`` raises on a CPU and fails a device-side
+assertion on a GPU.
+
 Backends: C++ (csrc/log_softmax_topk.cpp: one read of each row, then max, sum of exponentials and
 a top-k list over a cached fp32 copy) and the reference (torch). There is no Triton kernel: on a
 GPU torch's topk and logsumexp are already fused kernels and this step is a small share of a
@@ -77,9 +83,17 @@ def _prepare(logits, k, banned=None):
     if banned.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"banned must hold int64 or int32 token ids, got {banned.dtype}")
     _checks.same_device("banned", banned, "logits", logits)
-    if bool(((banned < 0) | (banned >= vocab)).any()):  # one host sync per decoding step
-        raise ValueError(f"banned must hold token ids in [0, {vocab}), got {banned.tolist()}")
+    _check_banned_range(banned, vocab)
     return logits.device, dict(logits=logits, k=k, banned=banned.long())
+
+
+def _check_banned_range(banned, vocab: int) -> None:
+    """Token ids in [0, V): a host sync, so only under FASTNMT_CHECK_VALUES=1 and outside
+    tracing (the kernels stay memory-safe without it)."""
+    if not _checks.values_checked() or torch.compiler.is_compiling():
+        return
+    if bool(((banned < 0) | (banned >= vocab)).any()):
+        raise ValueError(f"banned must hold token ids in [0, {vocab}), got {banned.tolist()}")
 
 
 LOG_SOFTMAX_TOPK = dispatch.define("log_softmax_topk", _prepare)

@@ -1,5 +1,6 @@
 """fastnmt.ops.linear_cross_entropy: the reference against F.cross_entropy in float64, and the fused
-backends (Triton in the interpreter, C++) against a float64 oracle with FlashAttention's rule."""
+backends (Triton compiled on a GPU or in the interpreter, C++) against a float64 oracle with
+FlashAttention's rule."""
 
 import sys
 
@@ -9,19 +10,24 @@ import torch.nn.functional as F
 
 import fastnmt
 from fastnmt.ops import linear_cross_entropy
-from tests.helpers import assert_error_within, require_backend
+from fastnmt.ops.triton_common import gpu_tiles
+from tests.helpers import assert_error_within, device_of, require_backend
 
 op_module = sys.modules["fastnmt.ops.linear_cross_entropy"]
 IGNORE = -100
 
 
-def _inputs(tokens, width, vocab, dtype=torch.float32, bias=True, ignored=(1,)):
-    hidden = torch.randn(tokens, width, dtype=dtype, requires_grad=True)
-    weight = (torch.randn(vocab, width) * width**-0.5 * 3).to(dtype).requires_grad_()
-    bias_ = torch.randn(vocab, dtype=dtype, requires_grad=True) if bias else None
+def _inputs(
+    tokens, width, vocab, dtype=torch.float32, bias=True, ignored=(1,), device="cpu", logit_std=3
+):
+    """(hidden, weight, bias, target) on ``device``; hidden @ weight.T has about ``logit_std``."""
+    hidden = torch.randn(tokens, width).to(device, dtype).requires_grad_()
+    weight = torch.randn(vocab, width) * width**-0.5 * logit_std
+    weight = weight.to(device, dtype).requires_grad_()
+    bias_ = torch.randn(vocab).to(device, dtype).requires_grad_() if bias else None
     target = torch.randint(0, vocab, (tokens,))
     target[list(i for i in ignored if i < tokens)] = IGNORE
-    return hidden, weight, bias_, target
+    return hidden, weight, bias_, target.to(device)
 
 
 def _params(hidden, weight, bias):
@@ -73,7 +79,9 @@ def test_reference_is_f_cross_entropy(reduction, smoothing):
 def test_fused_matches_oracle(fused, monkeypatch, dtype, vocab, smoothing, reduction):
     """Chunks of 16 tokens over 40 (the last one partial); V not a multiple of any block."""
     monkeypatch.setattr(op_module, "_CHUNK_ELEMENTS", 1)
-    inputs = _inputs(40, 24, vocab, dtype, bias=vocab == 17, ignored=(1, 20))
+    inputs = _inputs(
+        40, 24, vocab, dtype, bias=vocab == 17, ignored=(1, 20), device=device_of(fused)
+    )
     expected, expected_grads, _ = _oracle(*inputs, smoothing, reduction)
     out, grads = _loss_and_grads(*inputs, smoothing, reduction)
     with fastnmt.backend("reference"):
@@ -89,8 +97,48 @@ def test_fused_matches_oracle(fused, monkeypatch, dtype, vocab, smoothing, reduc
     torch.testing.assert_close(out.nll, plain.nll, rtol=2e-2, atol=0)  # smoothing 0: the loss
 
 
+GPU_BLOCK_V = 4096
+
+
+def _with_maxima_in_the_last_block(hidden, weight, target):
+    """Gives rows 2 and 3 their largest logit in the last, partial block of V = 8003 (columns
+    8002 and 8000, each set to its row's direction, about 7 standard deviations up) and makes
+    those columns their targets; row 0's target goes in the second block too."""
+    with torch.no_grad():
+        for row, column in ((2, 8002), (3, 8000)):
+            weight[column] = hidden[row] * (20 / hidden[row].float().norm())
+            target[row] = column
+    target[0] = 5000
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_triton_gpu_blocks_carry_max_sum_and_argmax_across_blocks(triton_device, dtype, smoothing):
+    """The GPU's BLOCK_V under the interpreter too: V = 8003 spans two blocks, the second partial,
+    so the online max / sum / argmax and the gradient pass run over several blocks."""
+    inputs = _inputs(24, 16, 8003, dtype, ignored=(1, 7), device=triton_device)
+    _with_maxima_in_the_last_block(*inputs[:2], inputs[3])
+    expected, expected_grads, logits64 = _oracle(*inputs, smoothing, "sum")
+    target = inputs[3]
+    counted = target != IGNORE
+    assert (logits64.argmax(-1)[2:4] >= GPU_BLOCK_V).all()  # the construction holds
+    with fastnmt.backend("triton"), gpu_tiles():
+        assert op_module._block_v(8003)[0] == GPU_BLOCK_V
+        out, grads = _loss_and_grads(*inputs, smoothing, "sum")
+    with fastnmt.backend("reference"):
+        plain, plain_grads = _loss_and_grads(*inputs, smoothing, "sum")
+    atol = 1e-6 * max(10.0, expected.abs().item())
+    assert_error_within(out.loss, plain.loss, expected, factor=2, atol=atol)
+    nll64 = F.cross_entropy(logits64, target, ignore_index=IGNORE, reduction="sum")
+    assert_error_within(out.nll, plain.nll, nll64, factor=2, atol=atol)
+    assert out.correct.item() == ((logits64.argmax(-1) == target) & counted).sum().item() >= 2
+    assert out.tokens.item() == 22
+    for got, torch_same_dtype, oracle in zip(grads, plain_grads, expected_grads, strict=True):
+        assert_error_within(got, torch_same_dtype, oracle, factor=3, atol=1e-5)
+
+
 def test_fused_statistics_count_correct_predictions(fused):
-    hidden, weight, bias, target = _inputs(50, 16, 7)
+    hidden, weight, bias, target = _inputs(50, 16, 7, device=device_of(fused))
     logits = F.linear(hidden, weight, bias).detach()
     target[::2] = logits.argmax(-1)[::2]  # half the tokens predicted right by construction
     target[1] = IGNORE
@@ -105,7 +153,7 @@ def test_fused_statistics_count_correct_predictions(fused):
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 def test_all_tokens_ignored_give_zero_loss_and_gradients(backend, reduction):
     require_backend(backend)
-    hidden, weight, bias, target = _inputs(5, 8, 11, ignored=range(5))
+    hidden, weight, bias, target = _inputs(5, 8, 11, ignored=range(5), device=device_of(backend))
     with fastnmt.backend(backend):
         out, grads = _loss_and_grads(hidden, weight, bias, target, 0.1, reduction)
     assert out.loss.item() == 0.0 and out.tokens.item() == 0 and out.correct.item() == 0
@@ -113,7 +161,7 @@ def test_all_tokens_ignored_give_zero_loss_and_gradients(backend, reduction):
 
 
 def test_fused_one_chunk_equals_many_chunks(fused, monkeypatch):
-    inputs = _inputs(70, 32, 300)
+    inputs = _inputs(70, 32, 300, device=device_of(fused))
     whole, whole_grads = _loss_and_grads(*inputs, 0.1, "sum")
     monkeypatch.setattr(op_module, "_CHUNK_ELEMENTS", 1)
     chunked, chunked_grads = _loss_and_grads(*inputs, 0.1, "sum")
@@ -123,9 +171,10 @@ def test_fused_one_chunk_equals_many_chunks(fused, monkeypatch):
 
 
 def test_fused_under_autocast_keeps_fp32_weight_gradient(fused):
-    hidden, weight, _, target = _inputs(40, 32, 8003, bias=False)
+    device = device_of(fused)
+    hidden, weight, _, target = _inputs(40, 32, 8003, bias=False, device=device)
     expected, expected_grads, _ = _oracle(hidden, weight, None, target, 0.1, "sum")
-    with torch.autocast("cpu", torch.bfloat16):
+    with torch.autocast(device.type, torch.bfloat16):
         out, grads = _loss_and_grads(hidden, weight, None, target, 0.1, "sum")
         with fastnmt.backend("reference"):
             plain, plain_grads = _loss_and_grads(hidden, weight, None, target, 0.1, "sum")
@@ -133,6 +182,33 @@ def test_fused_under_autocast_keeps_fp32_weight_gradient(fused):
     assert_error_within(out.loss, plain.loss, expected, factor=2, atol=1e-4)
     for got, torch_same_dtype, oracle in zip(grads, plain_grads, expected_grads, strict=True):
         assert_error_within(got, torch_same_dtype, oracle, factor=3, atol=1e-4)
+
+
+def _scaled_loss_grads(inputs, loss_scale):
+    """The gradients of (mean loss * loss_scale), divided by loss_scale again: a GradScaler's
+    backward and unscale."""
+    hidden, weight, bias, target = (
+        t.detach().requires_grad_(t.is_floating_point()) for t in inputs
+    )
+    out = linear_cross_entropy(hidden, weight, bias, target, 0.1, IGNORE, "mean")
+    (out.loss * loss_scale).backward()
+    return [t.grad / loss_scale for t in (hidden, weight, bias)]
+
+
+def test_fused_fp16_mean_gradient_survives_loss_scaling(fused):
+    """fp16 with a GradScaler: (loss * 65536).backward() of a mean over 511 tokens. Unfused
+    autocast computes the cross entropy's gradient in fp32, scaled by 65536 / 511, before the fp16
+    cast; the fused backward must apply 1 / 511 as late. Folded into the kernels' fp16 gradient,
+    1 / 511 puts the probabilities (about 1 / V, logits of std 1) in fp16's subnormals, and the
+    gradients of hidden and bias come out about 5x as far from the oracle as torch's."""
+    inputs = _inputs(512, 8, 4000, torch.float16, device=device_of(fused), logit_std=1)
+    _, expected_grads, _ = _oracle(*inputs, 0.1, "mean")
+    grads = _scaled_loss_grads(inputs, 65536.0)
+    with fastnmt.backend("reference"):
+        plain_grads = _scaled_loss_grads(inputs, 65536.0)
+    for got, torch_same_dtype, oracle in zip(grads, plain_grads, expected_grads, strict=True):
+        assert got.dtype == torch.float16
+        assert_error_within(got, torch_same_dtype, oracle, factor=3, atol=1e-7)
 
 
 def test_reduction_none_runs_on_the_reference():
@@ -150,7 +226,7 @@ def test_reduction_none_runs_on_the_reference():
 
 
 def test_fused_opcheck(fused):
-    hidden, weight, bias, target = _inputs(20, 8, 37)
+    hidden, weight, bias, target = _inputs(20, 8, 37, device=device_of(fused))
     op = getattr(torch.ops.fastnmt, f"linear_cross_entropy_{fused}").default
     for mean in (False, True):
         torch.library.opcheck(op, (hidden, weight, bias, target, 0.1, IGNORE, mean, True, None))
@@ -159,7 +235,7 @@ def test_fused_opcheck(fused):
 
 
 def test_fused_traced_by_torch_compile(fused):
-    inputs = _inputs(20, 8, 37)
+    inputs = _inputs(20, 8, 37, device=device_of(fused))
 
     def loss_of(hidden, weight, bias, target):
         return linear_cross_entropy(hidden, weight, bias, target, 0.1, IGNORE, "mean").loss * 2
@@ -183,7 +259,7 @@ def test_cpp_rows_are_independent_of_thread_count():
     for count in (1, 2):
         torch.set_num_threads(count)
         z = logits.clone()
-        stats = torch.ops.fastnmt.cross_entropy_rows_cpp(z, target, 0.1, IGNORE, 0.5, True)
+        stats = torch.ops.fastnmt.cross_entropy_rows_cpp(z, target, 0.1, IGNORE, True)
         results.append((z, stats))
     torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
@@ -198,8 +274,6 @@ def _bad(**override):
 @pytest.mark.parametrize(
     ("override", "error", "message"),
     [
-        (dict(target=torch.tensor([0, 1, 11, 2])), ValueError, r"target .*\[0, 11\).* got 11 at"),
-        (dict(target=torch.tensor([0, -3, 1, 2])), ValueError, "got -3 at flat position 1"),
         (dict(target=torch.zeros(5, dtype=torch.long)), ValueError, r"target must have shape"),
         (dict(target=torch.zeros(4)), TypeError, "target must hold int64 or int32"),
         (dict(hidden=torch.randn(4, 9)), ValueError, r"hidden must have shape \(\.\.\., 8\)"),
@@ -213,6 +287,45 @@ def _bad(**override):
 def test_bad_inputs_name_the_argument(override, error, message):
     with pytest.raises(error, match=message):
         linear_cross_entropy(**_bad(**override))
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        (torch.tensor([0, 1, 11, 2]), r"target .*\[0, 11\).* got 11 at flat position 2"),
+        (torch.tensor([0, -3, 1, 2]), r"target .*\[0, 11\).* got -3 at flat position 1"),
+    ],
+)
+@pytest.mark.parametrize("backend", ["triton", "cpp", "reference"])
+def test_target_range_checked_under_fastnmt_check_values(monkeypatch, backend, target, message):
+    require_backend(backend)
+    monkeypatch.setenv("FASTNMT_CHECK_VALUES", "1")
+    hidden, weight, bias, _ = _inputs(4, 8, 11, device=device_of(backend))
+    target = target.to(hidden.device)
+    with fastnmt.backend(backend), pytest.raises(ValueError, match=message) as raised:
+        linear_cross_entropy(hidden, weight, bias, target)
+    assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("wrong", [11, -3, 2**40])
+def test_triton_out_of_range_target_unchecked_stays_in_its_row(triton_device, wrong):
+    """Without FASTNMT_CHECK_VALUES the kernel reads nothing outside the row of a wrong target
+    (its loss is undefined); every other row's gradient is as if that token were ignored."""
+    hidden, weight, bias, target = _inputs(6, 8, 11, device=triton_device)
+    ignoring = target.clone()
+    target[3], ignoring[3] = wrong, IGNORE
+    with fastnmt.backend("triton"):
+        _, (dh, *_) = _loss_and_grads(hidden, weight, bias, target, 0.1, "sum")
+        _, (dh_ignoring, *_) = _loss_and_grads(hidden, weight, bias, ignoring, 0.1, "sum")
+    others = torch.arange(6, device=triton_device) != 3
+    torch.testing.assert_close(dh[others], dh_ignoring[others])
+
+
+def test_cpp_kernel_refuses_an_out_of_range_target_unchecked():
+    """The C++ kernel has the targets on the CPU: it checks them at no sync cost."""
+    require_backend("cpp")
+    with fastnmt.backend("cpp"), pytest.raises(RuntimeError, match="target 11 at row 2 is outside"):
+        linear_cross_entropy(**_bad(target=torch.tensor([0, 1, 11, 2])))
 
 
 def test_fused_backends_refuse_float64():
