@@ -1,7 +1,7 @@
 """Compile every Triton kernel for real GPUs, without a GPU: ``python -m fastnmt.compile_check``.
 
-For each case an op module lists in ``gpu_compile_cases(dtype)`` (kernel, signature, block
-config), this builds a cubin for sm_80 (A100) and sm_90 (H100), fp16 and bf16, reads registers and
+For each case of ``fastnmt.compile_cases`` (kernel, signature, block config), this builds a
+cubin for sm_80 (A100) and sm_90 (H100), fp16 and bf16, reads registers and
 spilled bytes from the cubin with the wheel's ``cuobjdump``, and fails a case that spills
 (stack or local memory > 0), exceeds the chip's shared memory, or, for sm_90 matmul kernels, has no
 ``wgmma`` instruction. Prints a table; exits 1 when a case fails.
@@ -11,7 +11,6 @@ Must run in a process without TRITON_INTERPRET (compiling for a GPU fails under 
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
 import subprocess
@@ -20,33 +19,12 @@ import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-KERNEL_MODULES = (
-    "fastnmt.ops.attention",
-    "fastnmt.ops.layer_norm",
-    "fastnmt.ops.feed_forward",
-    "fastnmt.ops.linear_cross_entropy",
-)
+from fastnmt import compile_cases
+from fastnmt.compile_cases import CompileCase
+
 TARGETS = {80: 163 * 1024, 90: 227 * 1024}  # compute capability -> shared memory per block
 DTYPES = ("fp16", "bf16")
-
-
-@dataclass(frozen=True)
-class CompileCase:
-    """One kernel with one launch configuration, as an op module declares it."""
-
-    kernel: Any  # the @triton.jit function
-    signature: dict[str, str]  # argument -> Triton type ("*fp16", "i32", "fp32", "constexpr")
-    constexprs: dict[str, Any]
-    num_warps: int = 4
-    num_stages: int = 2
-    needs_wgmma: bool = False  # a tl.dot kernel: sm_90 must use warpgroup MMA
-    label: str = field(default="")  # the configuration, for the table
-
-    @property
-    def name(self) -> str:
-        return self.kernel.__name__
 
 
 @dataclass
@@ -63,14 +41,8 @@ class CompileResult:
 
 
 def all_cases() -> list[tuple[str, CompileCase]]:
-    """(dtype, case) for every kernel module that declares its cases."""
-    cases = []
-    for module_name in KERNEL_MODULES:
-        module = importlib.import_module(module_name)
-        declare = getattr(module, "gpu_compile_cases", None)
-        if declare is not None:
-            cases += [(dtype, case) for dtype in DTYPES for case in declare(dtype)]
-    return cases
+    """(dtype, case) for every case of ``fastnmt.compile_cases`` in every dtype."""
+    return [(dtype, case) for dtype in DTYPES for case in compile_cases.all_cases()]
 
 
 def parse_resource_usage(text: str) -> tuple[int, int]:

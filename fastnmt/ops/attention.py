@@ -42,7 +42,6 @@ import torch.nn.functional as F
 from fastnmt import _checks, dispatch
 from fastnmt._extension import extension_available
 from fastnmt._triton import tl, triton
-from fastnmt.compile_check import CompileCase
 from fastnmt.ops.triton_common import (
     LaunchConfig,
     device_guard,
@@ -807,56 +806,6 @@ def dropout_keep_mask(seed: torch.Tensor, shape: tuple[int, int, int, int], drop
             num_warps=config.num_warps, num_stages=config.num_stages,
         )  # fmt: skip
     return keep.bool()
-
-
-_POINTER_TYPES = {"LSE": "*fp32", "DELTA": "*fp32", "KEY_LENGTHS": "*i64", "PADDING": "*u8"}
-_POINTER_TYPES |= {"SEED": "*i64", "KEEP": "*u8"}
-
-
-def _argument_type(name: str, constexprs: dict) -> str:
-    """The compile signature type of a kernel argument, from its name."""
-    if name in constexprs:
-        return "constexpr"
-    if name.startswith("stride_") or name in ("H", "Lq", "Lk", "D", "Dv"):
-        return "i32"
-    if name in ("scale", "dropout_p"):
-        return "fp32"
-    return _POINTER_TYPES.get(name, "*DTYPE")  # inputs and outputs have the inputs' dtype
-
-
-def gpu_compile_cases(dtype: str) -> list[CompileCase]:
-    """Every kernel x every GPU launch config, for ``python -m fastnmt.compile_check``, at the
-    widest head dim each config serves, all mask features and dropout on: the most registers."""
-    flags = dict(CAUSAL=True, HAS_LENGTHS=True, HAS_PADDING=True, DROPOUT=True)
-    flags["DOT_PRECISION"] = "ieee"  # what fp16 and bf16 get: TF32 is for fp32 operands
-
-    def case(kernel, config, needs_wgmma: bool, label: str, **constexprs) -> CompileCase:
-        signature = {name: _argument_type(name, constexprs) for name in kernel.arg_names}
-        return CompileCase(
-            kernel, signature, constexprs, config.num_warps, config.num_stages, needs_wgmma, label
-        )
-
-    kernels = {
-        "forward": _attention_forward_kernel,
-        "dkdv": _attention_backward_dkdv_kernel,
-        "dq": _attention_backward_dq_kernel,
-        "delta": _attention_backward_delta_kernel,
-    }
-    cases = []
-    for name, kernel in kernels.items():
-        for bucket, configs in _GPU_CONFIGS[name].items():
-            for widest, config in configs.items():
-                sizes = dict(BLOCK_M=config.block_m, BLOCK_DV=widest)
-                if name != "delta":
-                    sizes |= dict(flags, BLOCK_N=config.block_n, BLOCK_D=widest)
-                label = f"{bucket} D<={widest} {config.label}"
-                # Every backward dot product has a 64-row side (wgmma's tile); the 16-row decoding
-                # forward uses mma.sync and delta has no dot product.
-                wgmma = name in ("dkdv", "dq") or (name == "forward" and config.block_m >= 64)
-                cases.append(case(kernel, config, wgmma, label, UPCAST=False, **sizes))
-    blocks = dict(BLOCK_M=_KEEP_CONFIG.block_m, BLOCK_N=_KEEP_CONFIG.block_n)
-    cases.append(case(_dropout_keep_kernel, _KEEP_CONFIG, False, _KEEP_CONFIG.label, **blocks))
-    return cases
 
 
 # ---------------------------------------------------------------------------------------------

@@ -47,7 +47,6 @@ import torch.nn.functional as F
 from fastnmt import _checks, dispatch
 from fastnmt._extension import extension_available
 from fastnmt._triton import tl, triton
-from fastnmt.compile_check import CompileCase
 from fastnmt.ops import triton_common
 from fastnmt.ops.layer_norm import apply_dropout
 
@@ -619,70 +618,3 @@ def feed_forward(x, w1, b1, w2, b2, activation="relu", dropout_p=0.0):
         (..., N)
     """
     return FEED_FORWARD(x, w1, b1, w2, b2, activation, dropout_p)
-
-
-# ---------------------------------------------------------------------------------------------
-# GPU compile check (fastnmt.compile_check): every kernel and configuration, sm_80 and sm_90.
-# ---------------------------------------------------------------------------------------------
-
-_MATMUL_SIGNATURE = {
-    **dict.fromkeys(("A", "B", "C", "BIAS", "SAVED"), "*DTYPE"),
-    "SEED": "*i64",
-    **dict.fromkeys(("M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn"), "i32"),
-    "dropout_p": "fp32",
-}
-_EPILOGUES = {
-    "forward": dict(EPILOGUE="activation", SAVE_PREACTIVATION=True),
-    "backward": dict(EPILOGUE="activation_grad", SAVE_PREACTIVATION=False),
-    "bias": dict(EPILOGUE="bias", SAVE_PREACTIVATION=False),
-}
-
-
-def _matmul_case(config: triton_common.LaunchConfig, epilogue: str) -> CompileCase:
-    constexprs = {
-        "ACTIVATION": "gelu",
-        "HAS_BIAS": True,
-        "HAS_DROPOUT": True,
-        "UPCAST": False,
-        "INPUT_PRECISION": "ieee",  # dot_precision of half-precision operands
-        **_EPILOGUES[epilogue],
-        "BLOCK_M": config.block_m,
-        "BLOCK_N": config.block_n,
-        "BLOCK_K": config.block_k,
-        "GROUP_M": config.group_m,
-    }
-    signature = {**_MATMUL_SIGNATURE, **dict.fromkeys(constexprs, "constexpr")}
-    return CompileCase(
-        _matmul_kernel,
-        signature,
-        constexprs,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        needs_wgmma=True,
-        label=f"{epilogue} gelu {config.label}",
-    )
-
-
-def _elementwise_case(kernel, pointers: tuple[str, ...]) -> CompileCase:
-    constexprs = {"ACTIVATION": "gelu", "HAS_DROPOUT": True, "BLOCK": _GPU_ELEMENTWISE_BLOCK}
-    signature = {
-        **dict.fromkeys(pointers, "*DTYPE"),
-        "SEED": "*i64",
-        "numel": "i64",
-        "dropout_p": "fp32",
-        **dict.fromkeys(constexprs, "constexpr"),
-    }
-    return CompileCase(
-        kernel, signature, constexprs, label=f"gelu dropout {_GPU_ELEMENTWISE_BLOCK}"
-    )
-
-
-def gpu_compile_cases(dtype: str) -> list[CompileCase]:
-    """Every GPU GEMM configuration with each epilogue (GELU and dropout: the most
-    registers), and the library path's elementwise kernels (``dtype`` is substituted by
-    compile_check)."""
-    return [
-        *(_matmul_case(config, epilogue) for config in _GPU_CONFIGS for epilogue in _EPILOGUES),
-        _elementwise_case(_activation_forward_kernel, ("A", "Z")),
-        _elementwise_case(_activation_backward_kernel, ("DZ", "SAVED", "DA")),
-    ]

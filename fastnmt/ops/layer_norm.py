@@ -33,7 +33,6 @@ import torch.nn.functional as F
 from fastnmt import _checks, dispatch
 from fastnmt._extension import extension_available
 from fastnmt._triton import tl, triton
-from fastnmt.compile_check import CompileCase
 from fastnmt.ops import triton_common
 
 # ---------------------------------------------------------------------------------------------
@@ -518,47 +517,3 @@ def add_layer_norm(
         y with x's dtype, and h (fp32 with ``residual_in_fp32``).
     """
     return ADD_LAYER_NORM(x, residual, weight, bias, eps, dropout_p, residual_in_fp32)
-
-
-# ---------------------------------------------------------------------------------------------
-# GPU compile check (fastnmt.compile_check): both kernels at small, middle and largest widths.
-# ---------------------------------------------------------------------------------------------
-
-_FLAGS = ("HAS_RESIDUAL", "HAS_WEIGHT", "HAS_BIAS", "HAS_DROPOUT")
-
-
-def _layer_norm_case(kernel, tensors: tuple[str, ...], flags: tuple[str, ...], width: int):
-    with triton_common.gpu_tiles():  # what a GPU launches, whatever this process runs on
-        block_m, block_n, num_warps = _tile(1 << 20, width)
-    constexprs = {**dict.fromkeys(flags, True), "BLOCK_M": block_m, "BLOCK_N": block_n}
-    signature = {
-        **{
-            name: "*fp32" if name in ("MEAN", "RSTD") or "PARTIAL" in name else "*DTYPE"
-            for name in tensors
-        },
-        "SEED": "*i64",
-        "rows": "i32",
-        "N": "i32",
-        **({"eps": "fp32"} if kernel is _add_layer_norm_forward_kernel else {}),
-        "dropout_p": "fp32",
-        **dict.fromkeys(constexprs, "constexpr"),
-    }
-    label = f"width {width}: {block_m}x{block_n} w{num_warps}"
-    return CompileCase(kernel, signature, constexprs, num_warps=num_warps, label=label)
-
-
-def gpu_compile_cases(dtype: str) -> list[CompileCase]:
-    """Forward and backward with every input and dropout, at the tiles of widths 64, 1024 and
-    MAX_WIDTH (``dtype`` is substituted by compile_check)."""
-    forward = ("X", "R", "W", "B", "Y", "H", "MEAN", "RSTD")
-    backward = ("DY", "DH_OUT", "H", "W", "MEAN", "RSTD", "DX", "DH", "DW_PARTIAL", "DB_PARTIAL")
-    return [
-        case
-        for width in (64, 1024, MAX_WIDTH)
-        for case in (
-            _layer_norm_case(_add_layer_norm_forward_kernel, forward, _FLAGS, width),
-            _layer_norm_case(
-                _add_layer_norm_backward_kernel, backward, (*_FLAGS, "HAS_DH_OUT"), width
-            ),
-        )
-    ]

@@ -58,7 +58,6 @@ import torch.nn.functional as F
 
 from fastnmt import _checks, dispatch
 from fastnmt._triton import tl, triton
-from fastnmt.compile_check import CompileCase
 from fastnmt.ops import triton_common
 
 # ---------------------------------------------------------------------------------------------
@@ -481,33 +480,3 @@ def linear_cross_entropy(
     if reduction == "none":
         loss = loss.view(target.shape)
     return CrossEntropyOutput(loss, *statistics.detach().unbind())
-
-
-# ---------------------------------------------------------------------------------------------
-# GPU compile check (fastnmt.compile_check): the row kernel with and without the gradient.
-# ---------------------------------------------------------------------------------------------
-
-
-def gpu_compile_cases(dtype: str) -> list[CompileCase]:
-    """The row kernel at the GPU block (``dtype`` is substituted by compile_check)."""
-    block_v, num_warps = _GPU_BLOCK_V, _num_warps(_GPU_BLOCK_V)
-    signature = {
-        "Z": "*DTYPE",
-        "TARGET": "*i64",
-        "STATS": "*fp32",
-        "V": "i32",
-        "smoothing": "fp32",
-        "ignore_index": "i32",
-        "COMPUTE_GRAD": "constexpr",
-        "BLOCK_V": "constexpr",
-    }
-    return [
-        CompileCase(
-            _cross_entropy_rows_kernel,
-            signature,
-            {"COMPUTE_GRAD": grad, "BLOCK_V": block_v},
-            num_warps=num_warps,
-            label=f"BLOCK_V {block_v} w{num_warps} grad={grad}",
-        )
-        for grad in (True, False)
-    ]

@@ -1,0 +1,257 @@
+"""The cases ``python -m fastnmt.compile_check`` compiles: every Triton kernel of the ops with
+every launch configuration a GPU uses, each with its compile signature.
+
+The tooling reads the ops' kernels and configuration tables; the ops know nothing of it. A
+signature type "*DTYPE" is replaced by the case's data type (fp16, bf16) by the compile check.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastnmt.ops import triton_common
+
+# The op modules (``fastnmt.ops.attention`` etc. are also the names of the ops' functions).
+attention_op = importlib.import_module("fastnmt.ops.attention")
+ffn_op = importlib.import_module("fastnmt.ops.feed_forward")
+norm_op = importlib.import_module("fastnmt.ops.layer_norm")
+loss_op = importlib.import_module("fastnmt.ops.linear_cross_entropy")
+
+
+@dataclass(frozen=True)
+class CompileCase:
+    """One kernel with one launch configuration."""
+
+    kernel: Any  # the @triton.jit function
+    signature: dict[str, str]  # argument -> Triton type ("*fp16", "i32", "fp32", "constexpr")
+    constexprs: dict[str, Any]
+    num_warps: int = 4
+    num_stages: int = 2
+    needs_wgmma: bool = False  # a tl.dot kernel: sm_90 must use warpgroup MMA
+    label: str = field(default="")  # the configuration, for the table
+
+    @property
+    def name(self) -> str:
+        return self.kernel.__name__
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention: every kernel x every GPU launch config.
+# ---------------------------------------------------------------------------------------------
+
+_ATTENTION_POINTERS = {"LSE": "*fp32", "DELTA": "*fp32", "KEY_LENGTHS": "*i64", "PADDING": "*u8"}
+_ATTENTION_POINTERS |= {"SEED": "*i64", "KEEP": "*u8"}
+
+
+def _attention_argument_type(name: str, constexprs: dict) -> str:
+    """The compile signature type of a kernel argument, from its name."""
+    if name in constexprs:
+        return "constexpr"
+    if name.startswith("stride_") or name in ("H", "Lq", "Lk", "D", "Dv"):
+        return "i32"
+    if name in ("scale", "dropout_p"):
+        return "fp32"
+    return _ATTENTION_POINTERS.get(name, "*DTYPE")  # inputs and outputs have the inputs' dtype
+
+
+def attention_cases() -> list[CompileCase]:
+    """Every kernel x every GPU launch config, for ``python -m fastnmt.compile_check``, at the
+    widest head dim each config serves, all mask features and dropout on: the most registers."""
+    flags = dict(CAUSAL=True, HAS_LENGTHS=True, HAS_PADDING=True, DROPOUT=True)
+    flags["DOT_PRECISION"] = "ieee"  # what fp16 and bf16 get: TF32 is for fp32 operands
+
+    def case(kernel, config, needs_wgmma: bool, label: str, **constexprs) -> CompileCase:
+        signature = {name: _attention_argument_type(name, constexprs) for name in kernel.arg_names}
+        return CompileCase(
+            kernel, signature, constexprs, config.num_warps, config.num_stages, needs_wgmma, label
+        )
+
+    kernels = {
+        "forward": attention_op._attention_forward_kernel,
+        "dkdv": attention_op._attention_backward_dkdv_kernel,
+        "dq": attention_op._attention_backward_dq_kernel,
+        "delta": attention_op._attention_backward_delta_kernel,
+    }
+    cases = []
+    for name, kernel in kernels.items():
+        for bucket, configs in attention_op._GPU_CONFIGS[name].items():
+            for widest, config in configs.items():
+                sizes = dict(BLOCK_M=config.block_m, BLOCK_DV=widest)
+                if name != "delta":
+                    sizes |= dict(flags, BLOCK_N=config.block_n, BLOCK_D=widest)
+                label = f"{bucket} D<={widest} {config.label}"
+                # Every backward dot product has a 64-row side (wgmma's tile); the 16-row decoding
+                # forward uses mma.sync and delta has no dot product.
+                wgmma = name in ("dkdv", "dq") or (name == "forward" and config.block_m >= 64)
+                cases.append(case(kernel, config, wgmma, label, UPCAST=False, **sizes))
+    keep = attention_op._KEEP_CONFIG
+    blocks = dict(BLOCK_M=keep.block_m, BLOCK_N=keep.block_n)
+    cases.append(case(attention_op._dropout_keep_kernel, keep, False, keep.label, **blocks))
+    return cases
+
+
+# ---------------------------------------------------------------------------------------------
+# Residual + LayerNorm: both kernels at small, middle and largest widths.
+# ---------------------------------------------------------------------------------------------
+
+_LAYER_NORM_FLAGS = ("HAS_RESIDUAL", "HAS_WEIGHT", "HAS_BIAS", "HAS_DROPOUT")
+
+
+def _layer_norm_case(kernel, tensors: tuple[str, ...], flags: tuple[str, ...], width: int):
+    with triton_common.gpu_tiles():  # what a GPU launches, whatever this process runs on
+        block_m, block_n, num_warps = norm_op._tile(1 << 20, width)
+    constexprs = {**dict.fromkeys(flags, True), "BLOCK_M": block_m, "BLOCK_N": block_n}
+    signature = {
+        **{
+            name: "*fp32" if name in ("MEAN", "RSTD") or "PARTIAL" in name else "*DTYPE"
+            for name in tensors
+        },
+        "SEED": "*i64",
+        "rows": "i32",
+        "N": "i32",
+        **({"eps": "fp32"} if kernel is norm_op._add_layer_norm_forward_kernel else {}),
+        "dropout_p": "fp32",
+        **dict.fromkeys(constexprs, "constexpr"),
+    }
+    label = f"width {width}: {block_m}x{block_n} w{num_warps}"
+    return CompileCase(kernel, signature, constexprs, num_warps=num_warps, label=label)
+
+
+def layer_norm_cases() -> list[CompileCase]:
+    """Forward and backward with every input and dropout, at the tiles of widths 64, 1024 and
+    the widest row (MAX_WIDTH)."""
+    forward = ("X", "R", "W", "B", "Y", "H", "MEAN", "RSTD")
+    backward = ("DY", "DH_OUT", "H", "W", "MEAN", "RSTD", "DX", "DH", "DW_PARTIAL", "DB_PARTIAL")
+    return [
+        case
+        for width in (64, 1024, norm_op.MAX_WIDTH)
+        for case in (
+            _layer_norm_case(
+                norm_op._add_layer_norm_forward_kernel, forward, _LAYER_NORM_FLAGS, width
+            ),
+            _layer_norm_case(
+                norm_op._add_layer_norm_backward_kernel,
+                backward,
+                (*_LAYER_NORM_FLAGS, "HAS_DH_OUT"),
+                width,
+            ),
+        )
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Feed-forward: every GEMM configuration with each epilogue, and the elementwise kernels.
+# ---------------------------------------------------------------------------------------------
+
+_MATMUL_SIGNATURE = {
+    **dict.fromkeys(("A", "B", "C", "BIAS", "SAVED"), "*DTYPE"),
+    "SEED": "*i64",
+    **dict.fromkeys(("M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn"), "i32"),
+    "dropout_p": "fp32",
+}
+_EPILOGUES = {
+    "forward": dict(EPILOGUE="activation", SAVE_PREACTIVATION=True),
+    "backward": dict(EPILOGUE="activation_grad", SAVE_PREACTIVATION=False),
+    "bias": dict(EPILOGUE="bias", SAVE_PREACTIVATION=False),
+}
+
+
+def _matmul_case(config: triton_common.LaunchConfig, epilogue: str) -> CompileCase:
+    constexprs = {
+        "ACTIVATION": "gelu",
+        "HAS_BIAS": True,
+        "HAS_DROPOUT": True,
+        "UPCAST": False,
+        "INPUT_PRECISION": "ieee",  # dot_precision of half-precision operands
+        **_EPILOGUES[epilogue],
+        "BLOCK_M": config.block_m,
+        "BLOCK_N": config.block_n,
+        "BLOCK_K": config.block_k,
+        "GROUP_M": config.group_m,
+    }
+    signature = {**_MATMUL_SIGNATURE, **dict.fromkeys(constexprs, "constexpr")}
+    return CompileCase(
+        ffn_op._matmul_kernel,
+        signature,
+        constexprs,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        needs_wgmma=True,
+        label=f"{epilogue} gelu {config.label}",
+    )
+
+
+def _elementwise_case(kernel, pointers: tuple[str, ...]) -> CompileCase:
+    constexprs = {
+        "ACTIVATION": "gelu",
+        "HAS_DROPOUT": True,
+        "BLOCK": ffn_op._GPU_ELEMENTWISE_BLOCK,
+    }
+    signature = {
+        **dict.fromkeys(pointers, "*DTYPE"),
+        "SEED": "*i64",
+        "numel": "i64",
+        "dropout_p": "fp32",
+        **dict.fromkeys(constexprs, "constexpr"),
+    }
+    return CompileCase(
+        kernel, signature, constexprs, label=f"gelu dropout {ffn_op._GPU_ELEMENTWISE_BLOCK}"
+    )
+
+
+def feed_forward_cases() -> list[CompileCase]:
+    """Every GPU GEMM configuration with each epilogue (GELU and dropout: the most
+    registers), and the library path's elementwise kernels."""
+    return [
+        *(
+            _matmul_case(config, epilogue)
+            for config in ffn_op._GPU_CONFIGS
+            for epilogue in _EPILOGUES
+        ),
+        _elementwise_case(ffn_op._activation_forward_kernel, ("A", "Z")),
+        _elementwise_case(ffn_op._activation_backward_kernel, ("DZ", "SAVED", "DA")),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear + cross entropy: the row kernel with and without the gradient.
+# ---------------------------------------------------------------------------------------------
+
+
+def linear_cross_entropy_cases() -> list[CompileCase]:
+    """The row kernel at the GPU block."""
+    block_v, num_warps = (
+        loss_op._GPU_BLOCK_V,
+        loss_op._num_warps(loss_op._GPU_BLOCK_V),
+    )
+    signature = {
+        "Z": "*DTYPE",
+        "TARGET": "*i64",
+        "STATS": "*fp32",
+        "V": "i32",
+        "smoothing": "fp32",
+        "ignore_index": "i32",
+        "COMPUTE_GRAD": "constexpr",
+        "BLOCK_V": "constexpr",
+    }
+    return [
+        CompileCase(
+            loss_op._cross_entropy_rows_kernel,
+            signature,
+            {"COMPUTE_GRAD": grad, "BLOCK_V": block_v},
+            num_warps=num_warps,
+            label=f"BLOCK_V {block_v} w{num_warps} grad={grad}",
+        )
+        for grad in (True, False)
+    ]
+
+
+def all_cases() -> list[CompileCase]:
+    return [
+        *attention_cases(),
+        *layer_norm_cases(),
+        *feed_forward_cases(),
+        *linear_cross_entropy_cases(),
+    ]
