@@ -9,7 +9,7 @@ import torch
 import fastnmt
 from fastnmt.checkpoint import CheckpointError
 from fastnmt.search import LengthPenalty, beam_search
-from fastnmt.translator import Translator, TruncationWarning
+from fastnmt.translator import Translator, TruncationWarning, fastest_dtype
 from tests.helpers import tiny_checkpoint
 
 SENTENCES = [
@@ -132,3 +132,14 @@ def test_attention_is_a_distribution_and_the_same_on_both_paths(translator):
     assert short.attention.cross[0].shape[-1] == len(short.source_tokens) + 1  # no padding
     torch.testing.assert_close(fused.attention.cross[0], reference.attention.cross[0])
     assert translator.translate_full(texts)[0].attention is None  # only on request
+
+
+@pytest.mark.parametrize(
+    ("capability", "expected"), [((7, 5), torch.float16), ((8, 0), torch.bfloat16)]
+)
+def test_auto_precision_takes_bf16_only_on_gpus_that_compute_in_it(
+    monkeypatch, capability, expected
+):
+    """Turing (7.5) reports bf16 as supported (emulated): fp16 with loss scaling there."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert fastest_dtype("cuda") == expected
