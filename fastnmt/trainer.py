@@ -248,15 +248,8 @@ class Trainer:
             # DDP all-reduces gradients on the last micro-batch only.
             last = i == len(batches) - 1
             sync = self.ddp.no_sync() if self.ddp and not last else contextlib.nullcontext()
-            with sync, autocast(self.device, self.autocast_dtype):
-                states = model(batch.src, batch.src_lengths, batch.tgt_in)
-                loss, nll, correct = label_smoothed_loss(
-                    self.model,
-                    states,
-                    batch.tgt_out,
-                    batch.tgt_positions,
-                    self.args.label_smoothing,
-                )
+            with sync:
+                loss, nll, correct = self.batch_loss(model, batch)
             # DDP averages gradients over ranks; scaling by world_size makes that a global sum.
             self.scaler.scale(loss * (self.world.world_size / total_tokens)).backward()
             sums += torch.stack([loss.detach(), nll, correct]).double()
@@ -274,6 +267,15 @@ class Trainer:
         statistics = torch.cat([sums, grad_norm.double().reshape(1)])
         self.window.add(self.progress.step, statistics, total_tokens)
         return {"lr": lr, "stop": stop_votes > 0}
+
+    def batch_loss(self, model, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Summed label-smoothed loss, nll and correct predictions of a batch on the device;
+        ``model`` is the module to call (the DDP wrapper in training)."""
+        with autocast(self.device, self.autocast_dtype):
+            states = model(batch.src, batch.src_lengths, batch.tgt_in)
+            return label_smoothed_loss(
+                self.model, states, batch.tgt_out, batch.tgt_positions, self.args.label_smoothing
+            )
 
     def check_finite(self) -> None:
         """Raise NonFiniteLoss naming the first update of the window whose loss or gradient was
@@ -302,15 +304,7 @@ class Trainer:
         tokens = 0
         for batch in batches.iterate(epoch=1):
             batch = batch.to(self.device)
-            with autocast(self.device, self.autocast_dtype):
-                states = self.model(batch.src, batch.src_lengths, batch.tgt_in)
-                loss, nll, correct = label_smoothed_loss(
-                    self.model,
-                    states,
-                    batch.tgt_out,
-                    batch.tgt_positions,
-                    self.args.label_smoothing,
-                )
+            loss, nll, correct = self.batch_loss(self.model, batch)
             sums += torch.stack([loss, nll, correct]).double()
             tokens += batch.num_tgt_tokens
         loss, nll, correct = sums.tolist()

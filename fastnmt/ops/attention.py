@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from fastnmt import _checks, dispatch
 from fastnmt._extension import extension_available
 from fastnmt._triton import tl, triton
+from fastnmt.ops import registration
 from fastnmt.ops.triton_common import (
     LaunchConfig,
     device_guard,
@@ -987,22 +988,25 @@ def _make_backward(backward_op):
     return backward
 
 
-def _register_autograd(forward_op, backward_op) -> None:
-    torch.library.register_fake(forward_op)(_forward_fake)
-    torch.library.register_fake(backward_op)(_backward_fake)
-    torch.library.register_autograd(
-        forward_op, _make_backward(backward_op), setup_context=_setup_context
-    )
+# The fakes and autograd of the Triton ops and of the C++ ops (same signatures).
+_AUTOGRAD = dict(
+    forward_fake=_forward_fake,
+    backward_fake=_backward_fake,
+    setup_context=_setup_context,
+    make_backward=_make_backward,
+)
 
 
-_register_autograd(_attention_forward_op, _attention_backward_op)
+registration.register_kernel_pair(_attention_forward_op, _attention_backward_op, **_AUTOGRAD)
 
 # The C++ ops fastnmt::attention_cpp / attention_cpp_backward are defined in C++ for CPU tensors;
 # their backward ignores ``out``: it computes delta_i = sum_j P_ij dP_ij from P, exactly in fp32,
 # rather than from the rounded output.
 if extension_available():
-    _register_autograd(
-        torch.ops.fastnmt.attention_cpp.default, torch.ops.fastnmt.attention_cpp_backward.default
+    registration.register_kernel_pair(
+        torch.ops.fastnmt.attention_cpp.default,
+        torch.ops.fastnmt.attention_cpp_backward.default,
+        **_AUTOGRAD,
     )
 
 

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from fastnmt import _checks, dispatch
 from fastnmt._extension import extension_available
 from fastnmt._triton import tl, triton
-from fastnmt.ops import triton_common
+from fastnmt.ops import registration, triton_common
 from fastnmt.ops.layer_norm import apply_dropout
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
@@ -497,21 +497,23 @@ def _make_backward(backward_op):
     return backward
 
 
-def _register_autograd(forward_op, backward_op) -> None:
-    torch.library.register_fake(forward_op)(_forward_fake)
-    torch.library.register_fake(backward_op)(_backward_fake)
-    torch.library.register_autograd(
-        forward_op, _make_backward(backward_op), setup_context=_setup_context
-    )
+# The fakes and autograd of the Triton ops and of the C++ ops (same signatures).
+_AUTOGRAD = dict(
+    forward_fake=_forward_fake,
+    backward_fake=_backward_fake,
+    setup_context=_setup_context,
+    make_backward=_make_backward,
+)
 
 
-_register_autograd(_feed_forward_op, _feed_forward_backward_op)
+registration.register_kernel_pair(_feed_forward_op, _feed_forward_backward_op, **_AUTOGRAD)
 
 # C++ CPU kernels (csrc/feed_forward.cpp): the same signatures, hence the same autograd.
 if extension_available():
-    _register_autograd(
+    registration.register_kernel_pair(
         torch.ops.fastnmt.feed_forward_cpp.default,
         torch.ops.fastnmt.feed_forward_cpp_backward.default,
+        **_AUTOGRAD,
     )
 
 

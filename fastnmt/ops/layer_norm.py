@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from fastnmt import _checks, dispatch
 from fastnmt._extension import extension_available
 from fastnmt._triton import tl, triton
-from fastnmt.ops import triton_common
+from fastnmt.ops import registration, triton_common
 
 # ---------------------------------------------------------------------------------------------
 # Triton kernels.
@@ -397,15 +397,16 @@ def _make_backward(backward_op):
     return backward
 
 
-def _register_autograd(forward_op, backward_op) -> None:
-    torch.library.register_fake(forward_op)(_forward_fake)
-    torch.library.register_fake(backward_op)(_backward_fake)
-    torch.library.register_autograd(
-        forward_op, _make_backward(backward_op), setup_context=_setup_context
-    )
+# The fakes and autograd of the Triton ops and of the C++ ops (same signatures).
+_AUTOGRAD = dict(
+    forward_fake=_forward_fake,
+    backward_fake=_backward_fake,
+    setup_context=_setup_context,
+    make_backward=_make_backward,
+)
 
 
-_register_autograd(_add_layer_norm_op, _add_layer_norm_backward_op)
+registration.register_kernel_pair(_add_layer_norm_op, _add_layer_norm_backward_op, **_AUTOGRAD)
 
 
 def _argument_dtype_reasons(kernels: str, **tensors):
@@ -437,9 +438,10 @@ add_layer_norm_triton = _running(_add_layer_norm_op)
 
 # C++ CPU kernels (csrc/add_layer_norm.cpp): the same signatures, hence the same autograd.
 if extension_available():
-    _register_autograd(
+    registration.register_kernel_pair(
         torch.ops.fastnmt.add_layer_norm_cpp.default,
         torch.ops.fastnmt.add_layer_norm_cpp_backward.default,
+        **_AUTOGRAD,
     )
 
 
