@@ -343,18 +343,19 @@ class Trainer:
     def run(self) -> int:
         """Train until a budget runs out; then score the best checkpoint on the test set."""
         try:
-            self.train_epochs()
+            try:
+                self.train_epochs()
+            except KeyboardInterrupt:
+                path = self.save()  # checks the unread updates first: never saves a nan
+                self.log.line(
+                    f"interrupted at step {self.progress.step}; saved {path}; "
+                    f"run the same command again to resume"
+                )
+                return 130
         except NonFiniteLoss as error:
             where = self.last_saved or "none saved yet"
             self.log.line(f"error: {error}; training stopped. Last good checkpoint: {where}")
             return 1
-        except KeyboardInterrupt:
-            path = self.save()
-            self.log.line(
-                f"interrupted at step {self.progress.step}; saved {path}; "
-                f"run the same command again to resume"
-            )
-            return 130
         if self.world.main:
             self.keep_average_if_better()
         self.evaluate_test()
