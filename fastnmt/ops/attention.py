@@ -40,7 +40,6 @@ import torch
 import torch.nn.functional as F
 
 from fastnmt import _checks, dispatch
-from fastnmt._extension import extension_available
 from fastnmt._triton import tl, triton
 from fastnmt.ops import registration
 from fastnmt.ops.triton_common import (
@@ -988,26 +987,17 @@ def _make_backward(backward_op):
     return backward
 
 
-# The fakes and autograd of the Triton ops and of the C++ ops (same signatures).
-_AUTOGRAD = dict(
+# The Triton ops and the C++ ops (same signatures) share their fakes and autograd. The C++ ops
+# (csrc/attention.cpp, CPU tensors) take ``out`` but ignore it: their backward computes
+# delta_i = sum_j P_ij dP_ij from P, exactly in fp32, rather than from the rounded output.
+registration.register_kernels(
+    (_attention_forward_op, _attention_backward_op),
+    ("attention_cpp", "attention_cpp_backward"),
     forward_fake=_forward_fake,
     backward_fake=_backward_fake,
     setup_context=_setup_context,
     make_backward=_make_backward,
 )
-
-
-registration.register_kernel_pair(_attention_forward_op, _attention_backward_op, **_AUTOGRAD)
-
-# The C++ ops fastnmt::attention_cpp / attention_cpp_backward are defined in C++ for CPU tensors;
-# their backward ignores ``out``: it computes delta_i = sum_j P_ij dP_ij from P, exactly in fp32,
-# rather than from the rounded output.
-if extension_available():
-    registration.register_kernel_pair(
-        torch.ops.fastnmt.attention_cpp.default,
-        torch.ops.fastnmt.attention_cpp_backward.default,
-        **_AUTOGRAD,
-    )
 
 
 def _triton_unsupported(q, k, v, attn_mask, **_):

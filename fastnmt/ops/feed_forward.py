@@ -45,7 +45,6 @@ import torch
 import torch.nn.functional as F
 
 from fastnmt import _checks, dispatch
-from fastnmt._extension import extension_available
 from fastnmt._triton import tl, triton
 from fastnmt.ops import registration, triton_common
 from fastnmt.ops.layer_norm import apply_dropout
@@ -497,24 +496,15 @@ def _make_backward(backward_op):
     return backward
 
 
-# The fakes and autograd of the Triton ops and of the C++ ops (same signatures).
-_AUTOGRAD = dict(
+# The Triton ops and the C++ ops (same signatures) share their fakes and autograd.
+registration.register_kernels(
+    (_feed_forward_op, _feed_forward_backward_op),
+    ("feed_forward_cpp", "feed_forward_cpp_backward"),
     forward_fake=_forward_fake,
     backward_fake=_backward_fake,
     setup_context=_setup_context,
     make_backward=_make_backward,
 )
-
-
-registration.register_kernel_pair(_feed_forward_op, _feed_forward_backward_op, **_AUTOGRAD)
-
-# C++ CPU kernels (csrc/feed_forward.cpp): the same signatures, hence the same autograd.
-if extension_available():
-    registration.register_kernel_pair(
-        torch.ops.fastnmt.feed_forward_cpp.default,
-        torch.ops.fastnmt.feed_forward_cpp_backward.default,
-        **_AUTOGRAD,
-    )
 
 
 def _autocast_operands(x, w1, b1, w2, b2):

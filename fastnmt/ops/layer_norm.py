@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F
 
 from fastnmt import _checks, dispatch
-from fastnmt._extension import extension_available
 from fastnmt._triton import tl, triton
 from fastnmt.ops import registration, triton_common
 
@@ -397,16 +396,15 @@ def _make_backward(backward_op):
     return backward
 
 
-# The fakes and autograd of the Triton ops and of the C++ ops (same signatures).
-_AUTOGRAD = dict(
+# The Triton ops and the C++ ops (same signatures) share their fakes and autograd.
+registration.register_kernels(
+    (_add_layer_norm_op, _add_layer_norm_backward_op),
+    ("add_layer_norm_cpp", "add_layer_norm_cpp_backward"),
     forward_fake=_forward_fake,
     backward_fake=_backward_fake,
     setup_context=_setup_context,
     make_backward=_make_backward,
 )
-
-
-registration.register_kernel_pair(_add_layer_norm_op, _add_layer_norm_backward_op, **_AUTOGRAD)
 
 
 def _argument_dtype_reasons(kernels: str, **tensors):
@@ -435,14 +433,6 @@ def _running(forward_op):
 
 
 add_layer_norm_triton = _running(_add_layer_norm_op)
-
-# C++ CPU kernels (csrc/add_layer_norm.cpp): the same signatures, hence the same autograd.
-if extension_available():
-    registration.register_kernel_pair(
-        torch.ops.fastnmt.add_layer_norm_cpp.default,
-        torch.ops.fastnmt.add_layer_norm_cpp_backward.default,
-        **_AUTOGRAD,
-    )
 
 
 def _cpp_unsupported(x, residual, weight, bias, eps, dropout_p, residual_in_fp32):

@@ -253,12 +253,13 @@ def _chunked(
     counted = (target != ignore_index).sum().double()
     sums = torch.zeros(3, dtype=torch.float64, device=h.device)  # loss, nll, correct
 
-    def gradient_of(shape, dtype=torch.float32, wanted=compute_grad):
-        return torch.zeros(shape if wanted else (0,), dtype=dtype, device=h.device)
+    def accumulator(shape, wanted=compute_grad):  # fp32 sums over the chunks
+        return torch.zeros(shape if wanted else (0,), dtype=torch.float32, device=h.device)
 
-    dh = gradient_of(h.shape, compute_dtype)
-    dw = gradient_of(w.shape)
-    db = gradient_of((vocab,), wanted=compute_grad and b is not None)
+    # Every row of dh is written by one chunk's GEMM: no zeroing.
+    dh = torch.empty(h.shape if compute_grad else (0,), dtype=compute_dtype, device=h.device)
+    dw = accumulator(w.shape)
+    db = accumulator((vocab,), wanted=compute_grad and b is not None)
     step = chunk_rows(vocab)
     for start in range(0, tokens, step):
         h_chunk = h[start : start + step]
