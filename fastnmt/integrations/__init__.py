@@ -1,0 +1,1 @@
+"""Optional integrations with other libraries; importing ``fastnmt`` never imports them."""

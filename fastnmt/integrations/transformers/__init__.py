@@ -1,0 +1,62 @@
+"""fastnmt inside Hugging Face transformers (>= 5.0): ``pip install "fastnmt[transformers]"``.
+
+Three uses:
+
+- ``attn_implementation="fastnmt"`` for any model whose attention goes through transformers'
+  attention registry (importing this module registers it): ``AutoModel.from_pretrained(name,
+  attn_implementation="fastnmt")``;
+- ``apply_fastnmt(model)``: the Marian/BART-family layers, attention and loss on fastnmt's fused
+  ops (``layers.py``);
+- ``fastnmt.Translator.from_pretrained(directory)``: Opus-MT (Marian) and NLLB/M2M100 checkpoints
+  translated by fastnmt's own model and beam search (``convert.py``).
+"""
+
+from __future__ import annotations
+
+try:
+    import transformers as _transformers
+except ImportError as error:  # one line, with the fix
+    raise ImportError(
+        "fastnmt.integrations.transformers needs transformers >= 5.0: "
+        'pip install "fastnmt[transformers]"'
+    ) from error
+
+from fastnmt.integrations.transformers.attention import (
+    NAME,
+    UnsupportedModelError,
+    fastnmt_attention_forward,
+    register,
+)
+from fastnmt.integrations.transformers.layers import (
+    FAMILIES,
+    apply_fastnmt,
+    apply_fastnmt_to_bart,
+    apply_fastnmt_to_m2m_100,
+    apply_fastnmt_to_marian,
+    apply_fastnmt_to_mbart,
+    apply_fastnmt_to_pegasus,
+    fused_loss,
+)
+
+if int(_transformers.__version__.split(".")[0]) < 5:
+    raise ImportError(
+        f"fastnmt.integrations.transformers needs transformers >= 5.0 (its attention registries), "
+        f"found {_transformers.__version__}"
+    )
+
+register()
+
+__all__ = [
+    "FAMILIES",
+    "NAME",
+    "UnsupportedModelError",
+    "apply_fastnmt",
+    "apply_fastnmt_to_bart",
+    "apply_fastnmt_to_m2m_100",
+    "apply_fastnmt_to_marian",
+    "apply_fastnmt_to_mbart",
+    "apply_fastnmt_to_pegasus",
+    "fastnmt_attention_forward",
+    "fused_loss",
+    "register",
+]

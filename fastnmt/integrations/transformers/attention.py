@@ -1,0 +1,102 @@
+"""``attn_implementation="fastnmt"`` for Hugging Face transformers (>= 5.0).
+
+transformers looks attention up by name in two registries: ``AttentionInterface`` (the function a
+model's attention modules call) and ``AttentionMaskInterface`` (how the model builds the mask it
+passes them). fastnmt's kernels take padding, not dense masks, so the mask builder is the
+flash-attention one: the 2D (B, Lk) padding mask (True = keep), or None when nothing is padded.
+Left and right padding are the same to a padding mask. Causality comes from the module
+(``is_causal``) or the call's ``is_causal``; with a KV cache the Lq new queries are the last
+positions (bottom-right alignment).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastnmt.ops import attention, attention_probabilities
+
+NAME = "fastnmt"
+
+
+class UnsupportedModelError(ValueError):
+    """A model or call fastnmt's attention cannot serve; the message is one line."""
+
+
+def _causal_mask(lq: int, lk: int, device) -> torch.Tensor | None:
+    """Bool (Lq, Lk), True where the Lq last queries may see key j; None when top-left causal
+    (Lq == Lk) or no mask (one query sees every cached key) says the same."""
+    if lq == lk or lq == 1:
+        return None
+    positions = torch.arange(lk - lq, lk, device=device)
+    return torch.arange(lk, device=device)[None, :] <= positions[:, None]
+
+
+def _masks(attention_mask, causal: bool, lq: int, lk: int, device):
+    """(key_padding_mask, attn_mask, causal) in the op's terms from transformers' mask."""
+    key_padding_mask = attn_mask = None
+    if attention_mask is not None and attention_mask.dim() == 2:  # (B, Lk), True = keep
+        key_padding_mask = ~attention_mask[:, -lk:].bool()
+    elif attention_mask is not None:  # a 4D mask a caller built: bool (True = keep) or additive
+        attn_mask = attention_mask
+    if causal and lq != lk:
+        extra = _causal_mask(lq, lk, device)
+        if extra is not None:
+            attn_mask = extra if attn_mask is None else _merged(attn_mask, extra)
+        causal = False
+    return key_padding_mask, attn_mask, causal
+
+
+def _merged(attn_mask: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & allowed
+    return attn_mask.masked_fill(~allowed, float("-inf"))
+
+
+def _wants_probabilities(module, kwargs) -> bool:
+    config = getattr(module, "config", None)
+    return bool(kwargs.get("output_attentions", getattr(config, "output_attentions", False)))
+
+
+def fastnmt_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """transformers' attention-function contract: query (B, H, Lq, D), key/value (B, H, Lk, D)
+    -> ((B, Lq, H, D), probabilities (B, H, Lq, Lk) when output_attentions, else None)."""
+    if kwargs.get("position_bias") is not None:
+        raise UnsupportedModelError(
+            f"attn_implementation={NAME!r} does not take T5/mT5's additive position bias (its "
+            "kernels mask by padding and causality only); use 'sdpa' or 'eager' for this model"
+        )
+    if key.shape[1] != query.shape[1]:  # grouped-query attention: each key head serves a group
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    causal = bool(getattr(module, "is_causal", False) if is_causal is None else is_causal)
+    lq, lk = query.shape[2], key.shape[2]
+    key_padding_mask, attn_mask, causal = _masks(attention_mask, causal, lq, lk, query.device)
+    masks = dict(key_padding_mask=key_padding_mask, attn_mask=attn_mask, causal=causal)
+    need_weights = _wants_probabilities(module, kwargs)
+    result = attention(
+        query, key, value, dropout_p=dropout, scale=scaling, return_lse=need_weights, **masks
+    )
+    out, lse = result if need_weights else (result, None)
+    weights = None
+    if need_weights:  # exact from the log-sum-exp: no second softmax
+        weights = attention_probabilities(query, key, scale=scaling, lse=lse, **masks)
+    return out.transpose(1, 2), weights
+
+
+def register() -> None:
+    """Register ``"fastnmt"`` in transformers' attention and mask registries (idempotent)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import flash_attention_mask
+
+    AttentionInterface.register(NAME, fastnmt_attention_forward)
+    AttentionMaskInterface.register(NAME, flash_attention_mask)
