@@ -35,6 +35,10 @@ class ModelConfig:
     activation: str = "relu"
     prenorm: bool = True  # pre-norm (stable without long warmup); post-norm as in Vaswani et al.
     max_positions: int = 1024
+    # The layouts of imported models (fastnmt.integrations.transformers): see position_table.
+    positions: str = "sinusoidal"
+    scale_embedding: bool = True  # embeddings times sqrt(d_model) (Vaswani et al.; BART: False)
+    output_bias: bool = False  # a fixed bias on the logits (Marian's final_logits_bias)
     pad_id: int = 0
     bos_id: int = 1
     eos_id: int = 2
@@ -213,15 +217,42 @@ def sinusoidal_positions(length: int, width: int) -> torch.Tensor:
     return table
 
 
+def marian_positions(length: int, width: int) -> torch.Tensor:
+    """Marian's (Opus-MT's) table: Vaswani et al.'s frequencies, sin in the first half of the
+    features and cos in the second, computed in float64 as transformers does."""
+    position = torch.arange(length, dtype=torch.float64)[:, None]
+    angle = position / 10000 ** (torch.arange(0, width, 2, dtype=torch.float64) / width)
+    return torch.cat([torch.sin(angle), torch.cos(angle)], dim=1).float()
+
+
+def fairseq_positions(length: int, width: int, pad_id: int) -> torch.Tensor:
+    """fairseq's (M2M100's, NLLB's) table: frequencies spaced over width/2 - 1 steps, sin then
+    cos halves, in float32; position t is fairseq's row t + pad_id + 1."""
+    half = width // 2
+    frequency = torch.exp(torch.arange(half).float() * -(math.log(10000) / (half - 1)))
+    angle = torch.arange(pad_id + 1, pad_id + 1 + length).float()[:, None] * frequency[None]
+    return torch.cat([torch.sin(angle), torch.cos(angle)], dim=1)
+
+
+def position_table(cfg: ModelConfig) -> torch.Tensor:  # (max_positions, E)
+    if cfg.positions == "sinusoidal":
+        return sinusoidal_positions(cfg.max_positions, cfg.d_model)
+    if cfg.positions == "marian":
+        return marian_positions(cfg.max_positions, cfg.d_model)
+    if cfg.positions == "fairseq":
+        return fairseq_positions(cfg.max_positions, cfg.d_model, cfg.pad_id)
+    raise ValueError(f"positions must be sinusoidal, marian or fairseq, got {cfg.positions!r}")
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         # One joint vocabulary: source, target and output embeddings are the same matrix.
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_id)
-        self.register_buffer(
-            "positions", sinusoidal_positions(cfg.max_positions, cfg.d_model), persistent=False
-        )
+        self.register_buffer("positions", position_table(cfg), persistent=False)
+        # Fixed, like the buffer it is imported from; None (no bias) for fastnmt's own models.
+        self.output_bias = nn.Buffer(torch.zeros(cfg.vocab_size)) if cfg.output_bias else None
         self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.encoder_layers))
         self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
         self.encoder_norm = LayerNorm(cfg.d_model) if cfg.prenorm else None
@@ -244,7 +275,8 @@ class Transformer(nn.Module):
                 f"sequence of {start + tokens.shape[1]} tokens exceeds max_positions "
                 f"({self.cfg.max_positions})"
             )
-        scaled = self.embedding(tokens) * math.sqrt(self.cfg.d_model)
+        scale = math.sqrt(self.cfg.d_model) if self.cfg.scale_embedding else 1.0
+        scaled = self.embedding(tokens) * scale
         return scaled + self.positions[start : start + tokens.shape[1]]
 
     def encode(self, src, src_lengths, record: AttentionRecord | None = None):  # -> (B, S, E)
@@ -280,8 +312,9 @@ class Transformer(nn.Module):
         """Logits with the tied output embedding, or with ``output_weight_t()`` computed once
         for many decoding steps."""
         if output_weight is None:
-            return F.linear(states, self.embedding.weight)
-        return torch.matmul(states, output_weight)
+            return F.linear(states, self.embedding.weight, self.output_bias)
+        logits = torch.matmul(states, output_weight)
+        return logits if self.output_bias is None else logits + self.output_bias
 
     def output_weight_t(self):  # -> (E, V)
         """The tied output embedding transposed and contiguous: the layout a library GEMM reads

@@ -12,6 +12,7 @@ only computes for live hypotheses.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +47,9 @@ class Hypothesis:
 class _Batch:
     """The sentences still being searched and everything the decoder keeps for them."""
 
-    def __init__(self, model: Transformer, src, src_lengths, max_lens, beam, incremental, eos):
+    def __init__(
+        self, model: Transformer, src, src_lengths, max_lens, beam, incremental, eos, prefix
+    ):
         cfg = model.cfg
         self.model, self.beam = model, beam
         self.memory = model.encode(src, src_lengths)  # (A, S, E)
@@ -54,23 +57,30 @@ class _Batch:
         self.max_lens = max_lens.to(src.device)  # (A,)
         self.sentences = torch.arange(src.shape[0], device=src.device)  # (A,) input positions
         self.caches = model.new_caches() if incremental else None
-        self.history = src.new_full((src.shape[0] * beam, 1), cfg.bos_id)  # (N, step + 1)
-        banned = [cfg.pad_id, cfg.bos_id] + ([] if eos else [cfg.eos_id])
-        self.banned = torch.tensor(banned, device=src.device)
+        self.cached = 0  # target positions already in the caches
+        start = src.new_full((src.shape[0] * beam, 1), cfg.bos_id)
+        forced = torch.tensor(prefix, dtype=src.dtype, device=src.device)
+        self.history = torch.cat([start, forced.expand(start.shape[0], -1)], dim=1)  # (N, step + 1)
+        # pad and the start symbol are never generated, unless the start symbol is eos (NLLB).
+        banned = ({cfg.pad_id, cfg.bos_id} - {cfg.eos_id}) | (set() if eos else {cfg.eos_id})
+        self.banned = torch.tensor(sorted(banned), device=src.device)
         self.output_weight = model.output_weight_t()  # (E, V), once per search
 
     @property
     def size(self) -> int:
         return self.sentences.shape[0]
 
-    def next_tokens(self, step: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def next_tokens(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k most probable next tokens of every hypothesis: float32 log-probabilities and
         token ids, both (N, k), best first."""
         if self.caches is None:  # recompute the whole prefix: the baseline the cache is for
             states = self.model.decode(self.history, self.memory, self.src_lengths)
-        else:
-            last = self.history[:, -1:]
-            states = self.model.decode(last, self.memory, self.src_lengths, self.caches, start=step)
+        else:  # the positions not yet cached: the start and any forced prefix, then one a step
+            new = self.history[:, self.cached :]
+            states = self.model.decode(
+                new, self.memory, self.src_lengths, self.caches, start=self.cached
+            )
+            self.cached = self.history.shape[1]
         logits = self.model.logits(states[:, -1], self.output_weight)  # (N, V)
         return log_softmax_topk(logits, min(k, logits.shape[1]), self.banned)
 
@@ -94,13 +104,22 @@ class _Batch:
         self.history = torch.cat([self.history, tokens[:, None]], dim=1)
 
 
-def _check(max_lens: torch.Tensor, src: torch.Tensor, beam: int = 1, nbest: int = 1) -> None:
+def _check(max_lens, src, beam: int = 1, nbest: int = 1, prefix: Sequence[int] = ()) -> None:
     if beam < 1:
         raise ValueError(f"beam must be at least 1, got {beam}")
     if not 1 <= nbest <= beam:
         raise ValueError(f"nbest must be between 1 and beam ({beam}), got {nbest}")
-    if max_lens.shape != src.shape[:1] or (max_lens.numel() and int(max_lens.min()) < 1):
-        raise ValueError(f"max_lens must be ({src.shape[0]},) positive lengths, got {max_lens}")
+    shortest = len(prefix) + 1
+    if max_lens.shape != src.shape[:1] or (max_lens.numel() and int(max_lens.min()) < shortest):
+        raise ValueError(
+            f"max_lens must be ({src.shape[0]},) lengths of at least {shortest} (the prefix and "
+            f"a token), got {max_lens}"
+        )
+
+
+def _steps(max_lens: torch.Tensor, prefix: Sequence[int]) -> range:
+    """The search's steps: the number of tokens generated before each (the prefix counts)."""
+    return range(len(prefix), int(max_lens.max()) if max_lens.numel() else 0)
 
 
 @torch.inference_mode()  # no autograd bookkeeping: part of the per-op cost of a decoding step
@@ -113,16 +132,20 @@ def greedy(
     penalty: LengthPenalty = LengthPenalty(),
     incremental: bool = True,
     eos: bool = True,
+    prefix: Sequence[int] = (),
 ) -> list[Hypothesis]:
     """The most probable next token at every step, for src (B, S) with lengths (B,); at most
     ``max_lens`` (B,) tokens each. ``incremental=False`` recomputes the whole prefix every step
-    (no KV cache); ``eos=False`` never ends a hypothesis early (fixed-length benchmarks)."""
-    _check(max_lens, src)
-    batch = _Batch(model, src, src_lengths, max_lens, 1, incremental, eos)
+    (no KV cache); ``eos=False`` never ends a hypothesis early (fixed-length benchmarks).
+    ``prefix``: tokens forced after the start symbol (NLLB's target language), with
+    log-probability 0, counted in the lengths and returned in the hypotheses' tokens, as
+    transformers' ``forced_bos_token_id`` does."""
+    _check(max_lens, src, prefix=prefix)
+    batch = _Batch(model, src, src_lengths, max_lens, 1, incremental, eos, prefix)
     log_probs = torch.zeros(batch.size, device=src.device)  # (A,)
     results: list[Hypothesis | None] = [None] * src.shape[0]
-    for step in range(int(max_lens.max()) if src.shape[0] else 0):
-        best, tokens = (x[:, 0] for x in batch.next_tokens(step, 1))  # (A,), (A,)
+    for step in _steps(max_lens, prefix):
+        best, tokens = (x[:, 0] for x in batch.next_tokens(1))  # (A,), (A,)
         log_probs += best
         done = (tokens == model.cfg.eos_id) | (batch.max_lens <= step + 1)  # (A,)
         rows = None
@@ -158,24 +181,26 @@ def beam_search(
     penalty: LengthPenalty = LengthPenalty(),
     incremental: bool = True,
     eos: bool = True,
+    prefix: Sequence[int] = (),
 ) -> list[list[Hypothesis]]:
     """The ``nbest`` best hypotheses per sentence (best first) of a beam search of width
     ``beam``, arguments as ``greedy``'s.
 
     fairseq's algorithm: each step takes the 2K best continuations of a sentence's K beams; those
     ending in eos among the best K are finished, the best K others go on. A sentence is done with
-    K finished hypotheses, or at its length limit, where its best K continuations are finished as
+    K finished hypotheses (the K best scores when more finish in one step, as in transformers'
+    ``early_stopping=True``), or at its length limit, where its best K continuations are finished as
     they are. With K as large as the number of possible prefixes the search is exhaustive.
     """
-    _check(max_lens, src, beam, nbest)
+    _check(max_lens, src, beam, nbest, prefix)
     k, eos_id = beam, model.cfg.eos_id
-    batch = _Batch(model, src, src_lengths, max_lens, k, incremental, eos)
+    batch = _Batch(model, src, src_lengths, max_lens, k, incremental, eos, prefix)
     scores = torch.full((batch.size, k), float("-inf"), device=src.device)  # (A, K)
     scores[:, 0] = 0.0  # all beams start as the same empty prefix: expand only one of them
     finished: list[list[Hypothesis]] = [[] for _ in range(src.shape[0])]
-    for step in range(int(max_lens.max()) if src.shape[0] else 0):
+    for step in _steps(max_lens, prefix):
         # A sentence's best 2K continuations are among its beams' best 2K each.
-        log_probs, next_ids = batch.next_tokens(step, 2 * k)  # (N, C), C = 2K (or V if fewer)
+        log_probs, next_ids = batch.next_tokens(2 * k)  # (N, C), C = 2K (or V if fewer)
         per_beam = log_probs.shape[1]
         candidates = (scores.view(-1, 1) + log_probs).reshape(batch.size, k * per_beam)
         top, index = candidates.topk(2 * k, dim=1)  # (A, 2K), best first
@@ -214,8 +239,9 @@ def _finish(batch, finished, finishing, top, origin, tokens, k, eos_id, penalty)
         strict=True,
     )
     for index, ids, log_prob in ended:
-        if len(finished[index]) < k:
-            finished[index].append(_hypothesis(ids, log_prob, eos_id, penalty))
+        finished[index].append(_hypothesis(ids, log_prob, eos_id, penalty))
+        # More than K finishing at once: the K best scores stay (as transformers keeps them).
+        finished[index] = sorted(finished[index], key=lambda h: h.score, reverse=True)[:k]
     full = [len(finished[index]) >= k for index in batch.sentences.tolist()]
     last = batch.max_lens <= batch.history.shape[1]
     return torch.tensor(full, device=last.device) | last

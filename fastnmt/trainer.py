@@ -59,7 +59,7 @@ def label_smoothed_loss(model: Transformer, states, targets, positions, smoothin
     states = states.reshape(-1, states.shape[-1]).index_select(0, positions)  # (tokens, E)
     targets = targets.reshape(-1).index_select(0, positions)  # (tokens,)
     out = linear_cross_entropy(
-        states, model.embedding.weight, None, targets, smoothing, reduction="sum"
+        states, model.embedding.weight, model.output_bias, targets, smoothing, reduction="sum"
     )
     return out.loss, out.nll, out.correct
 

@@ -178,8 +178,7 @@ def _fused_loss_forward(self, *args, **kwargs):
     from transformers.modeling_outputs import Seq2SeqLMOutput
 
     items = arguments.pop("num_items_in_batch", None)
-    given = arguments.get("decoder_input_ids"), arguments.get("decoder_inputs_embeds")
-    if given == (None, None):
+    if all(arguments.get(name) is None for name in ("decoder_input_ids", "decoder_inputs_embeds")):
         arguments["decoder_input_ids"] = _decoder_inputs(self, labels)
     arguments["use_cache"] = False
     outputs = self.model(**arguments)
