@@ -49,6 +49,12 @@ def fastest_dtype(device: torch.device | str) -> torch.dtype | None:
     return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
 
 
+def _check_precision(precision: str) -> None:
+    if precision != "auto" and precision not in PRECISIONS:
+        choices = ", ".join(PRECISIONS)
+        raise ValueError(f"precision must be auto, {choices}; got {precision!r}")
+
+
 @dataclass
 class Candidate:
     """One translation of a sentence."""
@@ -67,8 +73,8 @@ class Translation:
     candidates: list[Candidate] = field(default_factory=list)  # n-best, best first
     truncated: bool = False
     # Of the best candidate, with attention=True: per layer (H, Lq, Lk) without padding. Queries
-    # and keys are the tokens with eos: target rows are the generated tokens (+ eos), source
-    # columns the source tokens + eos.
+    # and keys are the tokens with eos: target rows are the generated tokens (+ eos; after a
+    # forced target prefix), source columns the source tokens + eos.
     attention: AttentionRecord | None = None
 
     @property
@@ -95,6 +101,8 @@ class Translator:
         max_tokens: int = 6000,
         max_sentences: int = 256,
     ):
+        """``vocab`` also gives the ``target_prefix`` every translation starts with, if it has
+        one (NLLB's target language: ``PretrainedVocabulary``)."""
         if max_tokens < 1 or max_sentences < 1:
             raise ValueError(
                 f"max_tokens and max_sentences must be positive, got {max_tokens}, {max_sentences}"
@@ -102,6 +110,7 @@ class Translator:
         if dtype is not None and model.embedding.weight.dtype != dtype:
             model = copy.deepcopy(model).to(dtype)
         self.model, self.vocab = model, vocab
+        self.target_prefix: list[int] = list(getattr(vocab, "target_prefix", []))
         self.device = torch.device(device)
         self.max_tokens, self.max_sentences = max_tokens, max_sentences
 
@@ -117,9 +126,7 @@ class Translator:
         """Load a checkpoint directory (or a training output directory: its best checkpoint).
         Loading executes no code (safetensors, json). ``precision``: auto, fp32, bf16 or fp16.
         Raises CheckpointError (one line) for a missing, corrupt or incompatible checkpoint."""
-        if precision != "auto" and precision not in PRECISIONS:
-            choices = ", ".join(PRECISIONS)
-            raise ValueError(f"precision must be auto, {choices}; got {precision!r}")
+        _check_precision(precision)
         device = resolve_device("auto" if device is None else str(device))
         resolved = checkpoint.resolve(Path(path))
         loaded = checkpoint.load(resolved, with_trainer_state=False)
@@ -136,6 +143,29 @@ class Translator:
                 f"cannot load checkpoint {resolved}: spm.model has {len(vocab)} pieces, the "
                 f"model {cfg.vocab_size}"
             )
+        dtype = fastest_dtype(device) if precision == "auto" else PRECISIONS[precision]
+        model = model.to(device, dtype or torch.float32).eval().requires_grad_(False)
+        return cls(model, vocab, device=device, **options)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        directory: str | Path,
+        *,
+        src_lang: str | None = None,
+        tgt_lang: str | None = None,
+        device: torch.device | str | None = None,
+        precision: str = "auto",
+        **options,
+    ) -> Translator:
+        """A Hugging Face Opus-MT (Marian) or NLLB/M2M100 checkpoint directory, run by fastnmt's
+        model and search (needs ``fastnmt[transformers]``). NLLB needs ``src_lang`` and
+        ``tgt_lang`` (e.g. eng_Latn, deu_Latn). Other options as ``from_checkpoint``."""
+        from fastnmt.integrations.transformers.convert import load_pretrained
+
+        _check_precision(precision)
+        device = resolve_device("auto" if device is None else str(device))
+        model, vocab = load_pretrained(directory, src_lang=src_lang, tgt_lang=tgt_lang)
         dtype = fastest_dtype(device) if precision == "auto" else PRECISIONS[precision]
         model = model.to(device, dtype or torch.float32).eval().requires_grad_(False)
         return cls(model, vocab, device=device, **options)
@@ -193,9 +223,12 @@ class Translator:
                     eos_id=self.vocab.eos_id,
                 ).to(self.device)
                 limit = (max_len_a * batch.src_lengths + max_len_b).long()
-                max_lens = limit.clamp(1, self.model.cfg.max_positions)
+                shortest = len(self.target_prefix) + 1
+                max_lens = limit.clamp(shortest, self.model.cfg.max_positions)
                 inputs = (self.model, batch.src, batch.src_lengths, max_lens)
-                search = dict(penalty=penalty, incremental=incremental, eos=eos)
+                search = dict(
+                    penalty=penalty, incremental=incremental, eos=eos, prefix=self.target_prefix
+                )
                 if beam == 1 and nbest == 1:  # the same search; greedy skips beam bookkeeping
                     found = [[h] for h in greedy(*inputs, **search)]
                 else:
@@ -237,9 +270,11 @@ class Translator:
             yield batch
 
     def _candidates(self, hypotheses: list[Hypothesis]) -> list[Candidate]:
-        texts = self.vocab.decode([h.tokens for h in hypotheses])
+        """Candidates without the forced target prefix (its log-probability is 0)."""
+        forced = len(self.target_prefix)
+        texts = self.vocab.decode([h.tokens[forced:] for h in hypotheses])
         return [
-            Candidate(text, h.tokens, h.score, h.log_prob, h.ended)
+            Candidate(text, h.tokens[forced:], h.score, h.log_prob, h.ended)
             for text, h in zip(texts, hypotheses, strict=True)
         ]
 
@@ -254,7 +289,7 @@ class Translator:
         best = [t.candidates[0] for t in translations]
         batch = make_batch(
             [t.source_tokens for t in translations],
-            [c.tokens for c in best],
+            [self.target_prefix + c.tokens for c in best],
             list(range(len(translations))),
             pad_id=self.vocab.pad_id,
             bos_id=self.vocab.bos_id,
@@ -266,7 +301,7 @@ class Translator:
             self.model.decode(batch.tgt_in, memory, batch.src_lengths, record=record)
         for row, (translation, candidate) in enumerate(zip(translations, best, strict=True)):
             source = len(translation.source_tokens) + 1  # + eos
-            target = len(candidate.tokens) + candidate.ended
+            target = len(self.target_prefix) + len(candidate.tokens) + candidate.ended
 
             def crop(weights, queries, keys, row=row):
                 return [w[row, :, :queries, :keys].float().cpu() for w in weights]
