@@ -32,6 +32,7 @@ from fastnmt.translate import (
     run_command,
     search_options,
 )
+from fastnmt.translator import is_pretrained_directory
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,6 +77,9 @@ def load_corpus(args) -> ParallelCorpus:
 def default_languages(args) -> None:
     """Fill --src-lang / --tgt-lang from the checkpoint's training data when not given."""
     if args.src_lang and args.tgt_lang:
+        return
+    if is_pretrained_directory(args.checkpoint):  # no training data recorded: Multi30k's
+        args.src_lang, args.tgt_lang = args.src_lang or "en", args.tgt_lang or "de"
         return
     loaded = checkpoint.load(checkpoint.resolve(Path(args.checkpoint)), with_trainer_state=False)
     data = loaded.config.get("data", {})

@@ -34,7 +34,13 @@ class UsageError(ValueError):
 
 def add_search_arguments(parser: argparse.ArgumentParser) -> None:
     """Model, search and batching options, shared with ``fastnmt.evaluate``."""
-    parser.add_argument("--checkpoint", required=True, help="checkpoint or training output dir")
+    parser.add_argument(
+        "--checkpoint",
+        required=True,
+        help="checkpoint or training output dir, or a Hugging Face Opus-MT / NLLB model directory",
+    )
+    parser.add_argument("--src-code", help="NLLB/M2M100 source language code, e.g. eng_Latn")
+    parser.add_argument("--tgt-code", help="NLLB/M2M100 target language code, e.g. deu_Latn")
     search = parser.add_argument_group("search")
     search.add_argument("--beam", type=int, default=4, help="beam size; 1 = greedy (default 4)")
     search.add_argument("--lenpen", type=float, default=1.0, help="score / length**lenpen")
@@ -75,15 +81,19 @@ def search_options(args) -> dict:
 def load_translator(args) -> Translator:
     try:
         device = resolve_device(args.device or "auto")
-    except ValueError as error:
-        raise UsageError(str(error)) from None
-    return Translator.from_checkpoint(
-        args.checkpoint,
-        device=device,
-        precision=args.precision,
-        max_tokens=args.max_tokens,
-        max_sentences=args.max_sentences,
-    )
+        return Translator.load(
+            args.checkpoint,
+            src_code=args.src_code,
+            tgt_code=args.tgt_code,
+            device=device,
+            precision=args.precision,
+            max_tokens=args.max_tokens,
+            max_sentences=args.max_sentences,
+        )
+    except CheckpointError:
+        raise
+    except (ValueError, ImportError) as error:  # bad options, unsupported models, no transformers
+        raise UsageError(str(error).splitlines()[0]) from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -47,6 +48,15 @@ def fastest_dtype(device: torch.device | str) -> torch.dtype | None:
         native_bf16 = torch.cuda.get_device_capability(device) >= (8, 0)
         return torch.bfloat16 if native_bf16 else torch.float16
     return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
+
+
+def is_pretrained_directory(path: str | Path) -> bool:
+    """A Hugging Face checkpoint (config.json with a model_type), not a fastnmt one."""
+    config = Path(path) / "config.json"
+    try:
+        return "model_type" in json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
 
 
 def _check_precision(precision: str) -> None:
@@ -169,6 +179,17 @@ class Translator:
         dtype = fastest_dtype(device) if precision == "auto" else PRECISIONS[precision]
         model = model.to(device, dtype or torch.float32).eval().requires_grad_(False)
         return cls(model, vocab, device=device, **options)
+
+    @classmethod
+    def load(cls, path: str | Path, *, src_code=None, tgt_code=None, **options) -> Translator:
+        """``from_pretrained`` for a Hugging Face checkpoint directory (its config.json names a
+        ``model_type``), else ``from_checkpoint``; ``src_code``/``tgt_code`` are NLLB's
+        language codes."""
+        if is_pretrained_directory(path):
+            return cls.from_pretrained(path, src_lang=src_code, tgt_lang=tgt_code, **options)
+        if src_code or tgt_code:
+            raise ValueError("language codes are for Hugging Face NLLB/M2M100 checkpoints")
+        return cls.from_checkpoint(path, **options)
 
     @property
     def max_source_tokens(self) -> int:

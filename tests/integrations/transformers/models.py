@@ -27,9 +27,12 @@ VOCAB, PAD, EOS = 97, 1, 2
 
 
 def tiny_model(family: str, vocab_size: int = VOCAB, *, pad: int = PAD, eos: int = EOS, **options):
-    """A random 2+2-layer model (d_model 32, 4 heads, FFN 48) in eval mode. Weights are drawn
+    """A random 2+2-layer model (d_model 32, 4 heads, FFN 48) on eager attention, in eval mode,
+    without dropout unless ``options`` ask for it. Weights are drawn
     wider than transformers' init (std 0.02) so that searches do not all emit the same token."""
     start = pad if family == "marian" else eos
+    settings = dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0) | options
+    settings |= dict(encoder_layerdrop=0.0, decoder_layerdrop=0.0)  # M2M100's default skips
     config = CONFIGS[family](
         vocab_size=vocab_size,
         d_model=32,
@@ -40,9 +43,6 @@ def tiny_model(family: str, vocab_size: int = VOCAB, *, pad: int = PAD, eos: int
         encoder_ffn_dim=48,
         decoder_ffn_dim=48,
         max_position_embeddings=64,
-        dropout=0.0,
-        attention_dropout=0.0,
-        activation_dropout=0.0,
         activation_function=ACTIVATIONS.get(family, "relu"),
         pad_token_id=pad,
         eos_token_id=eos,
@@ -50,10 +50,11 @@ def tiny_model(family: str, vocab_size: int = VOCAB, *, pad: int = PAD, eos: int
         decoder_start_token_id=start,
         forced_eos_token_id=None,
         scale_embedding=True,
-        **options,
+        **settings,
     )
     torch.manual_seed(0)
-    model = transformers.AutoModelForSeq2SeqLM.from_config(config).eval()
+    model = transformers.AutoModelForSeq2SeqLM.from_config(config, attn_implementation="eager")
+    model.eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if parameter.dim() == 2:

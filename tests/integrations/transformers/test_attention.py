@@ -1,0 +1,122 @@
+"""attn_implementation="fastnmt" against transformers' eager attention, on tiny random models of
+each family: logits, loss and every parameter gradient by FlashAttention's rule (float64 eager as
+the oracle), left and right padding; generate() greedy and beam 4; output_attentions."""
+
+import copy
+
+import pytest
+import torch
+
+import fastnmt.integrations.transformers as fastnmt_hf
+from tests.helpers import assert_error_within
+from tests.integrations.transformers.models import FAMILIES, VOCAB, tiny_model
+
+# Relative to the largest value of the compared tensor: a whole model's outputs and gradients
+# carry many kernels' rounding (the kernels alone are held to 1e-5 in tests/ops).
+ATOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+
+
+def assert_model_error_within(candidate, same_dtype, oracle, factor, dtype):
+    atol = ATOL[dtype] * max(1.0, oracle.abs().max().item())
+    assert_error_within(candidate, same_dtype, oracle, factor, atol)
+
+
+def padded_batch(padding: str, generator):
+    """Sources of 7, 4 and 1 tokens (eos last) padded on one side, and labels with -100 after
+    each target's end."""
+    lengths = [7, 4, 1]
+    src = torch.randint(3, VOCAB, (3, 7), generator=generator)
+    mask = torch.zeros(3, 7, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        keep = slice(0, length) if padding == "right" else slice(7 - length, 7)
+        mask[row, keep] = 1
+    src = src.masked_fill(mask == 0, 1)
+    labels = torch.randint(3, VOCAB, (3, 5), generator=generator)
+    labels[1, 3:] = -100
+    return dict(input_ids=src, attention_mask=mask, labels=labels)
+
+
+def run(model, batch, dtype):
+    """Logits, loss and parameter gradients (name -> grad) of one training-mode pass."""
+    model = model.to(dtype).train()
+    model.zero_grad()
+    out = model(**batch)
+    out.loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    return out.logits.detach(), out.loss.detach(), grads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("padding", ["right", "left"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_loss_and_gradients_match_eager(family, padding, dtype):
+    seed = FAMILIES.index(family) * 2 + (padding == "left")
+    batch = padded_batch(padding, torch.Generator().manual_seed(seed))
+    eager = tiny_model(family)
+    fused = copy.deepcopy(eager)
+    fused.set_attn_implementation(fastnmt_hf.NAME)
+    oracle = run(copy.deepcopy(eager), batch, torch.float64)
+    same_dtype = run(eager, batch, dtype)
+    candidate = run(fused, batch, dtype)
+    assert_model_error_within(candidate[0], same_dtype[0], oracle[0], 2, dtype)
+    assert_model_error_within(candidate[1], same_dtype[1], oracle[1], 2, dtype)
+    assert candidate[2].keys() == oracle[2].keys()
+    for name, grad in candidate[2].items():
+        assert_model_error_within(grad, same_dtype[2][name], oracle[2][name], 3, dtype)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_greedy_and_beam_match_eager(family):
+    eager = tiny_model(family)
+    fused = copy.deepcopy(eager)
+    fused.set_attn_implementation(fastnmt_hf.NAME)
+    batch = padded_batch("right", torch.Generator().manual_seed(1))
+    del batch["labels"]
+    for beams in (1, 4):
+        options = dict(num_beams=beams, max_new_tokens=12, do_sample=False)
+        expected = eager.generate(**batch, **options)
+        assert torch.equal(fused.generate(**batch, **options), expected)
+        assert len(set(map(tuple, expected.tolist()))) > 1  # the sentences differ: a real test
+
+
+@pytest.mark.parametrize("family", ["marian", "m2m_100"])
+def test_output_attentions_are_the_probabilities(family):
+    eager = tiny_model(family)
+    fused = copy.deepcopy(eager)
+    fused.set_attn_implementation(fastnmt_hf.NAME)
+    batch = padded_batch("right", torch.Generator().manual_seed(2))
+    expected = eager(**batch, output_attentions=True)
+    found = fused(**batch, output_attentions=True)
+    for kind in ("encoder_attentions", "decoder_attentions", "cross_attentions"):
+        assert len(found[kind]) == 2
+        for got, want in zip(found[kind], expected[kind], strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    # Padded keys get no probability.
+    assert (found.cross_attentions[0][2, :, :, 1:] == 0).all()
+
+
+def test_dropout_in_training_is_seeded_and_off_in_eval():
+    model = tiny_model("bart", attention_dropout=0.5)
+    model.set_attn_implementation(fastnmt_hf.NAME)
+    batch = padded_batch("right", torch.Generator().manual_seed(3))
+    model.train()
+    losses = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        losses.append(model(**batch).loss)
+    assert losses[0] == losses[1] != losses[2]
+    model.eval()
+    assert model(**batch).loss == model(**batch).loss
+
+
+def test_t5_position_bias_is_refused_in_one_line():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(
+        vocab_size=50, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4
+    )
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    model.set_attn_implementation(fastnmt_hf.NAME)
+    ids = torch.randint(0, 50, (2, 5))
+    with pytest.raises(fastnmt_hf.UnsupportedModelError, match="position bias") as error:
+        model(input_ids=ids, labels=ids)
+    assert "\n" not in str(error.value)
