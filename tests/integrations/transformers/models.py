@@ -33,6 +33,7 @@ def tiny_model(family: str, vocab_size: int = VOCAB, *, pad: int = PAD, eos: int
     start = pad if family == "marian" else eos
     settings = dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0) | options
     settings |= dict(encoder_layerdrop=0.0, decoder_layerdrop=0.0)  # M2M100's default skips
+    settings.setdefault("activation_function", ACTIVATIONS.get(family, "relu"))
     config = CONFIGS[family](
         vocab_size=vocab_size,
         d_model=32,
@@ -43,7 +44,6 @@ def tiny_model(family: str, vocab_size: int = VOCAB, *, pad: int = PAD, eos: int
         encoder_ffn_dim=48,
         decoder_ffn_dim=48,
         max_position_embeddings=64,
-        activation_function=ACTIVATIONS.get(family, "relu"),
         pad_token_id=pad,
         eos_token_id=eos,
         bos_token_id=0,
@@ -57,7 +57,7 @@ def tiny_model(family: str, vocab_size: int = VOCAB, *, pad: int = PAD, eos: int
     model.eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if parameter.dim() == 2:
+            if parameter.dim() == 2 and "embed_positions" not in name:  # Marian's are sinusoids
                 parameter.normal_(0, 0.3 if "embed" not in name else 1.0)
         if hasattr(model, "final_logits_bias"):
             model.final_logits_bias.normal_(0, 0.5)

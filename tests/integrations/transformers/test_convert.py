@@ -1,0 +1,109 @@
+"""Translator.from_pretrained on Opus-MT- and NLLB-like checkpoints built here: the imported
+model's logits are the Hugging Face model's, and its greedy and beam-4 translations are
+transformers' generate() outputs with the same beam, length penalty and limits."""
+
+import pytest
+import torch
+import transformers
+
+import fastnmt
+from fastnmt.integrations.transformers import UnsupportedModelError
+from fastnmt.translate import main as translate_main
+from tests.integrations.transformers.models import marian_directory, nllb_directory, tiny_model
+
+LINES = [
+    "A man in a blue shirt is standing on a ladder.",
+    "Two dogs play in the snow.",
+    "A child",
+    "",
+    "People are walking down a busy city street at night while a woman sings.",
+]
+NLLB = dict(src_lang="eng_Latn", tgt_lang="deu_Latn")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf")
+    return {"marian": marian_directory(folder), "nllb": nllb_directory(folder)}
+
+
+def hf_model_and_tokenizer(directory, languages):
+    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(directory).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
+        directory, **({"src_lang": languages["src_lang"]} if languages else {})
+    )
+    return model, tokenizer
+
+
+@pytest.mark.parametrize("kind", ["marian", "nllb"])
+def test_logits_equal_the_hf_models(checkpoints, kind):
+    languages = NLLB if kind == "nllb" else {}
+    translator = fastnmt.Translator.from_pretrained(
+        checkpoints[kind], precision="fp32", **languages
+    )
+    hf, tokenizer = hf_model_and_tokenizer(checkpoints[kind], languages)
+    batch = tokenizer(LINES[:3], return_tensors="pt", padding=True)
+    decoder_in = torch.randint(3, 90, (3, 6))
+    decoder_in[:, 0] = hf.config.decoder_start_token_id
+    expected = hf(**batch, decoder_input_ids=decoder_in).logits
+    model = translator.model
+    lengths = batch["attention_mask"].sum(1)
+    states = model.decode(decoder_in, model.encode(batch["input_ids"], lengths), lengths)
+    torch.testing.assert_close(model.logits(states), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        model.logits(states[:, -1], model.output_weight_t()), expected[:, -1], atol=1e-4, rtol=1e-4
+    )
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+@pytest.mark.parametrize("kind", ["marian", "nllb"])
+def test_translations_equal_hf_generate(checkpoints, kind, beam):
+    languages = NLLB if kind == "nllb" else {}
+    translator = fastnmt.Translator.from_pretrained(
+        checkpoints[kind], precision="fp32", **languages
+    )
+    hf, tokenizer = hf_model_and_tokenizer(checkpoints[kind], languages)
+    texts = [line for line in LINES if line]
+    forced = {"forced_bos_token_id": translator.target_prefix[0]} if languages else {}
+    generated = hf.generate(
+        **tokenizer(texts, return_tensors="pt", padding=True),
+        num_beams=beam,
+        max_new_tokens=16,
+        length_penalty=1.0,
+        early_stopping=True,
+        do_sample=False,
+        **forced,
+    )
+    expected = tokenizer.batch_decode(generated, skip_special_tokens=True)
+    found = translator.translate_full(LINES, beam=beam, lenpen=1.0, max_len_a=0, max_len_b=16)
+    assert [t.text for t in found if t.source] == expected
+    assert found[3].text == ""
+    expected_ids = [
+        [i for i in row.tolist()[1:] if i != tokenizer.pad_token_id] for row in generated
+    ]
+    found_ids = [
+        translator.target_prefix + c.tokens + [translator.vocab.eos_id] * c.ended
+        for c in (t.candidates[0] for t in found if t.source)
+    ]
+    assert found_ids == expected_ids
+    assert len(set(expected)) > 1  # the sentences differ: a real comparison
+
+
+def test_translate_cli_serves_a_hf_directory(checkpoints, tmp_path, capsys):
+    source = tmp_path / "in.txt"
+    source.write_text("\n".join(LINES[:3]) + "\n", encoding="utf-8")
+    arguments = ["--checkpoint", str(checkpoints["nllb"]), "--input", str(source), "--beam", "2"]
+    assert translate_main([*arguments, "--src-code", "eng_Latn", "--tgt-code", "deu_Latn"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 3
+    assert translate_main(arguments) == 2  # NLLB without a target language
+    assert "tgt_lang must be a language code" in capsys.readouterr().err
+
+
+def test_bad_models_and_languages_are_one_line_errors(checkpoints, tmp_path):
+    with pytest.raises(ValueError, match="tgt_lang must be a language code"):
+        fastnmt.Translator.from_pretrained(checkpoints["nllb"], src_lang="eng_Latn")
+    with pytest.raises(ValueError, match="src_lang/tgt_lang are for NLLB"):
+        fastnmt.Translator.from_pretrained(checkpoints["marian"], tgt_lang="deu_Latn")
+    tiny_model("bart").save_pretrained(tmp_path / "bart")
+    with pytest.raises(UnsupportedModelError, match="supports model types"):
+        fastnmt.Translator.from_pretrained(tmp_path / "bart")

@@ -1,0 +1,85 @@
+"""apply_fastnmt: the same outputs, loss, gradients and state_dict as the model it patched."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fastnmt.integrations.transformers as fastnmt_hf
+from tests.integrations.transformers.models import FAMILIES, tiny_model
+from tests.integrations.transformers.test_attention import padded_batch
+
+
+def patched(family, **options):
+    eager = tiny_model(family)
+    return eager, fastnmt_hf.apply_fastnmt(copy.deepcopy(eager), **options)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_eval_logits_and_state_dict_unchanged(family, tmp_path):
+    eager, fused = patched(family)
+    batch = padded_batch("right", torch.Generator().manual_seed(4))
+    torch.testing.assert_close(fused(**batch).logits, eager(**batch).logits, atol=1e-4, rtol=1e-4)
+    expected = eager.state_dict()
+    assert fused.state_dict().keys() == expected.keys()
+    for name, tensor in fused.state_dict().items():
+        assert torch.equal(tensor, expected[name])
+    fused.save_pretrained(tmp_path)
+    reloaded = type(eager).from_pretrained(tmp_path, attn_implementation="eager").eval()
+    torch.testing.assert_close(reloaded(**batch).logits, eager(**batch).logits)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_loss_and_gradients_match_without_logits(family):
+    eager, fused = patched(family)
+    batch = padded_batch("left", torch.Generator().manual_seed(5))
+    losses, grads = [], []
+    for model in (eager, fused):
+        model.train()
+        out = model(**batch)
+        out.loss.backward()
+        losses.append(out.loss)
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert out.logits is None  # the fused loss never forms them
+    torch.testing.assert_close(losses[1], losses[0], atol=1e-5, rtol=1e-5)
+    assert grads[1].keys() == grads[0].keys()
+    for name, grad in grads[1].items():
+        scale = max(1.0, grads[0][name].abs().max().item())
+        torch.testing.assert_close(grad, grads[0][name], atol=1e-4 * scale, rtol=1e-4)
+
+
+def test_label_smoothing_and_items_in_batch():
+    eager, fused = patched("marian", label_smoothing=0.1)
+    batch = padded_batch("right", torch.Generator().manual_seed(6))
+    logits = eager(**batch).logits
+    labels = batch["labels"]
+    expected = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), label_smoothing=0.1)
+    fused.train()
+    torch.testing.assert_close(fused(**batch).loss, expected, atol=1e-5, rtol=1e-5)
+    summed = expected * (labels != -100).sum()
+    found = fused(**batch, num_items_in_batch=torch.tensor(7))
+    torch.testing.assert_close(found.loss, summed / 7, atol=1e-5, rtol=1e-5)
+
+
+def test_generate_after_apply_matches():
+    eager, fused = patched("bart")
+    batch = padded_batch("right", torch.Generator().manual_seed(7))
+    del batch["labels"]
+    options = dict(num_beams=4, max_new_tokens=10, do_sample=False)
+    assert torch.equal(fused.generate(**batch, **options), eager.generate(**batch, **options))
+
+
+def test_unsupported_models_are_refused_in_one_line():
+    transformers = pytest.importorskip("transformers")
+    t5 = transformers.T5ForConditionalGeneration(
+        transformers.T5Config(vocab_size=50, d_model=16, d_kv=4, d_ff=32, num_layers=1)
+    )
+    with pytest.raises(fastnmt_hf.UnsupportedModelError, match="model types"):
+        fastnmt_hf.apply_fastnmt(t5)
+    with pytest.raises(fastnmt_hf.UnsupportedModelError, match="activation_function"):
+        fastnmt_hf.apply_fastnmt(tiny_model("bart", activation_function="tanh"))
+    with pytest.raises(fastnmt_hf.UnsupportedModelError, match="expected a 'marian' model"):
+        fastnmt_hf.apply_fastnmt_to_marian(tiny_model("bart"))
+    with pytest.raises(ValueError, match="label_smoothing"):
+        fastnmt_hf.apply_fastnmt(tiny_model("bart"), label_smoothing=1.0)
