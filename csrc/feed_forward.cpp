@@ -5,7 +5,8 @@
 // them: activation and dropout in one pass over the hidden activations forward, and their
 // derivative in one pass backward. The dropout mask is never stored: it is regenerated from the
 // seed. Saved for backward: ReLU saves only z = relu(a) * keep * scale (needed for dW2 anyway;
-// z > 0 exactly where the gradient flows); GELU saves the pre-activation a and recomputes z.
+// z > 0 exactly where the gradient flows); GELU and SiLU also save the pre-activation a, which
+// their derivatives need and z does not determine.
 #include "common.h"
 
 #include <cmath>
@@ -13,7 +14,7 @@
 namespace fastnmt {
 namespace {
 
-enum Activation : int64_t { kRelu = 0, kGelu = 1 };
+enum Activation : int64_t { kRelu = 0, kGelu = 1, kSilu = 2 };
 
 constexpr float kInvSqrt2 = 0.70710678118654752f;
 constexpr float kInvSqrt2Pi = 0.39894228040143268f;
@@ -36,6 +37,28 @@ inline Vec gelu_derivative(Vec a) {
   return a;
 }
 
+// SiLU a s(a), s = sigmoid, and its derivative s (1 + a (1 - s)): whole vectors, as vec.h has an
+// exp. vector_exp clamps its argument, so s stops at ~6e-39 for a < -88 instead of reaching 0:
+// below anything a feed-forward layer's output can resolve.
+inline Vec sigmoid(Vec a) { return 1.0f / (1.0f + vector_exp(-a)); }
+
+inline Vec silu(Vec a) { return a * sigmoid(a); }
+
+inline Vec silu_derivative(Vec a) {
+  const Vec s = sigmoid(a);
+  return s * (1.0f + a * (1.0f - s));
+}
+
+inline Vec activation(Vec a, Activation act) {
+  if (act == kRelu) return a < 0.0f ? Vec{} : a;
+  return act == kGelu ? gelu(a) : silu(a);
+}
+
+// act'(a) of the activations whose backward reads a (ReLU's reads z instead).
+inline Vec activation_derivative(Vec a, Activation act) {
+  return act == kGelu ? gelu_derivative(a) : silu_derivative(a);
+}
+
 // z = act(a) * dropout factor, 16 elements at a time (in place when z aliases a).
 template <typename T>
 void activation_dropout(const T* a, T* z, int64_t n, Activation act, const DropoutStream& drop) {
@@ -43,14 +66,14 @@ void activation_dropout(const T* a, T* z, int64_t n, Activation act, const Dropo
     for (int64_t e = begin; e < end; e += kLanes) {
       const int64_t lanes = std::min(kLanes, end - e);
       const Vec value = load_float(a + e, lanes);
-      Vec out = act == kRelu ? (value < 0.0f ? Vec{} : value) : gelu(value);
+      Vec out = activation(value, act);
       if (drop.active) out *= drop.factors(static_cast<uint32_t>(e));
       store_float(z + e, out, lanes);
     }
   });
 }
 
-// da = dz * dropout factor * act'(a), from what the forward saved (ReLU: z; GELU: a).
+// da = dz * dropout factor * act'(a), from what the forward saved (ReLU: z; GELU, SiLU: a).
 template <typename T>
 void activation_dropout_backward(const T* dz, const T* saved, T* da, int64_t n, Activation act,
                                  const DropoutStream& drop) {
@@ -63,7 +86,7 @@ void activation_dropout_backward(const T* dz, const T* saved, T* da, int64_t n, 
       if (act == kRelu) {
         out = saved_value > 0.0f ? grad * drop.scale : Vec{};  // z > 0: kept and a > 0
       } else {
-        out = grad * gelu_derivative(saved_value);
+        out = grad * activation_derivative(saved_value, act);
         if (drop.active) out *= drop.factors(static_cast<uint32_t>(e));
       }
       store_float(da + e, out, lanes);
@@ -79,11 +102,12 @@ at::Tensor affine(const at::Tensor& x, const at::Tensor& w, const c10::optional<
 
 Activation parse_activation(c10::string_view name) {
   if (name == "relu") return kRelu;
-  TORCH_CHECK(name == "gelu", "feed_forward: activation must be relu or gelu, got ", name);
-  return kGelu;
+  if (name == "gelu") return kGelu;
+  TORCH_CHECK(name == "silu", "feed_forward: activation must be relu, gelu or silu, got ", name);
+  return kSilu;
 }
 
-// Returns (y (..., N), z (M, F), a (M, F) for GELU, else empty): the signature of
+// Returns (y (..., N), z (M, F), a (M, F) for GELU and SiLU, else empty): the signature of
 // fastnmt::feed_forward_triton without its GEMM-path flag, so both share their Python autograd.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> feed_forward_forward(
     const at::Tensor& x_in, const at::Tensor& w1, const c10::optional<at::Tensor>& b1,

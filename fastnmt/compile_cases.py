@@ -156,11 +156,24 @@ _EPILOGUES = {
     "backward": dict(EPILOGUE="activation_grad", SAVE_PREACTIVATION=False),
     "bias": dict(EPILOGUE="bias", SAVE_PREACTIVATION=False),
 }
+# The activations that keep the most values live (erf or sigmoid, and the saved a); ReLU's
+# epilogue is a subset of either.
+_ACTIVATIONS = ("gelu", "silu")
+# (epilogue, activation) per GEMM configuration: the bias-only epilogue applies no activation, so
+# one serves it.
+_MATMUL_VARIANTS = (
+    *(
+        (epilogue, activation)
+        for epilogue in ("forward", "backward")
+        for activation in _ACTIVATIONS
+    ),
+    ("bias", "gelu"),
+)
 
 
-def _matmul_case(config: triton_common.LaunchConfig, epilogue: str) -> CompileCase:
+def _matmul_case(config: triton_common.LaunchConfig, epilogue: str, activation: str) -> CompileCase:
     constexprs = {
-        "ACTIVATION": "gelu",
+        "ACTIVATION": activation,
         "HAS_BIAS": True,
         "HAS_DROPOUT": True,
         "UPCAST": False,
@@ -179,13 +192,13 @@ def _matmul_case(config: triton_common.LaunchConfig, epilogue: str) -> CompileCa
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         needs_wgmma=True,
-        label=f"{epilogue} gelu {config.label}",
+        label=f"{epilogue} {activation} {config.label}",
     )
 
 
-def _elementwise_case(kernel, pointers: tuple[str, ...]) -> CompileCase:
+def _elementwise_case(kernel, pointers: tuple[str, ...], activation: str) -> CompileCase:
     constexprs = {
-        "ACTIVATION": "gelu",
+        "ACTIVATION": activation,
         "HAS_DROPOUT": True,
         "BLOCK": ffn_op._GPU_ELEMENTWISE_BLOCK,
     }
@@ -196,22 +209,28 @@ def _elementwise_case(kernel, pointers: tuple[str, ...]) -> CompileCase:
         "dropout_p": "fp32",
         **dict.fromkeys(constexprs, "constexpr"),
     }
-    return CompileCase(
-        kernel, signature, constexprs, label=f"gelu dropout {ffn_op._GPU_ELEMENTWISE_BLOCK}"
-    )
+    label = f"{activation} dropout {ffn_op._GPU_ELEMENTWISE_BLOCK}"
+    return CompileCase(kernel, signature, constexprs, label=label)
 
 
 def feed_forward_cases() -> list[CompileCase]:
-    """Every GPU GEMM configuration with each epilogue (GELU and dropout: the most
-    registers), and the library path's elementwise kernels."""
+    """Every GPU GEMM configuration with each epilogue (GELU or SiLU and dropout: the most
+    registers), and the library path's elementwise kernels with each."""
+    elementwise = {
+        ffn_op._activation_forward_kernel: ("A", "Z"),
+        ffn_op._activation_backward_kernel: ("DZ", "SAVED", "DA"),
+    }
     return [
         *(
-            _matmul_case(config, epilogue)
+            _matmul_case(config, epilogue, activation)
             for config in ffn_op._GPU_CONFIGS
-            for epilogue in _EPILOGUES
+            for epilogue, activation in _MATMUL_VARIANTS
         ),
-        _elementwise_case(ffn_op._activation_forward_kernel, ("A", "Z")),
-        _elementwise_case(ffn_op._activation_backward_kernel, ("DZ", "SAVED", "DA")),
+        *(
+            _elementwise_case(kernel, pointers, activation)
+            for kernel, pointers in elementwise.items()
+            for activation in _ACTIVATIONS
+        ),
     ]
 
 

@@ -3,14 +3,20 @@ r"""Position-wise feed-forward block: ``feed_forward(x, w1, b1, w2, b2, activati
 Math, for x (M, K) (all leading dimensions flattened into M tokens), W1 (F, K), W2 (N, F):
 
     a = x W1^T + b1            (M, F)   pre-activation
-    z = act(a) * keep / (1-p)  (M, F)   act = ReLU or GELU (erf form, as nn.GELU())
+    z = act(a) * keep / (1-p)  (M, F)   act = ReLU, GELU (erf form, as nn.GELU()) or SiLU
     y = z W2^T + b2            (M, N)
 
 Backward, given dy:
 
     dW2 = dy^T z,  db2 = sum_rows dy,  dz = dy W2
-    da  = dz * keep / (1-p) * act'(a)         ReLU: act' = [a > 0]; GELU: Phi(a) + a phi(a)
+    da  = dz * keep / (1-p) * act'(a)         ReLU: act' = [a > 0]; GELU: Phi(a) + a phi(a);
+                                              SiLU: below
     dW1 = da^T x,  db1 = sum_rows da,  dx = da W1
+
+SiLU (Hugging Face's "swish", which the public API accepts as an alias) is act(a) = a s(a) with
+s = sigmoid(a) = 1 / (1 + e^-a). As s' = s (1 - s):
+
+    act'(a) = s + a s (1 - s) = s (1 + a (1 - s))
 
 Weights use ``nn.Linear``'s (out_features, in_features) layout so a module's parameters pass as
 they are. The Triton backend has two paths:
@@ -32,9 +38,10 @@ the shapes where it is faster there.
 
 Saved for the backward (both paths): x, W1, W2, z (needed for dW2 anyway) and the dropout seed;
 the mask is regenerated, never stored. ReLU needs nothing more: z != 0 exactly where a > 0 and
-the element was kept, so da = [z != 0] dz / (1-p). GELU also stores the pre-activation a (one
-(M, F) tensor in the input dtype) rather than recomputing it, which would cost another M*K*F GEMM
-in the backward (a third more backward FLOPs) to save M*F elements of memory.
+the element was kept, so da = [z != 0] dz / (1-p). GELU's and SiLU's a cannot be read back from
+z (neither is one-to-one for a < 0, and dropout zeroes z), so they also store the pre-activation
+a (one (M, F) tensor in the input dtype) rather than recomputing it, which would cost another
+M*K*F GEMM in the backward (a third more backward FLOPs) to save M*F elements of memory.
 """
 
 from __future__ import annotations
@@ -49,7 +56,16 @@ from fastnmt._triton import tl, triton
 from fastnmt.ops import registration, triton_common
 from fastnmt.ops.layer_norm import apply_dropout
 
-ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
+ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
+# Other names the public API accepts, replaced before dispatch so that every backend knows one name
+# per activation: Hugging Face's configs (Marian / Opus-MT) call SiLU "swish".
+ACTIVATION_ALIASES = {"swish": "silu"}
+
+
+def _saves_preactivation(activation: str) -> bool:
+    """Whether the backward reads the saved pre-activation a: ReLU's derivative shows in z."""
+    return activation != "relu"
+
 
 # ---------------------------------------------------------------------------------------------
 # Triton kernels.
@@ -58,22 +74,33 @@ ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
 
 @triton.jit
 def _activation(a, ACTIVATION: tl.constexpr):
-    """act(a) for fp32 a: ReLU, or GELU's erf form 0.5 a (1 + erf(a / sqrt 2))."""
+    """act(a) for fp32 a: ReLU, SiLU a sigmoid(a) or GELU's erf form 0.5 a (1 + erf(a / sqrt 2))."""
     if ACTIVATION == "relu":
         return tl.maximum(a, 0.0)
+    if ACTIVATION == "silu":
+        return a * tl.sigmoid(a)
     return 0.5 * a * (1.0 + tl.erf(a * 0.7071067811865476))
+
+
+@triton.jit
+def _activation_derivative(a, ACTIVATION: tl.constexpr):
+    """act'(a) for fp32 a: GELU's Phi(a) + a phi(a), or SiLU's s (1 + a (1 - s)), s = sigmoid(a)."""
+    if ACTIVATION == "silu":
+        s = tl.sigmoid(a)
+        return s * (1.0 + a * (1.0 - s))
+    cdf = 0.5 * (1.0 + tl.erf(a * 0.7071067811865476))
+    pdf = tl.exp(-0.5 * a * a) * 0.3989422804014327  # 1 / sqrt(2 pi)
+    return cdf + a * pdf
 
 
 @triton.jit
 def _activation_grad(
     dz, saved, SEED, element, dropout_p, ACTIVATION: tl.constexpr, HAS_DROPOUT: tl.constexpr
 ):
-    """da from dz (fp32): ``saved`` is z for ReLU (z != 0 iff a > 0 and kept), a for GELU."""
+    """da from dz (fp32): ``saved`` is z for ReLU (z != 0 iff a > 0 and kept), else a."""
     if ACTIVATION == "relu":
         return tl.where(saved != 0.0, dz / (1.0 - dropout_p), 0.0)
-    cdf = 0.5 * (1.0 + tl.erf(saved * 0.7071067811865476))
-    pdf = tl.exp(-0.5 * saved * saved) * 0.3989422804014327  # 1 / sqrt(2 pi)
-    da = dz * (cdf + saved * pdf)
+    da = dz * _activation_derivative(saved, ACTIVATION)
     if HAS_DROPOUT:
         da = apply_dropout(da, SEED, element, dropout_p)
     return da
@@ -86,7 +113,7 @@ def _matmul_kernel(
     C,  # (M, N) output, contiguous
     BIAS,  # (N,) added to every row (read when HAS_BIAS)
     SAVED,  # (M, N) contiguous: a written by the forward epilogue with SAVE_PREACTIVATION, or
-    # z (ReLU) / a (GELU) read by the "activation_grad" epilogue
+    # z (ReLU) / a (GELU, SiLU) read by the "activation_grad" epilogue
     SEED,  # int64 (2,): philox seed and offset of the dropout mask (read when HAS_DROPOUT)
     M,  # rows of A and C
     N,  # columns of B and C
@@ -98,7 +125,7 @@ def _matmul_kernel(
     dropout_p,  # probability of dropping an element of act(a)
     EPILOGUE: tl.constexpr,  # "bias": C = AB (+ bias); "activation": C = dropout(act(AB + bias));
     # "activation_grad": C = AB * keep / (1-p) * act'(SAVED)
-    ACTIVATION: tl.constexpr,  # "relu" or "gelu"
+    ACTIVATION: tl.constexpr,  # "relu", "gelu" or "silu"
     HAS_BIAS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     SAVE_PREACTIVATION: tl.constexpr,  # the "activation" epilogue also writes a to SAVED
@@ -161,7 +188,7 @@ def _activation_forward_kernel(
     SEED,  # int64 (2,): philox seed and offset of the dropout mask (read when HAS_DROPOUT)
     numel,  # M * F
     dropout_p,  # probability of dropping an element of act(a)
-    ACTIVATION: tl.constexpr,  # "relu" or "gelu"
+    ACTIVATION: tl.constexpr,  # "relu", "gelu" or "silu"
     HAS_DROPOUT: tl.constexpr,
     BLOCK: tl.constexpr,  # elements per program
 ):
@@ -176,12 +203,12 @@ def _activation_forward_kernel(
 @triton.jit
 def _activation_backward_kernel(
     DZ,  # (M, F) gradient of z, contiguous
-    SAVED,  # (M, F) z for ReLU, a for GELU, contiguous
+    SAVED,  # (M, F) z for ReLU, a for GELU and SiLU, contiguous
     DA,  # (M, F) output: gradient of the pre-activation a, contiguous
     SEED,  # int64 (2,): the forward's dropout seed and offset (read when HAS_DROPOUT)
     numel,  # M * F
     dropout_p,  # probability of dropping an element of act(a)
-    ACTIVATION: tl.constexpr,  # "relu" or "gelu"
+    ACTIVATION: tl.constexpr,  # "relu", "gelu" or "silu"
     HAS_DROPOUT: tl.constexpr,
     BLOCK: tl.constexpr,  # elements per program
 ):
@@ -349,7 +376,7 @@ def _elementwise_launch(kernel, inputs, dtype, seed, activation, dropout_p):
 
 def _forward(x2, w1, b1, w2, b2, activation, dropout_p, seed, fused_gemm):
     """(y, z, a) for x2 (M, K); a is empty for ReLU, whose backward needs z only."""
-    keep_a = activation == "gelu"
+    keep_a = _saves_preactivation(activation)
     if fused_gemm:
         a = _output((x2.shape[0], w1.shape[0]), x2.dtype, x2.device) if keep_a else None
         z = _matmul_launch(
@@ -376,7 +403,7 @@ def _forward(x2, w1, b1, w2, b2, activation, dropout_p, seed, fused_gemm):
 
 def _backward(dy2, x2, w1, w2, z, a, seed, activation, dropout_p, fused_gemm):
     """(dx, dW1, db1, dW2, db2) for flattened dy2 (M, N) and x2 (M, K)."""
-    saved = z if activation == "relu" else a
+    saved = a if _saves_preactivation(activation) else z
     if fused_gemm:
         da = _matmul_launch(
             dy2,
@@ -418,7 +445,7 @@ def _feed_forward_op(
     seed: torch.Tensor | None,
     fused_gemm: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, z, a): z and a (GELU only; else empty) are kept for the backward."""
+    """(y, z, a): z and a (GELU and SiLU; empty for ReLU) are kept for the backward."""
     y, z, a = _forward(
         x.reshape(-1, x.shape[-1]), w1, b1, w2, b2, activation, dropout_p, seed, fused_gemm
     )
@@ -428,7 +455,8 @@ def _feed_forward_op(
 def _forward_fake(x, w1, b1, w2, b2, activation, dropout_p, seed, *path):
     tokens = x.numel() // x.shape[-1]
     z = x.new_empty(tokens, w1.shape[0])
-    a = x.new_empty(tokens, w1.shape[0]) if activation == "gelu" else x.new_empty(0)
+    keep_a = _saves_preactivation(activation)
+    a = x.new_empty(tokens, w1.shape[0]) if keep_a else x.new_empty(0)
     return x.new_empty(*x.shape[:-1], w2.shape[0]), z, a
 
 
@@ -571,21 +599,27 @@ def _check_linear(prefix: str, weight, bias, in_features: int, in_name: str, lik
             _checks.same_dtype(f"b{prefix}", bias, like_name, like)
 
 
+def _activation_name(activation) -> str:
+    """The name the backends know ``activation`` by (an alias replaced)."""
+    allowed = sorted([*ACTIVATIONS, *ACTIVATION_ALIASES])
+    if activation not in allowed:
+        raise ValueError(f"activation must be one of {allowed}, got {activation!r}")
+    return ACTIVATION_ALIASES.get(activation, activation)
+
+
 def _prepare(x, w1, b1, w2, b2, activation="relu", dropout_p=0.0):
     _checks.tensor("x", x, floating=True)
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the features)")
     _check_linear("1", w1, b1, x.shape[-1], "x's last dimension", x, "x")
     _check_linear("2", w2, b2, w1.shape[0], "w1's out_features", x, "x")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
     prepared = dict(
         x=x,
         w1=w1,
         b1=b1,
         w2=w2,
         b2=b2,
-        activation=activation,
+        activation=_activation_name(activation),
         dropout_p=_checks.probability("dropout_p", dropout_p),
     )
     return x.device, prepared
@@ -603,7 +637,7 @@ def feed_forward(x, w1, b1, w2, b2, activation="relu", dropout_p=0.0):
     Args:
         x: (..., K).
         w1, b1: (F, K) and (F,) or None; w2, b2: (N, F) and (N,) or None (nn.Linear layout).
-        activation: "relu" or "gelu".
+        activation: "relu", "gelu" or "silu" (also accepted as "swish", Hugging Face's name).
         dropout_p: dropout after the activation (pass 0.0 in evaluation).
 
     Returns:

@@ -12,16 +12,22 @@ import torch
 
 import fastnmt
 from fastnmt.ops import feed_forward, triton_common
-from tests.helpers import assert_error_within, require_backend
+from tests.helpers import assert_error_within, device_of, require_backend
 
 feed_forward_module = importlib.import_module("fastnmt.ops.feed_forward")
+# Every activation the op offers (an added one fails the oracle tests until it has an oracle).
+ACTIVATION_NAMES = list(feed_forward_module.ACTIVATIONS)
+# act(a) in float64, from the definitions rather than torch.nn.functional.
+ACTIVATION_ORACLES = {
+    "relu": lambda a: a.clamp_min(0),
+    "gelu": lambda a: a * 0.5 * (1 + torch.erf(a / math.sqrt(2))),
+    "silu": lambda a: a / (1 + torch.exp(-a)),
+}
 
 
 def feed_forward_oracle(x, w1, b1, w2, b2, activation):
     a = x.double() @ w1.double().T + b1.double()
-    gelu = a * 0.5 * (1 + torch.erf(a / math.sqrt(2)))
-    z = a.clamp_min(0) if activation == "relu" else gelu
-    return z @ w2.double().T + b2.double()
+    return ACTIVATION_ORACLES[activation](a) @ w2.double().T + b2.double()
 
 
 def _inputs(tokens, d_model, d_ff, dtype=torch.float32, requires_grad=False, device="cpu"):
@@ -41,7 +47,7 @@ def _inputs(tokens, d_model, d_ff, dtype=torch.float32, requires_grad=False, dev
 @pytest.mark.parametrize(
     ("tokens", "d_model", "d_ff"), [(1, 16, 64), (37, 40, 100), (129, 64, 256)]
 )
-@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("activation", ACTIVATION_NAMES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matches_float64_oracle(tokens, d_model, d_ff, activation, dtype):
     x, w1, b1, w2, b2 = _inputs(tokens, d_model, d_ff, dtype)
@@ -62,7 +68,7 @@ def test_leading_dimensions_and_no_bias():
     torch.testing.assert_close(y.reshape(6, 8).double(), expected, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("activation", ACTIVATION_NAMES)
 def test_gradcheck(activation):
     inputs = _inputs(4, 5, 7, torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda *a: feed_forward(*a, activation), inputs)
@@ -82,7 +88,11 @@ BAD_INPUTS = [
     (dict(b1=torch.randn(11)), ValueError, "b1 must have shape"),
     (dict(w2=torch.randn(8, 11)), ValueError, r"w2 must have shape \(out_features, 12\)"),
     (dict(w2=torch.randn(8, 12, dtype=torch.float64)), TypeError, "w2 has dtype"),
-    (dict(activation="tanh"), ValueError, "activation must be one of"),
+    (
+        dict(activation="tanh"),
+        ValueError,
+        r"activation must be one of \['gelu', 'relu', 'silu', 'swish'\], got 'tanh'",
+    ),
     (dict(dropout_p=1), ValueError, "dropout_p must be in"),
     (dict(x=torch.tensor(2.0)), ValueError, "x must have at least one dimension"),
 ]
@@ -95,6 +105,20 @@ def test_bad_inputs_name_the_argument(override, error, message):
     arguments.update(override)
     with pytest.raises(error, match=message):
         feed_forward(**arguments)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton", "cpp"])
+def test_swish_is_silu(backend):
+    """Hugging Face's name reaches each backend as "silu", dropout included: the reference and
+    the C++ op reject any other name, and the Triton kernels would take one for GELU."""
+    require_backend(backend)
+    inputs = _inputs(37, 40, 100, device=device_of(backend))
+    results = []
+    for activation in ("swish", "silu"):
+        torch.manual_seed(2)
+        with fastnmt.backend(backend):
+            results.append(feed_forward(*inputs, activation, dropout_p=0.1))
+    assert torch.equal(*results)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,11 +149,11 @@ ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 SHAPES = [(1, 16, 64), (37, 40, 100), (129, 72, 200)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # An L9 orthogonal array over (shape, dtype, path, activation): every pair of values meets in 9
-# cases instead of the 36 of the full product (the two-valued factors fold their third level).
+# cases instead of the 54 of the full product (the two-valued path folds its third level).
 L9 = [(0, 0, 0, 0), (0, 1, 1, 1), (0, 2, 2, 2), (1, 0, 1, 2), (1, 1, 2, 0), (1, 2, 0, 1),
       (2, 0, 2, 1), (2, 1, 0, 2), (2, 2, 1, 0)]  # fmt: skip
 TRITON_CASES = [
-    (SHAPES[shape], path != 1, ("relu", "gelu")[activation % 2], DTYPES[dtype])
+    (SHAPES[shape], path != 1, ACTIVATION_NAMES[activation], DTYPES[dtype])
     for shape, dtype, path, activation in L9
 ]
 
@@ -174,7 +198,13 @@ def test_triton_dropout_keep_fraction_and_seed(triton_backend, triton_device, fu
 
 @pytest.mark.parametrize(
     ("fused_gemm", "activation", "gpu_tiles"),
-    [(True, "gelu", False), (False, "relu", False), (False, "gelu", True)],
+    [
+        (True, "gelu", False),
+        (False, "relu", False),
+        (False, "gelu", True),
+        (True, "silu", False),
+        (False, "silu", True),
+    ],
 )
 def test_triton_dropout_backward_uses_the_forward_mask(
     triton_backend, triton_device, fused_gemm, activation, gpu_tiles
@@ -194,7 +224,7 @@ def test_triton_dropout_backward_uses_the_forward_mask(
         y.backward(dy)
     torch.testing.assert_close(other_path, z, atol=1e-5, rtol=1e-5)
     keep = z.detach() != 0
-    if activation == "gelu":
+    if activation != "relu":  # ReLU's zeros hide the mask
         assert abs(keep.double().mean().item() - 0.8) < 0.01
     leaves = [t.detach().double().requires_grad_() for t in inputs]
     x, w1, b1, w2, b2 = leaves
@@ -210,7 +240,7 @@ def test_triton_dropout_backward_uses_the_forward_mask(
 # with one activation and dtype in turn; the shapes come from the configurations, so an added one
 # is covered too.
 GPU_GEMM_CASES = [
-    pytest.param(config, ("gelu", "relu")[i % 2], DTYPES[i % 3], id=config.label)
+    pytest.param(config, ACTIVATION_NAMES[i % 3], DTYPES[i % 3], id=config.label)
     for i, config in enumerate(feed_forward_module._GPU_CONFIGS)
 ]
 
@@ -224,9 +254,12 @@ def _grouped_shape(config):
 
 def _activation_derivative(saved, activation):
     """act'(a) from what the forward saves: z for ReLU (nonzero where a > 0 and kept), a for
-    GELU; in saved's dtype."""
+    GELU and SiLU; in saved's dtype."""
     if activation == "relu":
         return (saved != 0).to(saved.dtype)
+    if activation == "silu":
+        s = torch.sigmoid(saved)
+        return s * (1 + saved * (1 - s))
     cdf = 0.5 * (1 + torch.erf(saved / math.sqrt(2)))
     return cdf + saved * torch.exp(-0.5 * saved * saved) / math.sqrt(2 * math.pi)
 
@@ -238,10 +271,14 @@ def test_triton_gemm_epilogues_at_gpu_tiles(triton_device, config, activation, d
     against a float64 oracle by FlashAttention's rule. The oracle takes the mask off the kernel's
     z (z != 0; where ReLU gives 0 the mask does not matter); the backward regenerates it."""
     m, n, k = _grouped_shape(config)
-    x, w, bias, left_t, right = (
-        torch.randn(*shape, dtype=dtype, device=triton_device) / math.sqrt(shape[-1])
-        for shape in ((m, k), (n, k), (n,), (k, m), (k, n))
-    )
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, dtype=dtype, device=triton_device) * scale
+
+    # a and dz of unit scale: a spans the activations' curved region and da stays well above
+    # ATOL, so a wrong act' shows even in bf16.
+    x, w, bias = randn(m, k), randn(n, k, scale=k**-0.5), randn(n)
+    left_t, right = randn(k, m), randn(k, n, scale=k**-0.5)
     left = left_t.t()  # strides (1, m), as dy^T in dW2 = dy^T z
     seed = triton_common.dropout_seed(triton_device)
     launch = feed_forward_module._matmul_launch
@@ -278,12 +315,18 @@ def test_triton_gemm_epilogues_at_gpu_tiles(triton_device, config, activation, d
     check(product, left @ right + bias, left64 @ right64 + bias64)
 
 
+def _opcheck_cases(seed):
+    """(activation, dropout_p, seed) of the opcheck tests: each activation, with dropout where a
+    is saved."""
+    return [("relu", 0.0, None), ("gelu", 0.2, seed), ("silu", 0.2, seed)]
+
+
 @pytest.mark.parametrize("fused_gemm", [True, False])
 def test_triton_opcheck(triton_backend, triton_device, fused_gemm):
     inputs = [t.requires_grad_() for t in _inputs(5, 8, 12, device=triton_device)]
     x, w1, _, w2, _ = (t.detach() for t in inputs)
     seed = triton_common.dropout_seed(x.device)
-    for activation, dropout_p, seed_or_none in (("relu", 0.0, None), ("gelu", 0.2, seed)):
+    for activation, dropout_p, seed_or_none in _opcheck_cases(seed):
         args = (*inputs, activation, dropout_p, seed_or_none, fused_gemm)
         torch.library.opcheck(torch.ops.fastnmt.feed_forward_triton.default, args)
         y, z, a = (t.detach() for t in torch.ops.fastnmt.feed_forward_triton(*args))
@@ -303,11 +346,14 @@ def test_triton_opcheck(triton_backend, triton_device, fused_gemm):
 
 
 @pytest.mark.parametrize("fused_gemm", [True, False])
-def test_triton_traced_by_torch_compile(triton_backend, triton_device, monkeypatch, fused_gemm):
+@pytest.mark.parametrize("activation", ["gelu", "silu"])  # the fakes must size the saved a
+def test_triton_traced_by_torch_compile(
+    triton_backend, triton_device, monkeypatch, fused_gemm, activation
+):
     """Traced with fullgraph=True, dropout included: same seed, same loss and gradients."""
     monkeypatch.setenv(feed_forward_module.FUSED_GEMM_ENV_VAR, "1" if fused_gemm else "0")
     inputs = [t.requires_grad_() for t in _inputs(5, 8, 12, device=triton_device)]
-    step = lambda *a: (feed_forward(*a, "gelu", dropout_p=0.2) ** 2).sum()  # noqa: E731
+    step = lambda *a: (feed_forward(*a, activation, dropout_p=0.2) ** 2).sum()  # noqa: E731
     torch._dynamo.reset()  # the backend is chosen at trace time: no graph from another backend
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     results = []
@@ -381,7 +427,7 @@ def cpp_backend():
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("activation", ACTIVATION_NAMES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cpp_matches_reference_error_rule(cpp_backend, shape, activation, dtype):
     inputs = _inputs(*shape, dtype)
@@ -397,7 +443,7 @@ def test_cpp_matches_reference_error_rule(cpp_backend, shape, activation, dtype)
         assert_error_within(candidate, torch_result, expected, 3, ATOL[dtype])
 
 
-def test_cpp_dropout_keep_fraction_seed_and_backward_mask(cpp_backend):
+def test_cpp_dropout_keep_fraction_and_seed(cpp_backend):
     x = torch.ones(512, 4)
     w1, w2 = torch.ones(256, 4), torch.eye(256)
     torch.manual_seed(1)
@@ -408,15 +454,21 @@ def test_cpp_dropout_keep_fraction_seed_and_backward_mask(cpp_backend):
     torch.manual_seed(1)
     assert torch.equal(feed_forward(x, w1, None, w2, None, "relu", 0.2), hidden)
     assert not torch.equal(feed_forward(x, w1, None, w2, None, "relu", 0.2), hidden)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "silu"])  # z != 0 shows the mask everywhere
+def test_cpp_dropout_backward_uses_the_forward_mask(cpp_backend, activation):
     inputs = [t.requires_grad_() for t in _inputs(129, 72, 200)]
     seed = triton_common.dropout_seed(inputs[0].device)
-    y, z, _ = torch.ops.fastnmt.feed_forward_cpp(*inputs, "gelu", 0.2, seed)
+    y, z, _ = torch.ops.fastnmt.feed_forward_cpp(*inputs, activation, 0.2, seed)
     keep = z.detach() != 0
+    assert abs(keep.double().mean().item() - 0.8) < 0.01
     dy = torch.randn_like(y)
     y.backward(dy)
     leaves = [t.detach().double().requires_grad_() for t in inputs]
     x, w1, b1, w2, b2 = leaves
-    expected = (feed_forward_module.ACTIVATIONS["gelu"](x @ w1.T + b1) * keep / 0.8) @ w2.T + b2
+    hidden = feed_forward_module.ACTIVATIONS[activation](x @ w1.T + b1) * keep / 0.8
+    expected = hidden @ w2.T + b2
     expected.backward(dy.double())
     torch.testing.assert_close(y.double(), expected, atol=1e-5, rtol=1e-5)
     for tensor, leaf in zip(inputs, leaves, strict=True):
@@ -427,7 +479,7 @@ def test_cpp_opcheck(cpp_backend):
     inputs = [t.requires_grad_() for t in _inputs(5, 8, 12)]
     x, w1, _, w2, _ = (t.detach() for t in inputs)
     seed = triton_common.dropout_seed(x.device)
-    for activation, dropout_p, seed_or_none in (("relu", 0.0, None), ("gelu", 0.2, seed)):
+    for activation, dropout_p, seed_or_none in _opcheck_cases(seed):
         args = (*inputs, activation, dropout_p, seed_or_none)
         torch.library.opcheck(torch.ops.fastnmt.feed_forward_cpp.default, args)
         y, z, a = (t.detach() for t in torch.ops.fastnmt.feed_forward_cpp(*args))
