@@ -327,3 +327,9 @@ class Bench:
 def bench(request, benchmark, impl, case, dtype, pass_name) -> Bench:
     min_rounds = request.config.getoption("benchmark_min_rounds")  # default 5
     return Bench(benchmark, min_rounds, impl, case, dtype, pass_name)
+
+
+@pytest.fixture
+def peak_memory() -> Callable[[Callable[[], None]], float]:
+    """``peak_memory_mb`` for benchmark modules, which cannot import this one."""
+    return peak_memory_mb

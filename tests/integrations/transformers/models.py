@@ -22,7 +22,7 @@ CONFIGS = {
     "pegasus": transformers.PegasusConfig,
 }
 # Each family's own activation where the kernels have it, so every activation is covered.
-ACTIVATIONS = {"marian": "relu", "bart": "gelu", "mbart": "gelu", "m2m_100": "relu"}
+ACTIVATIONS = {"marian": "swish", "bart": "gelu", "mbart": "gelu", "m2m_100": "relu"}
 VOCAB, PAD, EOS = 97, 1, 2
 
 

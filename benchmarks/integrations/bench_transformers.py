@@ -1,0 +1,169 @@
+"""fastnmt inside Hugging Face models: a Marian-base-shaped model (6+6 layers, d_model 512, 8 heads,
+FFN 2048, vocabulary 58,101, swish, random weights), on Multi30k sentences.
+
+- fine-tuning step (forward with labels, backward, AdamW) on 64 sentence pairs: transformers with
+  ``attn_implementation="sdpa"`` against ``apply_fastnmt``, fp32 and bf16 autocast; target
+  tokens/s and peak memory in extra_info;
+- translation of test_2016_flickr (beam 4, at most 128 new tokens): transformers' ``generate``
+  against fastnmt's Translator on the imported model (same beam, length penalty, limits; the
+  outputs are checked identical). FASTNMT_BENCH_SENTENCES (default 100) sentences: a random model
+  rarely stops before 128 tokens, so all 1,000 take many minutes on a CPU.
+
+Run: ``pytest benchmarks/integrations --benchmark-only``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import sentencepiece as spm
+import torch
+
+import fastnmt
+from fastnmt.data import load_multi30k
+
+transformers = pytest.importorskip("transformers", minversion="5.0")
+fastnmt_hf = pytest.importorskip("fastnmt.integrations.transformers")
+
+VOCAB, PAD, EOS = 58101, 58100, 0
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "multi30k"
+SENTENCES = int(os.environ.get("FASTNMT_BENCH_SENTENCES", "100"))
+MAX_NEW_TOKENS = 128
+
+
+def _data_dir() -> Path | None:
+    return None if os.environ.get("FASTNMT_DATA_DIR") or not SHARED_DATA.exists() else SHARED_DATA
+
+
+def marian_base(dropout: float = 0.1):
+    config = transformers.MarianConfig(
+        vocab_size=VOCAB,
+        d_model=512,
+        encoder_layers=6,
+        decoder_layers=6,
+        encoder_attention_heads=8,
+        decoder_attention_heads=8,
+        encoder_ffn_dim=2048,
+        decoder_ffn_dim=2048,
+        activation_function="swish",
+        dropout=dropout,
+        attention_dropout=0.0,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        decoder_start_token_id=PAD,
+        forced_eos_token_id=None,
+        max_position_embeddings=512,
+    )
+    torch.manual_seed(0)
+    return transformers.MarianMTModel._from_config(config, attn_implementation="sdpa")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """A Marian tokenizer (en and de sentencepiece models of 6,000 pieces, ids below 58,101)."""
+    folder = tmp_path_factory.mktemp("marian-base")
+    train = load_multi30k("train", "en", "de", _data_dir())
+    for name, texts in (("source", train.src), ("target", train.tgt)):
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(texts), model_prefix=str(folder / name), vocab_size=6000,
+            bos_id=-1, eos_id=-1, minloglevel=2,
+        )  # fmt: skip
+        (folder / f"{name}.model").rename(folder / f"{name}.spm")
+    vocab = {"</s>": EOS, "<unk>": 1}
+    for name in ("source", "target"):
+        processor = spm.SentencePieceProcessor(model_file=str(folder / f"{name}.spm"))
+        for i in range(processor.get_piece_size()):
+            vocab.setdefault(processor.id_to_piece(i), len(vocab))
+    vocab["<pad>"] = PAD
+    (folder / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    tokenizer = transformers.MarianTokenizer(
+        source_spm=str(folder / "source.spm"),
+        target_spm=str(folder / "target.spm"),
+        vocab=str(folder / "vocab.json"),
+    )
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("variant", ["hf sdpa", "apply_fastnmt"])
+def test_fine_tuning_step(benchmark, peak_memory, tokenizer_dir, variant, precision):
+    tokenizer = transformers.MarianTokenizer.from_pretrained(tokenizer_dir)
+    train = load_multi30k("train", "en", "de", _data_dir())
+    batch = tokenizer(train.src[:64], text_target=train.tgt[:64], return_tensors="pt", padding=True)
+    batch["labels"] = batch["labels"].masked_fill(batch["labels"] == PAD, -100)
+    model = marian_base().train()
+    if variant == "apply_fastnmt":
+        fastnmt_hf.apply_fastnmt(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    dtype = PRECISIONS[precision]
+
+    def step():
+        with torch.autocast("cpu", dtype, enabled=dtype is not None):
+            loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # Adam's state exists before memory is measured
+    memory = peak_memory(step)
+    benchmark.group = f"fine-tuning step, Marian-base, {precision}"
+    benchmark.pedantic(step, rounds=3, warmup_rounds=0)
+    tokens = int((batch["labels"] != -100).sum())
+    benchmark.extra_info.update(variant=variant, precision=precision, tgt_tokens=tokens)
+    benchmark.extra_info["peak_memory_mb"] = round(memory)
+    if benchmark.stats is not None:
+        benchmark.extra_info["tgt_tokens_per_s"] = round(tokens / benchmark.stats.stats.median)
+
+
+@pytest.fixture(scope="module")
+def translation_setup(tokenizer_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("marian-base-model")
+    for path in tokenizer_dir.iterdir():
+        (folder / path.name).write_bytes(path.read_bytes())
+    marian_base(dropout=0.0).save_pretrained(folder)
+    test = load_multi30k("test_2016_flickr", "en", "de", _data_dir())
+    return folder, test.src[:SENTENCES], {}
+
+
+def _hf_translate(folder: Path, sentences: list[str]) -> list[str]:
+    model = transformers.MarianMTModel.from_pretrained(folder, attn_implementation="sdpa").eval()
+    tokenizer = transformers.MarianTokenizer.from_pretrained(folder)
+    outputs = []
+    with torch.inference_mode():
+        for start in range(0, len(sentences), 64):
+            inputs = tokenizer(sentences[start : start + 64], return_tensors="pt", padding=True)
+            generated = model.generate(
+                **inputs,
+                num_beams=4,
+                max_new_tokens=MAX_NEW_TOKENS,
+                length_penalty=1.0,
+                early_stopping=True,
+                bad_words_ids=[[PAD]],
+            )
+            outputs += tokenizer.batch_decode(generated, skip_special_tokens=True)
+    return outputs
+
+
+@pytest.mark.parametrize("engine", ["hf generate", "fastnmt Translator"])
+def test_translation(benchmark, translation_setup, engine):
+    folder, sentences, results = translation_setup
+    if engine == "hf generate":
+        run = lambda: _hf_translate(folder, sentences)  # noqa: E731
+    else:
+        translator = fastnmt.Translator.from_pretrained(folder, precision="fp32")
+        options = dict(beam=4, lenpen=1.0, max_len_a=0, max_len_b=MAX_NEW_TOKENS)
+        run = lambda: translator.translate(sentences, **options)  # noqa: E731
+    started = time.perf_counter()
+    results[engine] = benchmark.pedantic(run, rounds=1, warmup_rounds=0)
+    seconds = time.perf_counter() - started
+    benchmark.group = f"translation, Marian-base, beam 4, {len(sentences)} sentences"
+    benchmark.extra_info.update(engine=engine, sentences_per_s=round(len(sentences) / seconds, 2))
+    if len(results) == 2:
+        same = sum(a == b for a, b in zip(*results.values(), strict=True))
+        benchmark.extra_info["identical_outputs"] = f"{same}/{len(sentences)}"
