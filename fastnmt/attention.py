@@ -336,7 +336,7 @@ class MultiheadAttention(nn.Module):
         return k, v, masks.with_visible_keys(len(extra_k), q_len, k.shape[2])
 
 
-def _merge_masks(first, second):
+def merge_masks(first, second):
     """Combine two op-style masks (bool: True = may attend; float: additive)."""
     if first is None or second is None:
         return second if first is None else first
@@ -353,7 +353,7 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.T
     )
 
 
-def _causal_allowed(lq: int, lk: int, past: int, device) -> torch.Tensor:
+def causal_allowed(lq: int, lk: int, past: int, device) -> torch.Tensor:
     """Bool (Lq, Lk), True where query i (at position past + i) may see key j."""
     positions = torch.arange(past, past + lq, device=device)
     return torch.arange(lk, device=device)[None, :] <= positions[:, None]
@@ -382,12 +382,12 @@ class _AttentionMasks:
             # torch also takes an additive float padding mask: one more additive mask here.
             _checks.shape("key_padding_mask", key_padding_mask, (batch, lk), "(N, S)")
             additive = key_padding_mask.to(like.dtype)[:, None, None, :]
-            attn_mask, key_padding_mask = _merge_masks(attn_mask, additive), None
+            attn_mask, key_padding_mask = merge_masks(attn_mask, additive), None
         causal = bool(is_causal)
         if causal and past:
             # With a cache the queries are the last Lq positions: bottom-right alignment.
             if lq > 1:
-                attn_mask = _merge_masks(attn_mask, _causal_allowed(lq, lk, past, like.device))
+                attn_mask = merge_masks(attn_mask, causal_allowed(lq, lk, past, like.device))
             causal = False
         return cls(key_lengths, key_padding_mask, attn_mask, causal)
 
@@ -402,8 +402,8 @@ class _AttentionMasks:
         attn_mask = self.attn_mask
         if self.causal:
             device = attn_mask.device if attn_mask is not None else None
-            causal = _causal_allowed(lq, lk - count, 0, device)
-            attn_mask = _merge_masks(attn_mask, causal)
+            causal = causal_allowed(lq, lk - count, 0, device)
+            attn_mask = merge_masks(attn_mask, causal)
         if attn_mask is not None:
             attn_mask = F.pad(attn_mask, (0, count), value=attn_mask.dtype == torch.bool or 0.0)
         return _AttentionMasks(None, padding, attn_mask, False)

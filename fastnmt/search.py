@@ -238,9 +238,11 @@ def _finish(batch, finished, finishing, top, origin, tokens, k, eos_id, penalty)
         top[sentence, rank].tolist(),
         strict=True,
     )
+    grown = set()
     for index, ids, log_prob in ended:
         finished[index].append(_hypothesis(ids, log_prob, eos_id, penalty))
-        # More than K finishing at once: the K best scores stay (as transformers keeps them).
+        grown.add(index)
+    for index in grown:  # more than K finishing at once: the K best scores stay (as transformers)
         finished[index] = sorted(finished[index], key=lambda h: h.score, reverse=True)[:k]
     full = [len(finished[index]) >= k for index in batch.sentences.tolist()]
     last = batch.max_lens <= batch.history.shape[1]

@@ -59,10 +59,17 @@ def is_pretrained_directory(path: str | Path) -> bool:
         return False
 
 
-def _check_precision(precision: str) -> None:
+def _device_and_dtype(device, precision: str) -> tuple[torch.device, torch.dtype | None]:
+    """The loaders' device ("auto" when None) and weight dtype (None: fp32) for ``precision``."""
     if precision != "auto" and precision not in PRECISIONS:
         choices = ", ".join(PRECISIONS)
         raise ValueError(f"precision must be auto, {choices}; got {precision!r}")
+    device = resolve_device("auto" if device is None else str(device))
+    return device, fastest_dtype(device) if precision == "auto" else PRECISIONS[precision]
+
+
+def _for_inference(model: Transformer, device, dtype) -> Transformer:
+    return model.to(device, dtype or torch.float32).eval().requires_grad_(False)
 
 
 @dataclass
@@ -136,8 +143,7 @@ class Translator:
         """Load a checkpoint directory (or a training output directory: its best checkpoint).
         Loading executes no code (safetensors, json). ``precision``: auto, fp32, bf16 or fp16.
         Raises CheckpointError (one line) for a missing, corrupt or incompatible checkpoint."""
-        _check_precision(precision)
-        device = resolve_device("auto" if device is None else str(device))
+        device, dtype = _device_and_dtype(device, precision)
         resolved = checkpoint.resolve(Path(path))
         loaded = checkpoint.load(resolved, with_trainer_state=False)
         try:
@@ -153,9 +159,7 @@ class Translator:
                 f"cannot load checkpoint {resolved}: spm.model has {len(vocab)} pieces, the "
                 f"model {cfg.vocab_size}"
             )
-        dtype = fastest_dtype(device) if precision == "auto" else PRECISIONS[precision]
-        model = model.to(device, dtype or torch.float32).eval().requires_grad_(False)
-        return cls(model, vocab, device=device, **options)
+        return cls(_for_inference(model, device, dtype), vocab, device=device, **options)
 
     @classmethod
     def from_pretrained(
@@ -173,12 +177,9 @@ class Translator:
         ``tgt_lang`` (e.g. eng_Latn, deu_Latn). Other options as ``from_checkpoint``."""
         from fastnmt.integrations.transformers.convert import load_pretrained
 
-        _check_precision(precision)
-        device = resolve_device("auto" if device is None else str(device))
+        device, dtype = _device_and_dtype(device, precision)
         model, vocab = load_pretrained(directory, src_lang=src_lang, tgt_lang=tgt_lang)
-        dtype = fastest_dtype(device) if precision == "auto" else PRECISIONS[precision]
-        model = model.to(device, dtype or torch.float32).eval().requires_grad_(False)
-        return cls(model, vocab, device=device, **options)
+        return cls(_for_inference(model, device, dtype), vocab, device=device, **options)
 
     @classmethod
     def load(cls, path: str | Path, *, src_code=None, tgt_code=None, **options) -> Translator:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from fastnmt.attention import causal_allowed, merge_masks
 from fastnmt.ops import attention, attention_probabilities
 
 NAME = "fastnmt"
@@ -22,15 +23,6 @@ class UnsupportedModelError(ValueError):
     """A model or call fastnmt's attention cannot serve; the message is one line."""
 
 
-def _causal_mask(lq: int, lk: int, device) -> torch.Tensor | None:
-    """Bool (Lq, Lk), True where the Lq last queries may see key j; None when top-left causal
-    (Lq == Lk) or no mask (one query sees every cached key) says the same."""
-    if lq == lk or lq == 1:
-        return None
-    positions = torch.arange(lk - lq, lk, device=device)
-    return torch.arange(lk, device=device)[None, :] <= positions[:, None]
-
-
 def _masks(attention_mask, causal: bool, lq: int, lk: int, device):
     """(key_padding_mask, attn_mask, causal) in the op's terms from transformers' mask."""
     key_padding_mask = attn_mask = None
@@ -38,18 +30,11 @@ def _masks(attention_mask, causal: bool, lq: int, lk: int, device):
         key_padding_mask = ~attention_mask[:, -lk:].bool()
     elif attention_mask is not None:  # a 4D mask a caller built: bool (True = keep) or additive
         attn_mask = attention_mask
-    if causal and lq != lk:
-        extra = _causal_mask(lq, lk, device)
-        if extra is not None:
-            attn_mask = extra if attn_mask is None else _merged(attn_mask, extra)
+    if causal and lq != lk:  # the Lq queries are the last positions: bottom-right alignment
+        if lq > 1:  # one query sees every cached key: no mask
+            attn_mask = merge_masks(attn_mask, causal_allowed(lq, lk, lk - lq, device))
         causal = False
     return key_padding_mask, attn_mask, causal
-
-
-def _merged(attn_mask: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    if attn_mask.dtype == torch.bool:
-        return attn_mask & allowed
-    return attn_mask.masked_fill(~allowed, float("-inf"))
 
 
 def _wants_probabilities(module, kwargs) -> bool:

@@ -170,7 +170,7 @@ def fused_loss(model: nn.Module, hidden, labels, label_smoothing: float, items=N
 
 
 def _fused_loss_forward(self, *args, **kwargs):
-    arguments = inspect.signature(self.fastnmt_original_forward).bind(*args, **kwargs).arguments
+    arguments = self.fastnmt_forward_signature.bind(*args, **kwargs).arguments
     arguments.update(arguments.pop("kwargs", {}))
     labels = arguments.pop("labels", None)
     if labels is None or not self.training:
@@ -200,6 +200,7 @@ def _patch_loss(model: nn.Module, label_smoothing: float) -> None:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     if "fastnmt_original_forward" not in vars(model):
         model.fastnmt_original_forward = model.forward
+        model.fastnmt_forward_signature = inspect.signature(model.forward)
     model.fastnmt_label_smoothing = label_smoothing
     model.forward = types.MethodType(_fused_loss_forward, model)
 
