@@ -393,7 +393,11 @@ class _Progress:
         self.pass_size = sum(_stat(path).st_size for path in source.paths)
         shown = enabled and sys.stderr.isatty()
         self.bar = tqdm(
-            total=passes * self.pass_size, unit="B", unit_scale=True, desc="preprocess", disable=not shown
+            total=passes * self.pass_size,
+            unit="B",
+            unit_scale=True,
+            desc="preprocess",
+            disable=not shown,
         )
         self.done = 0  # bytes of the passes already finished
 
