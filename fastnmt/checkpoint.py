@@ -32,21 +32,19 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 LAST, BEST, AVERAGE = "checkpoint_last", "checkpoint_best", "checkpoint_average"
 WEIGHTS, CONFIG, SPM, STATE = "model.safetensors", "config.json", "spm.model", "trainer_state.pt"
 STEP_PREFIX = "checkpoint_step"
 # Suffixes of the hidden names a save works under (see the module docstring).
-NEW, OLD, DELETED = ".new", ".old", ".deleted"
+NEW, OLD, DELETED, LINK_TEMPORARY = ".new", ".old", ".deleted", ".tmp"
 
 
 class CheckpointError(ValueError):
@@ -125,7 +123,7 @@ def _remove(path: Path) -> None:
 
 def point(output_dir: Path, link_name: str, target: Path) -> None:
     """Atomically make ``output_dir/link_name`` a relative link to ``target``."""
-    temporary = output_dir / f".{link_name}.tmp"
+    temporary = output_dir / f".{link_name}{LINK_TEMPORARY}"
     if temporary.is_symlink() or temporary.exists():
         temporary.unlink()
     temporary.symlink_to(target.name)
@@ -152,6 +150,8 @@ def recover(output_dir: Path) -> None:
     if not output_dir.is_dir():
         return
     for hidden in list(output_dir.glob(".*")):
+        if hidden.name.endswith(LINK_TEMPORARY) and hidden.is_symlink():
+            hidden.unlink()  # a link never renamed into place
         for suffix in (NEW, OLD, DELETED):
             if hidden.name.endswith(suffix) and hidden.is_dir():
                 _recover_name(output_dir, hidden.name[1 : -len(suffix)])
@@ -208,14 +208,9 @@ def load(path: Path, *, with_trainer_state: bool) -> Checkpoint:
         config = json.loads((path / CONFIG).read_text())
         spm_model = (path / SPM).read_bytes()
         state = torch.load(path / STATE, weights_only=True) if with_trainer_state else None
-    except (
-        OSError,
-        ValueError,
-        RuntimeError,
-        EOFError,
-        pickle.UnpicklingError,
-        SafetensorError,
-    ) as error:
+    # Parsers of damaged files raise what they meet (the weights-only unpickler an IndexError on
+    # a truncated file): whatever it is, the checkpoint does not load.
+    except Exception as error:
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise CheckpointError(f"cannot load checkpoint {path}: {message}") from error
     return Checkpoint(weights, config, spm_model, state)
