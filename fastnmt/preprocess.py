@@ -718,7 +718,7 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.prepared_dir),
             options_from_arguments(args),
             workers=args.workers,
-            log=lambda line: print(line, file=sys.stderr, flush=True),
+            log=lambda line: tqdm.write(line, file=sys.stderr),  # above a progress bar
             progress=not args.no_progress,
         )
     except (UsageError, DataError) as error:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 import fastnmt
 from fastnmt import checkpoint, preprocess
@@ -208,7 +209,7 @@ def prepared_data(args, world: Distributed, vocabulary: bytes | None) -> preproc
                 options,
                 vocabulary=vocabulary,
                 workers=args.workers,
-                log=lambda line: print(line, file=sys.stderr, flush=True),
+                log=lambda line: tqdm.write(line, file=sys.stderr),  # above a progress bar
                 progress=not args.no_progress,
             )
         except DataError as error:
