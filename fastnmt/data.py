@@ -454,7 +454,7 @@ class EncodedCorpus:
         self.tgt.release_pages()
 
 
-# Why a pair is dropped, in order of precedence; code i + 1 in ``filter_codes`` is REASONS[i].
+# Why a pair is dropped, by precedence: code i + 1 of ``filter_codes`` is FILTER_REASONS[i].
 FILTER_REASONS = ("empty", "too long", "length ratio")
 
 

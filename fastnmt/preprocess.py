@@ -21,6 +21,7 @@ reuses the directory otherwise. Exit codes: 0 done, 2 bad input, 130 interrupted
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import hashlib
 import json
@@ -512,16 +513,44 @@ def _encode(
     directory: Path,
     bar: _Progress,
 ) -> dict:
-    """Encode and filter every pair in worker processes, chunk by chunk, appending the kept ids
-    to the array files as the chunks come back in order; returns the manifest's counts."""
+    """Encode and filter every pair, write the arrays into ``directory``; returns the manifest's
+    counts and array descriptions."""
     id_type = np.dtype(np.uint16 if len(vocab) <= 1 << 16 else np.uint32).newbyteorder("<")
     length_type = np.dtype(np.uint16 if options.max_len <= 1 << 16 else np.uint32)
-    length_type = length_type.newbyteorder("<")
+    types = (id_type, length_type.newbyteorder("<"))
+    with contextlib.ExitStack() as files:
+        ids_files = {
+            side: files.enter_context((directory / f"train.{side}.ids").open("wb"))
+            for side in SIDES
+        }
+        lengths, codes = _encode_chunks(source, vocab, options, types, workers, ids_files, bar)
+    dropped = count_dropped(codes)
+    if not len(lengths["src"]):
+        raise nothing_kept(source.name, dropped, options.max_len, options.ratio)
+    arrays = {}
+    for side in SIDES:
+        arrays.update(_write_index(directory, side, lengths[side], id_type))
+    pairs = {"read": len(codes), "kept": len(lengths["src"]), "dropped": dropped}
+    tokens = {side: arrays[f"{side}.ids"]["count"] for side in SIDES}
+    return {"pairs": pairs, "tokens": tokens, "arrays": arrays}
+
+
+def _encode_chunks(source, vocab, options, types, workers, ids_files, bar):
+    """Encode the chunks in worker processes, appending the kept ids to ``ids_files`` as the
+    chunks come back, in order; returns the kept pairs' lengths per side and every pair's filter
+    code."""
     lengths: dict[str, list[np.ndarray]] = {side: [] for side in SIDES}
     codes = []
-    ids_files = {side: (directory / f"train.{side}.ids").open("wb") for side in SIDES}
+
+    def append(result) -> None:
+        *sides, chunk_codes = result
+        for side, tokens in zip(SIDES, sides, strict=True):
+            tokens.ids.tofile(ids_files[side])
+            lengths[side].append(tokens.lengths)
+        codes.append(chunk_codes)
+
     reader = _Reader(source)
-    settings = (options.max_len, options.ratio, id_type, length_type)
+    settings = (options.max_len, options.ratio, *types)
     pool = ProcessPoolExecutor(workers, initializer=_start_worker, initargs=(vocab.to_bytes(),))
     with pool:
         pending = deque()
@@ -530,49 +559,28 @@ def _encode(
         for chunk in reader.chunks():
             pending.append(pool.submit(_encode_chunk, chunk, *settings))
             if len(pending) > 2 * workers:
-                _append(pending.popleft().result(), ids_files, lengths, codes)
+                append(pending.popleft().result())
             bar.update(reader)
         while pending:
-            _append(pending.popleft().result(), ids_files, lengths, codes)
-    for file in ids_files.values():
-        file.close()
+            append(pending.popleft().result())
     bar.end_pass()
-    dropped = count_dropped(np.concatenate(codes))
-    kept = sum(map(len, lengths["src"]))
-    if not kept:
-        raise nothing_kept(source.name, dropped, options.max_len, options.ratio)
-    arrays = {}
-    for side in SIDES:
-        side_lengths = np.concatenate(lengths[side])
-        offsets = np.zeros(kept + 1, np.dtype("<i8"))
-        np.cumsum(side_lengths, out=offsets[1:])
-        side_lengths.tofile(directory / f"train.{side}.lengths")
-        offsets.tofile(directory / f"train.{side}.offsets")
+    return {side: np.concatenate(lengths[side]) for side in SIDES}, np.concatenate(codes)
+
+
+def _write_index(directory: Path, side: str, lengths: np.ndarray, id_type: np.dtype) -> dict:
+    """Write a side's lengths and offsets; returns the manifest entries of its three arrays."""
+    offsets = np.zeros(len(lengths) + 1, np.dtype("<i8"))
+    np.cumsum(lengths, out=offsets[1:])
+    lengths.tofile(directory / f"train.{side}.lengths")
+    offsets.tofile(directory / f"train.{side}.offsets")
+    return {
+        f"{side}.{kind}": {"file": f"train.{side}.{kind}", "dtype": dtype.str, "count": count}
         for kind, dtype, count in (
             ("ids", id_type, int(offsets[-1])),
-            ("offsets", offsets.dtype, kept + 1),
-            ("lengths", length_type, kept),
-        ):
-            arrays[f"{side}.{kind}"] = {
-                "file": f"train.{side}.{kind}",
-                "dtype": dtype.str,
-                "count": count,
-            }
-    tokens = {side: arrays[f"{side}.ids"]["count"] for side in SIDES}
-    read = kept + sum(dropped.values())
-    return {
-        "pairs": {"read": read, "kept": kept, "dropped": dropped},
-        "tokens": tokens,
-        "arrays": arrays,
+            ("offsets", offsets.dtype, len(offsets)),
+            ("lengths", lengths.dtype, len(lengths)),
+        )
     }
-
-
-def _append(encoded, ids_files, lengths, codes) -> None:
-    src, tgt, chunk_codes = encoded
-    for side, tokens in zip(SIDES, (src, tgt), strict=True):
-        tokens.ids.tofile(ids_files[side])
-        lengths[side].append(tokens.lengths)
-    codes.append(chunk_codes)
 
 
 _worker_vocab: Vocabulary | None = None  # the vocabulary of this worker process

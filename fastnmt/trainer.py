@@ -168,7 +168,9 @@ class Log:
 def interrupts_deferred():
     """Hold back Ctrl-C (SIGINT) until the block has run, then deliver it: the block (an update
     and the progress that counts it) happens entirely or not at all."""
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread() or not callable(
+        signal.getsignal(signal.SIGINT)
+    ):  # signals reach the main thread only; a handler set outside Python cannot be restored
         yield
         return
     received = []
@@ -177,7 +179,7 @@ def interrupts_deferred():
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-    if received and callable(previous):
+    if received:
         previous(signal.SIGINT, None)  # Python's default raises KeyboardInterrupt
 
 
