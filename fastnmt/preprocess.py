@@ -185,6 +185,15 @@ def why_stale(
         return "no prepared data there yet"
     if (manifest.get("format"), manifest.get("version")) != (FORMAT, VERSION):
         return "prepared by another version of fastnmt"
+    try:
+        return _difference(manifest, source, options, vocabulary)
+    except (KeyError, TypeError):  # a manifest edited by hand, or cut short outside fastnmt
+        return f"its {MANIFEST} is damaged"
+
+
+def _difference(
+    manifest: dict, source: Source, options: Options, vocabulary: bytes | None
+) -> str | None:
     if [record["path"] for record in manifest["inputs"]] != [str(p) for p in _resolved(source)]:
         return "prepared from other input files"
     if manifest["filters"] != options.filters():
@@ -256,6 +265,15 @@ def open_prepared(directory: Path) -> Prepared:
     manifest = read_manifest(directory)
     if manifest is None:
         raise DataError(f"{directory}: no prepared data ({MANIFEST} missing or unreadable)")
+    try:
+        return _open(directory, manifest)
+    except (KeyError, TypeError) as error:
+        raise DataError(
+            f"{directory / MANIFEST}: damaged ({error!r} is wrong or missing)"
+        ) from None
+
+
+def _open(directory: Path, manifest: dict) -> Prepared:
     vocab = Vocabulary.load(directory / SPM)
     if _sha256(vocab.to_bytes()) != manifest["vocabulary"]["sha256"]:
         raise DataError(f"{directory / SPM}: not the vocabulary {MANIFEST} names")

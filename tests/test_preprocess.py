@@ -194,6 +194,20 @@ def test_another_ranks_check_refuses_stale_data(prepared_once):
     )
 
 
+def test_a_damaged_manifest_is_prepared_again_or_a_one_line_error(prepared_once):
+    source, directory = prepared_once
+    manifest = json.loads((directory / "manifest.json").read_text())
+    del manifest["arrays"]["tgt.offsets"]
+    del manifest[random.choice(["filters", "inputs", "vocabulary"])]
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError) as excinfo:
+        preprocess.open_prepared(directory)
+    assert str(excinfo.value).startswith(f"{directory / 'manifest.json'}: damaged (")
+    message = _prepare_logging(source, directory)
+    assert message.endswith("(its manifest.json is damaged)")
+    assert preprocess.open_prepared(directory).manifest["pairs"]
+
+
 def test_a_damaged_array_file_is_a_one_line_error(prepared_once):
     _, directory = prepared_once
     ids = directory / "train.tgt.ids"
