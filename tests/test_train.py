@@ -122,23 +122,25 @@ def test_resume_after_sigkill_continues_exactly(corpus, tmp_path, straight):
 
 
 def test_sigkill_at_random_moments_of_saves_loses_nothing(corpus, tmp_path, straight):
-    """Saving after every step, killed (kill -9) a few times at a random moment after a save
-    has begun, resumed each time: the end result is the uninterrupted run's."""
+    """Saving after every step, killed (kill -9) three times, each at a random moment after the
+    save of a randomly chosen step has begun (in it, or in the steps after), and resumed each
+    time: the end result is the uninterrupted run's."""
     arguments = _arguments(corpus, tmp_path, *RESUME_RUN, "--save-interval", "1")
     rng = random.Random()
-    delays = []
-    for _ in range(3):
+    kills = []  # (step whose save was under way, seconds after it began)
+    for step in sorted(rng.sample(range(1, 8), 3)):
         process = _start(arguments)
         deadline = time.monotonic() + 300
-        while not list(tmp_path.glob(".checkpoint_step*.new")) and process.poll() is None:
+        started = (tmp_path / f".checkpoint_step{step}.new", tmp_path / f"checkpoint_step{step}")
+        while not any(p.exists() for p in started) and process.poll() is None:
             assert time.monotonic() < deadline
             time.sleep(0.001)
-        delays.append(round(rng.uniform(0, 0.004), 4))  # saves take a few milliseconds
-        time.sleep(delays[-1])
+        kills.append((step, round(rng.uniform(0, 0.05), 3)))  # a save takes milliseconds
+        time.sleep(kills[-1][1])
         _kill(process)
     result = _run(arguments)
-    assert result.returncode == 0, (delays, result.stderr)
-    _assert_same_weights(straight, _weights(tmp_path), f"after kills at {delays} s into saves")
+    assert result.returncode == 0, (kills, result.stderr)
+    _assert_same_weights(straight, _weights(tmp_path), f"after kills {kills}")
 
 
 @pytest.fixture(scope="module")
