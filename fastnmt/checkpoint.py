@@ -1,4 +1,5 @@
-"""Checkpoints: one directory per save, written atomically, loadable without executing code.
+"""Checkpoints: one directory per save, written atomically and durably, loadable without executing
+code.
 
 A checkpoint directory holds
     model.safetensors    the weights
@@ -7,11 +8,24 @@ A checkpoint directory holds
     trainer_state.pt     optimizer, step, epoch, position in the epoch, RNG states (tensors and
                          plain containers only: loads with ``torch.load(weights_only=True)``)
 
-The output directory keeps immutable ``checkpoint_step{N}`` directories (each written under a
-temporary name, then renamed into place) and the links ``checkpoint_last`` and ``checkpoint_best``
-(replaced atomically with ``os.replace``), so a crash at any moment leaves the previous checkpoint
-intact. ``checkpoint_average`` (weights averaged over the last step checkpoints, no trainer state)
-is written the same way.
+The output directory keeps ``checkpoint_step{N}`` directories and the links ``checkpoint_last``
+and ``checkpoint_best`` (replaced atomically with ``os.replace``); ``checkpoint_average`` (weights
+averaged over the last step checkpoints, no trainer state) is written like a step.
+
+How a crash at any moment loses nothing (``tests/test_checkpoint.py`` crashes every save at each
+of its filesystem operations):
+- a directory is written as ``.NAME.new``, every file and the directory fsynced, then renamed to
+  NAME and the output directory fsynced: NAME is always complete;
+- a NAME that exists already (the same step saved again; the average recomputed) is first renamed
+  to ``.NAME.old``, and deleted only after the new one is in place. A link to NAME dangles only
+  between those two renames, and ``recover`` (run before a training run reads its checkpoints)
+  completes an interrupted replacement: ``.NAME.new`` was durable before ``.NAME.old`` existed;
+- old step checkpoints are pruned by renaming them to ``.NAME.deleted`` first, so a half-deleted
+  directory never carries a checkpoint's name;
+- a first save interrupted after its directory got its name but before ``checkpoint_last``
+  existed is adopted by ``recover``.
+A link that dangles or a checkpoint that cannot be read for any other reason (a disk error, a
+hand-deleted directory) is a one-line error naming it and the newest checkpoint that loads.
 """
 
 from __future__ import annotations
@@ -19,16 +33,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 LAST, BEST, AVERAGE = "checkpoint_last", "checkpoint_best", "checkpoint_average"
 WEIGHTS, CONFIG, SPM, STATE = "model.safetensors", "config.json", "spm.model", "trainer_state.pt"
+STEP_PREFIX = "checkpoint_step"
+# Suffixes of the hidden names a save works under (see the module docstring).
+NEW, OLD, DELETED, LINK_TEMPORARY = ".new", ".old", ".deleted", ".tmp"
 
 
 class CheckpointError(ValueError):
@@ -45,37 +61,74 @@ class Checkpoint:
 
 def save(output_dir: Path, step: int, checkpoint: Checkpoint, keep_last: int) -> Path:
     """Write ``checkpoint_step{step}``, point ``checkpoint_last`` at it, prune old steps."""
-    final = write(output_dir, f"checkpoint_step{step}", checkpoint)
+    final = write(output_dir, f"{STEP_PREFIX}{step}", checkpoint)
     point(output_dir, LAST, final)
     _prune(output_dir, keep_last)
     return final
 
 
 def write(output_dir: Path, name: str, checkpoint: Checkpoint) -> Path:
-    """Write the directory ``output_dir/name`` atomically (replacing one of that name)."""
+    """Write the directory ``output_dir/name`` atomically and durably, replacing one of that
+    name only once the new one is complete on disk."""
     output_dir.mkdir(parents=True, exist_ok=True)
-    final = output_dir / name
-    temporary = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=output_dir))
-    temporary.chmod(0o755)  # mkdtemp makes it private; a checkpoint is meant to be shared
-    save_file(checkpoint.weights, str(temporary / WEIGHTS))
-    (temporary / CONFIG).write_text(json.dumps(checkpoint.config, indent=2, sort_keys=True))
-    (temporary / SPM).write_bytes(checkpoint.spm_model)
-    torch.save(checkpoint.trainer_state, temporary / STATE)
-    _fsync_directory(temporary)
-    if final.exists():  # the same step saved again (e.g. after a resume): replace it
-        shutil.rmtree(final)
-    os.rename(temporary, final)
+    _recover_name(output_dir, name)
+    final, new, old = _names(output_dir, name)
+    new.mkdir()
+    new.chmod(0o755)
+    _write_file(new / WEIGHTS, lambda path: save_file(checkpoint.weights, str(path)))
+    _write_file(new / CONFIG, lambda path: path.write_text(_json(checkpoint.config)))
+    _write_file(new / SPM, lambda path: path.write_bytes(checkpoint.spm_model))
+    _write_file(new / STATE, lambda path: torch.save(checkpoint.trainer_state, path))
+    _fsync(new)
+    if final.exists():  # the same name saved again: keep the old one until the new one is in
+        _rename(final, old)
+    _rename(new, final)
+    _remove(old)
     return final
+
+
+def _names(output_dir: Path, name: str) -> tuple[Path, Path, Path]:
+    """The directory NAME and the hidden names its replacement works under: .NAME.new, .NAME.old."""
+    return output_dir / name, output_dir / f".{name}{NEW}", output_dir / f".{name}{OLD}"
+
+
+def _json(config: dict) -> str:
+    return json.dumps(config, indent=2, sort_keys=True)
+
+
+def _write_file(path: Path, writer: Callable[[Path], object]) -> None:
+    writer(path)
+    _fsync(path)
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's data, or a directory's entries, to the disk."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _rename(source: Path, target: Path) -> None:
+    """Rename, and make the rename itself durable."""
+    os.rename(source, target)
+    _fsync(target.parent)
+
+
+def _remove(path: Path) -> None:
+    if path.exists():
+        shutil.rmtree(path)
 
 
 def point(output_dir: Path, link_name: str, target: Path) -> None:
     """Atomically make ``output_dir/link_name`` a relative link to ``target``."""
-    temporary = output_dir / f".{link_name}.tmp"
+    temporary = output_dir / f".{link_name}{LINK_TEMPORARY}"
     if temporary.is_symlink() or temporary.exists():
         temporary.unlink()
     temporary.symlink_to(target.name)
     os.replace(temporary, output_dir / link_name)
-    _fsync_directory(output_dir)
+    _fsync(output_dir)
 
 
 def _prune(output_dir: Path, keep_last: int) -> None:
@@ -86,12 +139,42 @@ def _prune(output_dir: Path, keep_last: int) -> None:
     steps = step_checkpoints(output_dir)
     for old in steps[: max(0, len(steps) - keep_last)]:
         if old.resolve() not in linked:
-            shutil.rmtree(old)
+            deleted = output_dir / f".{old.name}{DELETED}"
+            _rename(old, deleted)
+            shutil.rmtree(deleted)
+
+
+def recover(output_dir: Path) -> None:
+    """Complete or undo what an interrupted save left in ``output_dir`` (see the module
+    docstring); afterwards no link dangles because of a crash."""
+    if not output_dir.is_dir():
+        return
+    for hidden in list(output_dir.glob(".*")):
+        if hidden.name.endswith(LINK_TEMPORARY) and hidden.is_symlink():
+            hidden.unlink()  # a link never renamed into place
+        for suffix in (NEW, OLD, DELETED):
+            if hidden.name.endswith(suffix) and hidden.is_dir():
+                _recover_name(output_dir, hidden.name[1 : -len(suffix)])
+    steps = step_checkpoints(output_dir)
+    if steps and not os.path.lexists(output_dir / LAST):
+        point(output_dir, LAST, steps[-1])
+
+
+def _recover_name(output_dir: Path, name: str) -> None:
+    final, new, old = _names(output_dir, name)
+    if old.exists() and not final.exists():
+        # Interrupted between renaming the old one aside and the new one in: the new one was
+        # complete and fsynced before the old one was moved.
+        _rename(new if new.exists() else old, final)
+    _remove(old)
+    _remove(new)  # a write that never finished
+    _remove(output_dir / f".{name}{DELETED}")
 
 
 def step_checkpoints(output_dir: Path) -> list[Path]:
     """The ``checkpoint_step{N}`` directories, oldest first."""
-    return sorted(output_dir.glob("checkpoint_step*"), key=lambda p: int(p.name[15:]))
+    steps = [p for p in output_dir.glob(f"{STEP_PREFIX}*") if p.name[len(STEP_PREFIX) :].isdigit()]
+    return sorted(steps, key=lambda p: int(p.name[len(STEP_PREFIX) :]))
 
 
 def average_weights(paths: list[Path]) -> dict[str, torch.Tensor]:
@@ -101,14 +184,6 @@ def average_weights(paths: list[Path]) -> dict[str, torch.Tensor]:
         name: torch.stack([weights[name].double() for weights in loaded]).mean(0).to(first.dtype)
         for name, first in loaded[0].items()
     }
-
-
-def _fsync_directory(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def resolve(path: Path) -> Path:
@@ -133,7 +208,44 @@ def load(path: Path, *, with_trainer_state: bool) -> Checkpoint:
         config = json.loads((path / CONFIG).read_text())
         spm_model = (path / SPM).read_bytes()
         state = torch.load(path / STATE, weights_only=True) if with_trainer_state else None
-    except (OSError, ValueError, RuntimeError, SafetensorError) as error:
+    # Parsers of damaged files raise what they meet (the weights-only unpickler an IndexError on
+    # a truncated file): whatever it is, the checkpoint does not load.
+    except Exception as error:
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise CheckpointError(f"cannot load checkpoint {path}: {message}") from error
     return Checkpoint(weights, config, spm_model, state)
+
+
+def load_last(output_dir: Path) -> Checkpoint | None:
+    """The checkpoint ``checkpoint_last`` points to, with its trainer state; None when the output
+    directory holds none. Never silently None for a link that dangles or a checkpoint that does
+    not load: that is a CheckpointError naming it and the newest checkpoint that loads."""
+    last = output_dir / LAST
+    if not os.path.lexists(last):
+        return None
+    if not last.exists():
+        problem = f"points to {os.readlink(last)}, which does not exist"
+    else:
+        try:
+            return load(last, with_trainer_state=True)
+        except CheckpointError as error:
+            problem = f"cannot be loaded ({str(error).removeprefix('cannot load checkpoint ')})"
+    newest = newest_loadable(output_dir)
+    if newest is None:
+        advice = "no other checkpoint there loads either; train into another --output-dir"
+    else:
+        advice = (
+            f"the newest checkpoint that loads is {newest}; to continue from it: "
+            f"ln -sfn {newest.name} {last}"
+        )
+    raise CheckpointError(f"{last} {problem}; {advice}")
+
+
+def newest_loadable(output_dir: Path) -> Path | None:
+    for path in reversed(step_checkpoints(output_dir)):
+        try:
+            load(path, with_trainer_state=True)
+        except CheckpointError:
+            continue
+        return path
+    return None

@@ -8,8 +8,10 @@ Every problem with the user's data raises :class:`DataError` with a one-line mes
 from __future__ import annotations
 
 import gzip
+import hashlib
 import io
 import math
+import mmap
 import os
 import random
 import tempfile
@@ -17,10 +19,13 @@ import urllib.request
 import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields, replace
+from itertools import chain
 from pathlib import Path
 
+import numpy as np
 import sentencepiece as spm
 import torch
+import torch.utils.data
 
 
 class DataError(ValueError):
@@ -72,8 +77,7 @@ def read_lines(path: str | Path) -> list[str]:
         text = data.decode("utf-8")
     except UnicodeDecodeError as error:
         line_number = data.count(b"\n", 0, error.start) + 1
-        bad_byte = data[error.start]
-        raise DataError(f"{path}:{line_number}: not valid UTF-8 (byte 0x{bad_byte:02x})") from None
+        raise not_utf8(path, line_number, data[error.start]) from None
     lines = text.split("\n")
     if lines[-1] == "":  # the terminator of the last line, not an empty sentence
         lines.pop()
@@ -95,7 +99,7 @@ def read_parallel(
     return ParallelCorpus(src, tgt, name if name is not None else f"{src_path},{tgt_path}")
 
 
-def _find_side(prefix: str, suffixes: tuple[str, str]) -> Path:
+def find_side(prefix: str, suffixes: tuple[str, str]) -> Path:
     """The first existing file among PREFIX.SUFFIX and PREFIX.SUFFIX.gz, for each suffix in turn."""
     candidates = [Path(f"{prefix}.{suffix}{gz}") for suffix in suffixes for gz in ("", ".gz")]
     for candidate in candidates:
@@ -111,25 +115,32 @@ def read_parallel_prefix(prefix: str, src_lang: str, tgt_lang: str) -> ParallelC
     PREFIX.tgt, PREFIX.src.gz / PREFIX.tgt.gz. So ``train`` with en->de reads train.en and train.de
     (fairseq / OpenNMT-py naming) or train.src and train.tgt.
     """
-    src_path = _find_side(prefix, (src_lang, "src"))
-    tgt_path = _find_side(prefix, (tgt_lang, "tgt"))
+    src_path = find_side(prefix, (src_lang, "src"))
+    tgt_path = find_side(prefix, (tgt_lang, "tgt"))
     return read_parallel(src_path, tgt_path, name=prefix)
 
 
 def read_tsv(path: str | Path, name: str | None = None) -> ParallelCorpus:
     """A parallel corpus from one file (plain or gzip, UTF-8) with a "source<TAB>target" line per
     pair."""
-    src, tgt = [], []
-    for line_number, line in enumerate(read_lines(path), start=1):
-        tabs = line.count("\t")
-        if tabs != 1:
-            raise DataError(
-                f"{path}:{line_number}: expected 'source<TAB>target' (one tab), found {tabs} tabs"
-            )
-        source, target = line.split("\t")
-        src.append(source)
-        tgt.append(target)
+    pairs = [split_tsv_line(line, path, n) for n, line in enumerate(read_lines(path), start=1)]
+    src, tgt = map(list, zip(*pairs, strict=True))  # read_lines refuses an empty file
     return ParallelCorpus(src, tgt, name if name is not None else str(path))
+
+
+def not_utf8(path: str | Path, line_number: int, bad_byte: int) -> DataError:
+    return DataError(f"{path}:{line_number}: not valid UTF-8 (byte 0x{bad_byte:02x})")
+
+
+def split_tsv_line(line: str, path: str | Path, line_number: int) -> tuple[str, str]:
+    """(source, target) of a "source<TAB>target" line."""
+    tabs = line.count("\t")
+    if tabs != 1:
+        raise DataError(
+            f"{path}:{line_number}: expected 'source<TAB>target' (one tab), found {tabs} tabs"
+        )
+    source, target = line.split("\t")
+    return source, target
 
 
 # ---------------------------------------------------------------------------------------------
@@ -329,62 +340,176 @@ class Vocabulary:
 
 
 # ---------------------------------------------------------------------------------------------
-# Encoding and length filtering
+# Token arrays, encoding and length filtering
+
+
+class TokenArray:
+    """Token id sequences stored flat, as numpy arrays: sequence i is
+    ``ids[offsets[i]:offsets[i + 1]]`` and has ``lengths[i]`` ids (no bos/eos).
+
+    In memory (``from_lists``) or memory-mapped from a prepared directory (``fastnmt.preprocess``),
+    where the ids are read lazily, a batch at a time. A mapped array pickles as its file names (a
+    DataLoader worker started by spawn maps the files itself) and can give its pages back
+    (``release_pages``), so reading a corpus does not grow the reader's resident memory.
+    """
+
+    def __init__(self, ids: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, files=()):
+        self.ids, self.offsets, self.lengths = ids, offsets, lengths
+        self._files = tuple(files)  # the MappedFiles behind ids, offsets, lengths, if mapped
+
+    @classmethod
+    def from_lists(cls, sequences: list[list[int]], dtype=np.int64) -> TokenArray:
+        lengths = np.fromiter(map(len, sequences), np.int64, count=len(sequences))
+        ids = np.fromiter(chain.from_iterable(sequences), dtype, count=int(lengths.sum()))
+        return cls.from_flat(ids, lengths)
+
+    @classmethod
+    def from_flat(cls, ids: np.ndarray, lengths: np.ndarray) -> TokenArray:
+        offsets = np.zeros(len(lengths) + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        return cls(ids, offsets, lengths)
+
+    @classmethod
+    def mapped(cls, ids: MappedFile, offsets: MappedFile, lengths: MappedFile) -> TokenArray:
+        return cls(ids.array, offsets.array, lengths.array, files=(ids, offsets, lengths))
+
+    def __reduce__(self):
+        if self._files:
+            return TokenArray.mapped, self._files
+        return TokenArray, (self.ids, self.offsets, self.lengths)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.ids[self.offsets[i] : self.offsets[i + 1]]
+
+    def gather(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The ids of sequences ``rows`` concatenated (int64) and their lengths: one vectorized
+        read, however many sequences."""
+        lengths = self.lengths[rows].astype(np.int64)
+        starts_in_output = np.cumsum(lengths) - lengths
+        positions = np.repeat(self.offsets[rows] - starts_in_output, lengths)
+        positions += np.arange(len(positions))
+        return self.ids[positions].astype(np.int64), lengths
+
+    def select(self, rows: np.ndarray) -> TokenArray:
+        """The sequences ``rows``, in memory, with this array's id type."""
+        ids, lengths = self.gather(rows)
+        return TokenArray.from_flat(ids.astype(self.ids.dtype), lengths)
+
+    def release_pages(self) -> None:
+        for file in self._files:
+            file.release_pages()
+
+
+class MappedFile:
+    """A read-only memory map of a raw array file (``count`` values of ``dtype``)."""
+
+    def __init__(self, path: str | Path, dtype: str, count: int):
+        self.path, self.dtype, self.count = Path(path), np.dtype(dtype), count
+        expected = count * self.dtype.itemsize
+        try:
+            with self.path.open("rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size != expected or expected == 0:
+                    raise DataError(
+                        f"{self.path}: {size} bytes, expected {expected} ({count} x {self.dtype})"
+                    )
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except OSError as error:
+            raise DataError(f"{self.path}: cannot read: {error.strerror or error}") from None
+        self.array = np.frombuffer(self._map, self.dtype, count)
+
+    def __reduce__(self):
+        return MappedFile, (self.path, self.dtype.str, self.count)
+
+    def release_pages(self) -> None:
+        """Drop this process's mapping of the pages read so far: they stay in the page cache,
+        but no longer count in the resident memory of a process that reads the whole corpus
+        over an epoch."""
+        if hasattr(mmap, "MADV_DONTNEED"):
+            self._map.madvise(mmap.MADV_DONTNEED)
 
 
 @dataclass
 class EncodedCorpus:
-    """Token ids per sentence, without bos/eos (batching adds them)."""
+    """Token ids per pair, without bos/eos (batching adds them)."""
 
-    src: list[list[int]]
-    tgt: list[list[int]]
+    src: TokenArray
+    tgt: TokenArray
     dropped: int  # pairs removed by length filtering
 
+    @classmethod
+    def from_lists(
+        cls, src: list[list[int]], tgt: list[list[int]], dropped: int = 0
+    ) -> EncodedCorpus:
+        return cls(TokenArray.from_lists(src), TokenArray.from_lists(tgt), dropped)
 
-def _filter_reason(src: list[int], tgt: list[int], max_len: int, ratio: float) -> str | None:
-    if not src or not tgt:
-        return "empty"
-    if max(len(src), len(tgt)) + 1 > max_len:  # + 1: the eos every sequence gets
-        return "too long"
-    if max(len(src), len(tgt)) > ratio * min(len(src), len(tgt)):
-        return "length ratio"
-    return None
+    def __len__(self) -> int:
+        return len(self.src)
+
+    def release_pages(self) -> None:
+        self.src.release_pages()
+        self.tgt.release_pages()
+
+
+# Why a pair is dropped, by precedence: code i + 1 of ``filter_codes`` is FILTER_REASONS[i].
+FILTER_REASONS = ("empty", "too long", "length ratio")
+
+
+def filter_codes(
+    src_lengths: np.ndarray, tgt_lengths: np.ndarray, max_len: int, ratio: float
+) -> np.ndarray:
+    """Per pair, 0 when it is fit for training, else 1 + its index in FILTER_REASONS: an empty
+    side, a side longer than ``max_len`` tokens counting its eos, or one side more than ``ratio``
+    times as long as the other (usually a misalignment), as fairseq filters."""
+    longest = np.maximum(src_lengths, tgt_lengths).astype(np.int64)
+    shortest = np.minimum(src_lengths, tgt_lengths).astype(np.int64)
+    codes = np.zeros(len(longest), np.int8)
+    codes[longest > ratio * shortest] = 3
+    codes[longest + 1 > max_len] = 2
+    codes[shortest == 0] = 1
+    return codes
+
+
+def count_dropped(codes: np.ndarray) -> dict[str, int]:
+    counts = np.bincount(codes, minlength=len(FILTER_REASONS) + 1)[1:]
+    return {reason: int(count) for reason, count in zip(FILTER_REASONS, counts, strict=True)}
+
+
+def nothing_kept(name: str, dropped: dict[str, int], max_len: int, ratio: float) -> DataError:
+    counts = ", ".join(f"{count} {reason}" for reason, count in dropped.items() if count)
+    return DataError(
+        f"{name}: every pair was filtered out: {counts} (max_len={max_len} tokens, ratio={ratio})"
+    )
 
 
 def encode_corpus(
     corpus: ParallelCorpus, vocab: Vocabulary, max_len: int = 256, ratio: float = 9.0
 ) -> EncodedCorpus:
-    """Encode both sides and drop pairs unfit for training, as fairseq does: an empty side, a side
-    longer than ``max_len`` tokens counting its eos, or one side more than ``ratio`` times as long
-    as the other (usually a misalignment). Meant for training and validation loss; score BLEU on
-    the unfiltered sentences so the reference set stays whole."""
-    kept_src, kept_tgt = [], []
-    dropped: dict[str, int] = {}
-    for src, tgt in zip(vocab.encode(corpus.src), vocab.encode(corpus.tgt), strict=True):
-        reason = _filter_reason(src, tgt, max_len, ratio)
-        if reason is None:
-            kept_src.append(src)
-            kept_tgt.append(tgt)
-        else:
-            dropped[reason] = dropped.get(reason, 0) + 1
-    if not kept_src:
-        counts = ", ".join(f"{count} {reason}" for reason, count in dropped.items())
-        raise DataError(
-            f"{corpus.name}: every pair was filtered out: {counts}"
-            f" (max_len={max_len} tokens, ratio={ratio})"
-        )
-    return EncodedCorpus(kept_src, kept_tgt, dropped=sum(dropped.values()))
+    """Encode both sides in memory and drop the pairs ``filter_codes`` rejects. Meant for
+    validation loss (training data goes through ``fastnmt.preprocess``); score BLEU on the
+    unfiltered sentences so the reference set stays whole."""
+    src = TokenArray.from_lists(vocab.encode(corpus.src))
+    tgt = TokenArray.from_lists(vocab.encode(corpus.tgt))
+    codes = filter_codes(src.lengths, tgt.lengths, max_len, ratio)
+    dropped = count_dropped(codes)
+    kept = np.flatnonzero(codes == 0)
+    if not len(kept):
+        raise nothing_kept(corpus.name, dropped, max_len, ratio)
+    return EncodedCorpus(src.select(kept), tgt.select(kept), dropped=sum(dropped.values()))
 
 
 def corpus_stats(corpus: EncodedCorpus) -> dict[str, int]:
     """Sizes for logging; token counts exclude bos/eos."""
     return {
-        "pairs": len(corpus.src),
+        "pairs": len(corpus),
         "dropped": corpus.dropped,
-        "src_tokens": sum(map(len, corpus.src)),
-        "tgt_tokens": sum(map(len, corpus.tgt)),
-        "max_src_len": max(map(len, corpus.src)),
-        "max_tgt_len": max(map(len, corpus.tgt)),
+        "src_tokens": int(corpus.src.lengths.sum()),
+        "tgt_tokens": int(corpus.tgt.lengths.sum()),
+        "max_src_len": int(corpus.src.lengths.max()),
+        "max_tgt_len": int(corpus.tgt.lengths.max()),
     }
 
 
@@ -411,6 +536,20 @@ class Batch:
         """Non-pad target tokens: the normaliser of the loss and the unit of throughput."""
         return self.tgt_positions.shape[0]
 
+    def __reduce__(self):
+        """Pickled as one buffer: a DataLoader worker sends each batch to the trainer in one
+        copy, not one shared-memory segment per tensor (each costs about a millisecond)."""
+        tensors = [getattr(self, f.name) for f in fields(self)]
+        flat = torch.cat([tensor.reshape(-1) for tensor in tensors])
+        return _unpickle_batch, (flat.numpy().tobytes(), [tuple(t.shape) for t in tensors])
+
+    def _map(self, function) -> Batch:
+        return replace(self, **{f.name: function(getattr(self, f.name)) for f in fields(self)})
+
+    def pin_memory(self) -> Batch:
+        """Called by a DataLoader with ``pin_memory=True`` (in its pinning thread)."""
+        return self._map(torch.Tensor.pin_memory)
+
     def to(self, device: torch.device | str) -> Batch:
         device = torch.device(device)
 
@@ -419,12 +558,63 @@ class Batch:
                 return tensor.pin_memory().to(device, non_blocking=True)
             return tensor.to(device)
 
-        return replace(self, **{f.name: move(getattr(self, f.name)) for f in fields(self)})
+        return self._map(move)
 
 
-def _padded(rows: list[list[int]], pad_id: int) -> torch.Tensor:
-    width = max((len(row) for row in rows), default=0)
-    return torch.tensor([row + [pad_id] * (width - len(row)) for row in rows], dtype=torch.int64)
+def _unpickle_batch(data: bytes, shapes: list[tuple[int, ...]]) -> Batch:
+    flat = torch.frombuffer(bytearray(data), dtype=torch.int64)
+    parts = flat.split([math.prod(shape) for shape in shapes])
+    return Batch(*(part.view(shape) for part, shape in zip(parts, shapes, strict=True)))
+
+
+def _padded(
+    ids: np.ndarray, lengths: np.ndarray, pad_id: int, *, first: int | None = None, last=None
+) -> np.ndarray:
+    """(B, width) int64 rows: ``first`` if given, the row's ids, ``last`` if given, then padding;
+    ``ids`` holds the rows' ids concatenated."""
+    lead = int(first is not None)
+    width = int(lengths.max(initial=0)) + lead + int(last is not None)
+    out = np.full((len(lengths), width), pad_id, np.int64)
+    columns = np.arange(width)
+    out[(columns >= lead) & (columns < lengths[:, None] + lead)] = ids  # row-major, like ids
+    if first is not None:
+        out[:, 0] = first
+    if last is not None:
+        out[np.arange(len(lengths)), lengths + lead] = last
+    return out
+
+
+def collate(
+    src: TokenArray,
+    tgt: TokenArray | None,
+    rows: np.ndarray,
+    indices: np.ndarray,
+    *,
+    pad_id: int = 0,
+    bos_id: int = 1,
+    eos_id: int = 2,
+) -> Batch:
+    """The Batch of sequences ``rows`` (``indices``: their positions, for restoring order). ``tgt``
+    None is for translation: the target tensors are then empty (B, 0)."""
+    src_ids, src_lengths = src.gather(rows)
+    if tgt is None:
+        tgt_in = tgt_out = np.zeros((len(rows), 0), np.int64)
+        tgt_lengths = np.zeros(len(rows), np.int64)
+    else:
+        tgt_ids, lengths = tgt.gather(rows)
+        tgt_in = _padded(tgt_ids, lengths, pad_id, first=bos_id)
+        tgt_out = _padded(tgt_ids, lengths, pad_id, last=eos_id)
+        tgt_lengths = lengths + 1
+    targets = np.arange(tgt_out.shape[1]) < tgt_lengths[:, None]
+    return Batch(
+        src=torch.from_numpy(_padded(src_ids, src_lengths, pad_id, last=eos_id)),
+        src_lengths=torch.from_numpy(src_lengths + 1),
+        tgt_in=torch.from_numpy(tgt_in),
+        tgt_out=torch.from_numpy(tgt_out),
+        tgt_lengths=torch.from_numpy(tgt_lengths),
+        indices=torch.as_tensor(np.asarray(indices, np.int64)),
+        tgt_positions=torch.from_numpy(np.flatnonzero(targets)),
+    )
 
 
 def make_batch(
@@ -436,43 +626,61 @@ def make_batch(
     bos_id: int = 1,
     eos_id: int = 2,
 ) -> Batch:
-    """Collate id sequences (without bos/eos) into a Batch. ``tgt`` None is for translation: the
-    target tensors are then empty (B, 0)."""
-    src_rows = [[*ids, eos_id] for ids in src]
-    if tgt is None:
-        empty = torch.zeros(len(src), 0, dtype=torch.int64)
-        tgt_in, tgt_out, tgt_lengths = empty, empty, torch.zeros(len(src), dtype=torch.int64)
-    else:
-        tgt_in = _padded([[bos_id, *ids] for ids in tgt], pad_id)
-        tgt_out = _padded([[*ids, eos_id] for ids in tgt], pad_id)
-        tgt_lengths = torch.tensor([len(ids) + 1 for ids in tgt], dtype=torch.int64)
-    return Batch(
-        src=_padded(src_rows, pad_id),
-        src_lengths=torch.tensor([len(row) for row in src_rows], dtype=torch.int64),
-        tgt_in=tgt_in,
-        tgt_out=tgt_out,
-        tgt_lengths=tgt_lengths,
-        indices=torch.as_tensor(indices, dtype=torch.int64),
-        tgt_positions=(tgt_out.reshape(-1) != pad_id).nonzero()[:, 0],
-    )
+    """Collate id sequences (lists, without bos/eos) into a Batch. ``tgt`` None is for
+    translation: the target tensors are then empty (B, 0)."""
+    targets = None if tgt is None else TokenArray.from_lists(tgt)
+    rows = np.arange(len(src))
+    specials = {"pad_id": pad_id, "bos_id": bos_id, "eos_id": eos_id}
+    return collate(TokenArray.from_lists(src), targets, rows, np.asarray(indices), **specials)
 
 
-def pack_by_tokens(order: list[int], sizes: list[int], max_tokens: int) -> list[list[int]]:
-    """Split ``order`` into consecutive runs whose padded size (count x longest) fits max_tokens;
-    a pair too long for any batch gets one of its own rather than being dropped."""
-    batches: list[list[int]] = []
-    current: list[int] = []
-    longest = 0
-    for index in order:
-        candidate_longest = max(longest, sizes[index])
-        if current and (len(current) + 1) * candidate_longest > max_tokens:
-            batches.append(current)
-            current, candidate_longest = [], sizes[index]
-        current.append(index)
-        longest = candidate_longest
-    if current:
-        batches.append(current)
-    return batches
+def pack_by_tokens(sizes: np.ndarray, max_tokens: int) -> np.ndarray:
+    """Split a sequence of pair sizes into consecutive runs whose padded size (count x largest)
+    fits ``max_tokens``, greedily; returns the run boundaries (0, ..., len(sizes)). A pair too long
+    for any batch gets one of its own rather than being dropped.
+
+    One numpy step per batch, not a Python step per pair: a batch starting at p holds at most
+    max_tokens // sizes[p] pairs, and within that window the padded size of the first k pairs,
+    k x running max, only grows with k, so the batch is the count of those that fit."""
+    bounds = [0]
+    start = 0
+    while start < len(sizes):
+        window = sizes[start : start + max(1, max_tokens // int(sizes[start]))]
+        padded = np.arange(1, len(window) + 1) * np.maximum.accumulate(window)
+        start += max(1, int(np.count_nonzero(padded <= max_tokens)))
+        bounds.append(start)
+    return np.asarray(bounds, np.int64)
+
+
+def seeded_generator(label: str) -> np.random.Generator:
+    """A numpy generator from a string (any --seed, negative too, makes a valid seed)."""
+    return np.random.default_rng(int.from_bytes(hashlib.sha256(label.encode()).digest()[:8]))
+
+
+class _Collator(torch.utils.data.Dataset):
+    """What a DataLoader worker runs: the Batch of the pairs it is given, then the pages it read
+    are released (see TokenArray)."""
+
+    def __init__(self, corpus: EncodedCorpus, special_ids: dict[str, int]):
+        self.corpus, self.special_ids = corpus, special_ids
+
+    def __getitem__(self, rows: np.ndarray) -> Batch:
+        batch = collate(self.corpus.src, self.corpus.tgt, rows, rows, **self.special_ids)
+        self.corpus.release_pages()
+        return batch
+
+
+class _Batches(torch.utils.data.Sampler):
+    """The DataLoader's sampler: the batches (pair positions) of the pass being iterated."""
+
+    def __init__(self):
+        self.batches: list[np.ndarray] = []
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
 
 
 class TokenBatches:
@@ -482,11 +690,16 @@ class TokenBatches:
     consecutively while batch size x longest sequence (bos/eos and padding counted, either side)
     stays within ``max_tokens``; similar lengths together waste little padding. The batches are
     fixed; their order is shuffled per epoch from (seed, epoch) alone, so any process can recreate
-    any epoch (resume, DDP ranks) without shared state.
+    any epoch (resume, DDP ranks) without shared state. All of it is numpy over the lengths
+    array (no Python object per pair), so a corpus of millions of pairs is planned in seconds and
+    held in a few bytes per pair.
 
     With ``world_size`` W > 1, rank r takes batches r, r+W, r+2W, ... of the epoch's list. The list
     is first padded to a multiple of W by repeating its first batches (as DistributedSampler does),
     so every rank runs the same number of steps and no pair is skipped in any epoch.
+
+    ``iterate`` collates in ``workers`` DataLoader worker processes (0: in this process), which
+    prefetch the next batches while the current one trains; ``pin_memory`` for a CUDA device.
     """
 
     def __init__(
@@ -501,44 +714,74 @@ class TokenBatches:
         pad_id: int = 0,
         bos_id: int = 1,
         eos_id: int = 2,
+        workers: int = 0,
+        pin_memory: bool = False,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
-        self.corpus = corpus
         self.max_tokens = max_tokens
         self.seed = seed
         self.shuffle = shuffle
         self.rank = rank
         self.world_size = world_size
-        self._special_ids = {"pad_id": pad_id, "bos_id": bos_id, "eos_id": eos_id}
-        self.batches = self._build_batches()
+        self.order, self.bounds = self._plan(corpus)
+        corpus.release_pages()  # the lengths were read once, for the plan
+        self._pass = _Batches()
+        special_ids = {"pad_id": pad_id, "bos_id": bos_id, "eos_id": eos_id}
+        self._loader = torch.utils.data.DataLoader(
+            _Collator(corpus, special_ids),
+            sampler=self._pass,
+            batch_size=None,
+            num_workers=workers,
+            persistent_workers=workers > 0,  # one worker start per run, not per epoch
+            pin_memory=pin_memory,
+            # A private generator: a DataLoader draws a seed for its workers at every pass, which
+            # must not consume the global RNG the trainer checkpoints (exact resume).
+            generator=torch.Generator(),
+        )
 
-    def _build_batches(self) -> list[list[int]]:
-        src_sizes = [len(ids) + 1 for ids in self.corpus.src]  # + eos
-        tgt_sizes = [len(ids) + 1 for ids in self.corpus.tgt]  # + bos (input) or eos (output)
+    def _plan(self, corpus: EncodedCorpus) -> tuple[np.ndarray, np.ndarray]:
+        """The pairs in batch order and the batch boundaries in it."""
+        src_sizes = corpus.src.lengths.astype(np.int32) + 1  # + eos
+        tgt_sizes = corpus.tgt.lengths.astype(np.int32) + 1  # + bos (input) or eos (output)
+        index_type = np.int32 if len(src_sizes) < 2**31 else np.int64
+        order = np.arange(len(src_sizes), dtype=index_type)
         # A private generator: batching must not consume the global RNG the trainer checkpoints.
-        order = list(range(len(src_sizes)))
-        random.Random(f"fastnmt-order-{self.seed}").shuffle(order)
-        order.sort(key=lambda i: (src_sizes[i], tgt_sizes[i]))  # stable: ties stay shuffled
-        sizes = [max(pair) for pair in zip(src_sizes, tgt_sizes, strict=True)]
-        return pack_by_tokens(order, sizes, self.max_tokens)
+        seeded_generator(f"fastnmt-order-{self.seed}").shuffle(order)
+        key = src_sizes[order].astype(np.int64) << 32 | tgt_sizes[order]
+        order = order[np.argsort(key, kind="stable")]  # stable: ties stay shuffled
+        del key
+        sizes = np.maximum(src_sizes, tgt_sizes)[order]
+        return order, pack_by_tokens(sizes, self.max_tokens)
+
+    @property
+    def num_batches(self) -> int:
+        """Batches per epoch, all ranks together."""
+        return len(self.bounds) - 1
 
     def __len__(self) -> int:
         """Batches per epoch for this rank."""
-        return math.ceil(len(self.batches) / self.world_size)
+        return math.ceil(self.num_batches / self.world_size)
 
-    def epoch_batches(self, epoch: int) -> list[list[int]]:
+    def batch(self, number: int) -> np.ndarray:
+        """The corpus positions of batch ``number``."""
+        return self.order[self.bounds[number] : self.bounds[number + 1]]
+
+    def epoch_batches(self, epoch: int) -> list[np.ndarray]:
         """This rank's batches (corpus positions) for ``epoch``, in the order they are trained."""
-        positions = list(range(len(self.batches)))
+        positions = list(range(self.num_batches))
         if self.shuffle:
             random.Random(f"fastnmt-epoch-{self.seed}-{epoch}").shuffle(positions)
         padded_count = len(self) * self.world_size
         padded = [positions[i % len(positions)] for i in range(padded_count)]
-        return [self.batches[p] for p in padded[self.rank :: self.world_size]]
+        return [self.batch(p) for p in padded[self.rank :: self.world_size]]
 
     def iterate(self, epoch: int, start: int = 0) -> Iterator[Batch]:
-        """This rank's batches for ``epoch``, skipping the first ``start`` (resuming mid-epoch)."""
-        for indices in self.epoch_batches(epoch)[start:]:
-            src = [self.corpus.src[i] for i in indices]
-            tgt = [self.corpus.tgt[i] for i in indices]
-            yield make_batch(src, tgt, indices, **self._special_ids)
+        """This rank's batches for ``epoch``, skipping the first ``start`` (resuming mid-epoch).
+        One pass at a time: a new call ends the previous pass."""
+        self._pass.batches = self.epoch_batches(epoch)[start:]
+        return iter(self._loader)
+
+    def close(self) -> None:
+        """End the worker processes (also done when this object is garbage-collected)."""
+        self._loader = None

@@ -2,8 +2,9 @@
 
 With no arguments: English->German Multi30k, the ``tiny`` preset, the fastest precision for the
 device, then a test-set score. ``torchrun --nproc_per_node N -m fastnmt.train ...`` trains with DDP
-(one GPU per process, ``cuda:$LOCAL_RANK``). Exit codes: 0 done, 1 training failed (non-finite
-loss), 2 bad input, 130 interrupted (saved).
+(one GPU per process, ``cuda:$LOCAL_RANK``; ``--nnodes`` for several machines). The training text
+is prepared once (``fastnmt.preprocess``) into ``--prepared-dir`` and memory-mapped from there.
+Exit codes: 0 done, 1 training failed (non-finite loss), 2 bad input, 130 interrupted (saved).
 
 This module is the command line and the setting up of a run; the loop is ``fastnmt.trainer``,
 the devices and process groups ``fastnmt.distributed``.
@@ -12,6 +13,7 @@ the devices and process groups ``fastnmt.distributed``.
 from __future__ import annotations
 
 import argparse
+import importlib
 import random
 import re
 import sys
@@ -19,21 +21,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 import fastnmt
-from fastnmt import checkpoint
+from fastnmt import checkpoint, preprocess
 from fastnmt.checkpoint import CheckpointError
-from fastnmt.data import (
-    MULTI30K_LANGS,
-    DataError,
-    Vocabulary,
-    encode_corpus,
-    load_multi30k,
-    read_parallel_prefix,
-    read_tsv,
-)
+from fastnmt.data import DataError, Vocabulary, load_multi30k, read_parallel_prefix, read_tsv
 from fastnmt.distributed import Distributed, resolve_device
 from fastnmt.model import PRESETS, ModelConfig, preset
+from fastnmt.preprocess import UsageError
 from fastnmt.runtime import configure_process
 from fastnmt.trainer import PRECISIONS, RESUME_KEYS, Corpora, Trainer
 from fastnmt.translator import fastest_dtype
@@ -49,10 +45,6 @@ MODEL_OVERRIDES = (
     "attention_dropout",
     "activation_dropout",
 )
-
-
-class UsageError(ValueError):
-    """A bad command-line value; the message is one line."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -71,20 +63,19 @@ def parse_duration(text: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fastnmt.train", description=__doc__.split("\n")[0])
     data = p.add_argument_group("data")
-    data.add_argument("--dataset", default="multi30k", help="built-in dataset (default multi30k)")
-    data.add_argument("--data-dir", help="local Multi30k copy (else $FASTNMT_DATA_DIR or download)")
-    data.add_argument("--src-lang", default="en", help="source language (multi30k: en de fr cs)")
-    data.add_argument("--tgt-lang", default="de", help="target language")
-    data.add_argument("--train", help="own data: PREFIX.{src,tgt} or PREFIX.{src-lang,tgt-lang}")
+    preprocess.add_corpus_arguments(data)
     data.add_argument("--valid", help="own validation data prefix")
     data.add_argument("--test", help="own test data prefix")
-    data.add_argument("--train-tsv", help="own training data as a src<TAB>tgt file")
     data.add_argument("--valid-tsv", help="own validation data as a TSV file")
     data.add_argument("--test-tsv", help="own test data as a TSV file")
-    data.add_argument("--vocab-size", type=int, default=8000, help="joint sentencepiece vocab")
-    data.add_argument("--max-len", type=int, default=256, help="drop pairs longer (tokens)")
+    data.add_argument(
+        "--prepared-dir", help="the prepared training data (default OUTPUT_DIR/prepared)"
+    )
     data.add_argument(
         "--max-tokens", type=int, default=4096, help="tokens per batch, padding included"
+    )
+    data.add_argument(
+        "--data-workers", type=int, default=1, help="batch-collating processes (0: in this one)"
     )
     model = p.add_argument_group("model")
     model.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
@@ -125,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--log-interval", type=int, default=50, help="steps between log lines")
     out.add_argument("--no-progress", action="store_true", help="no progress bar on a terminal")
     out.add_argument(
+        "--tensorboard", metavar="DIR", help="also write the metrics as TensorBoard events"
+    )
+    out.add_argument(
         "--beam", type=int, default=4, help="beam of the final test score (validation is greedy)"
     )
     out.add_argument(
@@ -141,29 +135,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_arguments(args) -> None:
-    if args.train and args.train_tsv:
-        raise UsageError("give --train or --train-tsv, not both")
-    own = args.train or args.train_tsv
-    if own and not (args.valid or args.valid_tsv):
+    preprocess.check_corpus_arguments(args)
+    if (args.train or args.train_tsv) and not (args.valid or args.valid_tsv):
         raise UsageError("own training data needs --valid (or --valid-tsv) for validation")
-    if not own and args.dataset != "multi30k":
-        raise UsageError(f"--dataset must be multi30k (or give --train), got {args.dataset!r}")
-    if not own:
-        for flag, lang in (("--src-lang", args.src_lang), ("--tgt-lang", args.tgt_lang)):
-            if lang not in MULTI30K_LANGS:
-                raise UsageError(
-                    f"{flag} must be one of {MULTI30K_LANGS} for multi30k, got {lang!r}"
-                )
-    if args.src_lang == args.tgt_lang:
-        raise UsageError("--src-lang and --tgt-lang must differ")
+    if args.data_workers < 0:
+        raise UsageError(f"--data-workers must be >= 0, got {args.data_workers}")
+    if args.tensorboard:
+        require_tensorboard()
     for flag, value in (
-        ("--vocab-size", args.vocab_size),
         ("--max-tokens", args.max_tokens),
         ("--update-freq", args.update_freq),
         ("--keep-last", args.keep_last),
         ("--average-last", args.average_last),
         ("--log-interval", args.log_interval),
-        ("--max-len", args.max_len),
         ("--beam", args.beam),
     ):
         if value <= 0:
@@ -188,7 +172,17 @@ def check_arguments(args) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def require_tensorboard() -> None:
+    try:
+        importlib.import_module("torch.utils.tensorboard")
+    except ImportError:
+        raise UsageError(
+            "--tensorboard needs the tensorboard package: pip install 'fastnmt[tensorboard]'"
+        ) from None
+
+
 def load_corpora(args) -> Corpora:
+    """The validation and test text (small: read whole; the training text is prepared)."""
     if args.train or args.train_tsv:
 
         def own(prefix, tsv):
@@ -196,14 +190,37 @@ def load_corpora(args) -> Corpora:
                 return read_tsv(tsv)
             return read_parallel_prefix(prefix, args.src_lang, args.tgt_lang) if prefix else None
 
-        return Corpora(
-            own(args.train, args.train_tsv),
-            own(args.valid, args.valid_tsv),
-            own(args.test, args.test_tsv),
-        )
-    splits = ("train", "val", "test_2016_flickr")
-    loaded = [load_multi30k(s, args.src_lang, args.tgt_lang, args.data_dir) for s in splits]
-    return Corpora(*loaded)
+        return Corpora(own(args.valid, args.valid_tsv), own(args.test, args.test_tsv))
+    splits = ("val", "test_2016_flickr")
+    return Corpora(*(load_multi30k(s, args.src_lang, args.tgt_lang, args.data_dir) for s in splits))
+
+
+def prepared_data(args, world: Distributed, vocabulary: bytes | None) -> preprocess.Prepared:
+    """The prepared training data: rank 0 reuses or builds it, the other ranks then map it (a
+    failure on rank 0 is every rank's one-line error)."""
+    directory = Path(args.prepared_dir or Path(args.output_dir) / "prepared")
+    options = preprocess.options_from_arguments(args)
+    prepared, failure = None, None
+    if world.main:
+        try:
+            prepared = preprocess.prepare(
+                preprocess.source_from_arguments(args),
+                directory,
+                options,
+                vocabulary=vocabulary,
+                workers=args.workers,
+                log=lambda line: tqdm.write(line, file=sys.stderr),  # above a progress bar
+                progress=not args.no_progress,
+            )
+        except DataError as error:
+            failure = str(error)
+    failure = world.broadcast(failure)  # also the other ranks' wait for rank 0's preparation
+    if failure is not None:
+        raise DataError(failure)
+    if prepared is None:
+        source = preprocess.source_from_arguments(args)
+        prepared = preprocess.check_prepared(source, directory, options, vocabulary)
+    return prepared
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,13 +258,17 @@ def model_config(args, vocab: Vocabulary) -> ModelConfig:
     return cfg
 
 
-def existing_checkpoint(args) -> checkpoint.Checkpoint | None:
-    last = Path(args.output_dir) / checkpoint.LAST
-    if not last.exists():
-        if args.resume:
-            raise UsageError(f"--resume: {args.output_dir} holds no checkpoint to resume from")
-        return None
-    return checkpoint.load(last, with_trainer_state=True)
+def existing_checkpoint(args, world: Distributed) -> checkpoint.Checkpoint | None:
+    """The checkpoint to continue from, after rank 0 has completed or undone what a crash left
+    in the middle of a save; a damaged one is an error, never a silent fresh start."""
+    output_dir = Path(args.output_dir)
+    if world.main:
+        checkpoint.recover(output_dir)
+    world.broadcast(None)  # the other ranks read the checkpoint once it is recovered
+    loaded = checkpoint.load_last(output_dir)
+    if loaded is None and args.resume:
+        raise UsageError(f"--resume: {args.output_dir} holds no checkpoint to resume from")
+    return loaded
 
 
 def check_compatible(loaded: checkpoint.Checkpoint, args, cfg: ModelConfig) -> None:
@@ -274,26 +295,16 @@ def prepare(args) -> Trainer:
     world = Distributed.from_environment(device)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
-    loaded = existing_checkpoint(args)
+    loaded = existing_checkpoint(args, world)
+    vocabulary = None
+    if loaded is not None:  # the data must be encoded with the checkpoint's vocabulary
+        vocabulary = loaded.spm_model
+        check_compatible(loaded, args, model_config(args, Vocabulary.from_bytes(vocabulary)))
+    prepared = prepared_data(args, world, vocabulary)
     corpora = load_corpora(args)
-    if loaded is not None:
-        vocab = Vocabulary.from_bytes(loaded.spm_model)
-    else:  # every rank would train the same model: rank 0 trains it, the others receive it
-        model_bytes = None
-        if world.main:
-            model_bytes = Vocabulary.train(
-                corpora.train.src + corpora.train.tgt, args.vocab_size, seed=args.seed
-            ).to_bytes()
-        vocab = Vocabulary.from_bytes(world.broadcast(model_bytes))
-    data = encode_corpus(corpora.train, vocab, max_len=args.max_len)
-    cfg = model_config(args, vocab)
-    if loaded is not None:
-        check_compatible(loaded, args, cfg)
-    trainer = Trainer(args, cfg, vocab, data, corpora, device, world)
-    trainer.log.line(
-        f"{corpora.train.name}: {len(data.src):,} training pairs kept, {data.dropped:,} filtered "
-        f"out (empty, longer than {args.max_len} tokens or length ratio); vocabulary {len(vocab):,}"
-    )
+    cfg = model_config(args, prepared.vocab)
+    trainer = Trainer(args, cfg, prepared.vocab, prepared.corpus, corpora, device, world)
+    trainer.log.line(prepared.summary())
     if loaded is not None:
         trainer.restore(loaded)
         last = checkpoint.resolve(Path(args.output_dir) / checkpoint.LAST)

@@ -13,7 +13,9 @@ import contextlib
 import json
 import math
 import random
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
 
 from fastnmt import checkpoint, metrics
 from fastnmt.data import EncodedCorpus, ParallelCorpus, TokenBatches, Vocabulary, encode_corpus
@@ -40,7 +43,8 @@ class NonFiniteLoss(RuntimeError):
 
 @dataclass
 class Corpora:
-    train: ParallelCorpus
+    """The text scored during and after training (the training text is prepared data)."""
+
     valid: ParallelCorpus
     test: ParallelCorpus | None
 
@@ -101,38 +105,82 @@ class Window:
 
 
 class Log:
-    """Log lines on stderr (rank 0), a progress bar on a terminal, and metrics.jsonl."""
+    """Log lines on stderr (rank 0), a tqdm progress bar on a terminal (plain log lines only
+    otherwise), metrics.jsonl and, given a directory, the same scalars as TensorBoard events."""
 
-    def __init__(self, output_dir: Path, enabled: bool, progress: bool):
+    def __init__(
+        self, output_dir: Path, enabled: bool, progress: bool, tensorboard=None, stream=None
+    ):
         self.enabled = enabled
-        self.progress = progress and enabled and sys.stderr.isatty()
+        self.stream = stream or sys.stderr
+        self.progress = progress and enabled and self.stream.isatty()
         self.jsonl = output_dir / "metrics.jsonl"
-        self._bar_shown = False
+        self._bar: tqdm | None = None
+        self._board = None
+        self._step = 0  # of the latest record, for the TensorBoard events of those without one
         if enabled:
             output_dir.mkdir(parents=True, exist_ok=True)
+            if tensorboard:
+                from torch.utils.tensorboard import SummaryWriter  # optional: only when asked
+
+                self._board = SummaryWriter(tensorboard)
 
     def line(self, text: str) -> None:
         if self.enabled:
-            self._clear_bar()
-            print(text, file=sys.stderr, flush=True)
+            tqdm.write(text, file=self.stream)  # above the bar, if one is shown
 
     def record(self, event: str, **values) -> None:
-        if self.enabled:
-            with self.jsonl.open("a") as f:
-                f.write(json.dumps({"event": event, **values}) + "\n")
+        if not self.enabled:
+            return
+        with self.jsonl.open("a") as f:
+            f.write(json.dumps({"event": event, **values}) + "\n")
+        if self._board is not None:
+            self._step = values.get("step", self._step)
+            for name, value in values.items():
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    self._board.add_scalar(f"{event}/{name}", value, self._step)
+            self._board.flush()
 
     def bar(self, epoch: int, done: int, total: int, text: str) -> None:
-        if self.progress:
-            width = 30
-            filled = int(width * done / max(total, 1))
-            sys.stderr.write(f"\repoch {epoch} [{'#' * filled}{'.' * (width - filled)}] {text}")
-            sys.stderr.flush()
-            self._bar_shown = True
+        """The epoch's bar at ``done`` of ``total`` batches (rate and ETA by tqdm)."""
+        if not self.progress:
+            return
+        if self._bar is None or self._bar.desc != f"epoch {epoch}":
+            self.close_bar()
+            self._bar = tqdm(
+                total=total, initial=done, desc=f"epoch {epoch}", unit="batch", file=self.stream
+            )
+        self._bar.set_postfix_str(text, refresh=False)
+        self._bar.update(done - self._bar.n)
 
-    def _clear_bar(self) -> None:
-        if self._bar_shown:
-            sys.stderr.write("\r\033[K")
-            self._bar_shown = False
+    def close_bar(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def close(self) -> None:
+        self.close_bar()
+        if self._board is not None:
+            self._board.close()
+
+
+@contextlib.contextmanager
+def interrupts_deferred():
+    """Hold back Ctrl-C (SIGINT) until the block has run, then deliver it: the block (an update
+    and the progress that counts it) happens entirely or not at all."""
+    if threading.current_thread() is not threading.main_thread() or not callable(
+        signal.getsignal(signal.SIGINT)
+    ):  # signals reach the main thread only; a handler set outside Python cannot be restored
+        yield
+        return
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda number, frame: received.append(number))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        previous(signal.SIGINT, None)  # Python's default raises KeyboardInterrupt
 
 
 @dataclass
@@ -179,10 +227,16 @@ class Trainer:
             pad_id=vocab.pad_id,
             bos_id=vocab.bos_id,
             eos_id=vocab.eos_id,
+            workers=args.data_workers,
+            pin_memory=device.type == "cuda",
         )
         self.progress = Progress()
         self.window = Window()
-        self.log = Log(self.output_dir, world.main, not args.no_progress)
+        self.log = Log(self.output_dir, world.main, not args.no_progress, args.tensorboard)
+        # The RNG states at the start of the update under way (None between updates): what a
+        # checkpoint saved on Ctrl-C in the middle of an update must hold, as its progress does
+        # not count that update.
+        self._rng_before_update: dict | None = None
         self.started = time.monotonic()
         self.valid_data = encode_corpus(corpora.valid, vocab, max_len=args.max_len)
         self.last_saved: Path | None = None
@@ -203,10 +257,8 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
             "progress": vars(replace(self.progress, elapsed=self.elapsed())),
-            "rng": {"torch": torch.get_rng_state(), "python": list(random.getstate()[1])},
+            "rng": self._rng_before_update or self.rng_states(),
         }
-        if self.device.type == "cuda":
-            state["rng"]["cuda"] = torch.cuda.get_rng_state(self.device)
         saved = checkpoint.Checkpoint(
             {k: v.contiguous() for k, v in self.model.state_dict().items()},
             self.config_record(),
@@ -215,6 +267,12 @@ class Trainer:
         )
         keep = max(self.args.keep_last, self.args.average_last)
         return checkpoint.save(self.output_dir, self.progress.step, saved, keep)
+
+    def rng_states(self) -> dict:
+        states = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1])}
+        if self.device.type == "cuda":
+            states["cuda"] = torch.cuda.get_rng_state(self.device)
+        return states
 
     def restore(self, loaded: checkpoint.Checkpoint) -> None:
         self.model.load_state_dict(loaded.weights)
@@ -237,7 +295,10 @@ class Trainer:
     def train_step(self, batches) -> dict:
         """One update over ``batches`` (update_freq micro-batches on this rank, on the host),
         normalised by the target tokens of all of them on all ranks. Adds the update's statistics
-        to the window without reading them (no host sync)."""
+        to the window without reading them (no host sync). The update and the progress that
+        counts it (step, position in the epoch) happen together or not at all, whenever Ctrl-C
+        comes: a resumed run neither repeats nor skips a batch."""
+        self._rng_before_update = self.rng_states()
         local_tokens = sum(b.num_tgt_tokens for b in batches)
         total_tokens, stop_votes = self.world.sum([local_tokens, float(self.out_of_time())])
         model = self.ddp or self.model
@@ -253,6 +314,18 @@ class Trainer:
             # DDP averages gradients over ranks; scaling by world_size makes that a global sum.
             self.scaler.scale(loss * (self.world.world_size / total_tokens)).backward()
             sums += torch.stack([loss.detach(), nll, correct]).double()
+        with interrupts_deferred():
+            lr, grad_norm = self.apply_update()
+            self.progress.step += 1
+            self.progress.batch_in_epoch += len(batches)
+            statistics = torch.cat([sums, grad_norm.double().reshape(1)])
+            self.window.add(self.progress.step, statistics, total_tokens)
+            self._rng_before_update = None
+        return {"lr": lr, "stop": stop_votes > 0}
+
+    def apply_update(self) -> tuple[float, torch.Tensor]:
+        """The optimizer step on the accumulated gradients; returns its learning rate and the
+        gradient norm (a device tensor)."""
         lr = inverse_sqrt_lr(self.progress.step + 1, self.args.lr, self.args.warmup)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -263,10 +336,7 @@ class Trainer:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        self.progress.step += 1
-        statistics = torch.cat([sums, grad_norm.double().reshape(1)])
-        self.window.add(self.progress.step, statistics, total_tokens)
-        return {"lr": lr, "stop": stop_votes > 0}
+        return lr, grad_norm
 
     def batch_loss(self, model, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Summed label-smoothed loss, nll and correct predictions of a batch on the device;
@@ -343,9 +413,17 @@ class Trainer:
     def run(self) -> int:
         """Train until a budget runs out; then score the best checkpoint on the test set."""
         try:
+            return self.train_and_test()
+        finally:
+            self.batches.close()
+            self.log.close()
+
+    def train_and_test(self) -> int:
+        try:
             try:
                 self.train_epochs()
             except KeyboardInterrupt:
+                self.log.close_bar()
                 path = self.save()  # checks the unread updates first: never saves a nan
                 self.log.line(
                     f"interrupted at step {self.progress.step}; saved {path}; "
@@ -356,6 +434,7 @@ class Trainer:
             where = self.last_saved or "none saved yet"
             self.log.line(f"error: {error}; training stopped. Last good checkpoint: {where}")
             return 1
+        self.log.close_bar()
         if self.world.main:
             self.keep_average_if_better()
         self.evaluate_test()
@@ -404,7 +483,6 @@ class Trainer:
             if len(group) < args.update_freq and progress.batch_in_epoch + len(group) < total:
                 continue
             step = self.train_step(group)
-            progress.batch_in_epoch += len(group)
             group = []
             self.log.bar(
                 progress.epoch,

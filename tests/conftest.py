@@ -13,7 +13,13 @@ if not torch.cuda.is_available():
 import pytest
 
 import fastnmt
-from tests.helpers import TRITON_DEVICE, multi30k_dir, require_backend
+from tests.helpers import TRITON_DEVICE, multi30k_file, require_backend
+
+# Multi30k: the shared local copy beside the repository when there is one (CI: no download),
+# else whatever the package finds ($FASTNMT_DATA_DIR, or its download cache).
+_SHARED_MULTI30K = Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k"
+if _SHARED_MULTI30K.is_dir():
+    os.environ.setdefault("FASTNMT_DATA_DIR", str(_SHARED_MULTI30K))
 
 
 @pytest.fixture(autouse=True)
@@ -46,7 +52,7 @@ def corpus(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("corpus")
     for split, lines in (("train", 300), ("val", 20)):
         for lang in ("en", "de"):
-            with gzip.open(multi30k_dir() / f"{split}.{lang}.gz", "rt", encoding="utf-8") as f:
+            with gzip.open(multi30k_file(split, lang), "rt", encoding="utf-8") as f:
                 text = [next(f) for _ in range(lines)]
             (folder / f"{split}.{lang}").write_text("".join(text), encoding="utf-8")
     return folder

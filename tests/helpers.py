@@ -64,15 +64,13 @@ def attention_oracle(q, k, v, *, key_lengths=None, causal=False, scale=None, att
     return probs @ v, lse, probs
 
 
-def multi30k_dir():
-    """The local Multi30k copy: $FASTNMT_DATA_DIR, else ../shared/data/multi30k beside the repo."""
-    import os
-    from pathlib import Path
+def multi30k_file(split: str, lang: str):
+    """A Multi30k file found the way the package finds it: $FASTNMT_DATA_DIR (tests/conftest.py
+    points it at ../shared/data/multi30k beside the repository when that exists), else the
+    download cache, downloading on first use."""
+    from fastnmt.data import multi30k_file as package_lookup
 
-    default = Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k"
-    folder = Path(os.environ.get("FASTNMT_DATA_DIR", default))
-    assert (folder / "val.en.gz").exists(), f"Multi30k not found in {folder}; set FASTNMT_DATA_DIR"
-    return folder
+    return package_lookup(split, lang)
 
 
 def require_backend(name: str) -> None:
@@ -95,7 +93,7 @@ def tiny_checkpoint(directory, *, max_positions=1024, seed=0):
 
     texts = []
     for lang in ("en", "de"):
-        with gzip.open(multi30k_dir() / f"train.{lang}.gz", "rt", encoding="utf-8") as f:
+        with gzip.open(multi30k_file("train", lang), "rt", encoding="utf-8") as f:
             texts += [next(f).strip() for _ in range(300)]
     vocab = Vocabulary.train(texts, 300)
     cfg = preset(

@@ -1,11 +1,14 @@
-"""fastnmt.data: reading corpora, Multi30k, the vocabulary, length filtering and batching.
+"""fastnmt.data: reading corpora, Multi30k, the vocabulary, token arrays, length filtering and
+batching.
 
-Multi30k comes from the shared local copy (never the network); override with $FASTNMT_DATA_DIR.
+Multi30k is found as the package finds it (tests/conftest.py: the shared local copy when present).
 """
 
 import gzip
+import pickle
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,7 +17,9 @@ from fastnmt.data import (
     Batch,
     DataError,
     EncodedCorpus,
+    MappedFile,
     ParallelCorpus,
+    TokenArray,
     TokenBatches,
     Vocabulary,
     corpus_stats,
@@ -27,14 +32,14 @@ from fastnmt.data import (
     read_parallel_prefix,
     read_tsv,
 )
-from tests.helpers import multi30k_dir as shared_multi30k_dir
+from tests.helpers import multi30k_file
 
 TRAIN_SLICE = 3000  # enough text for a meaningful vocabulary, quick to train on
 
 
 @pytest.fixture(scope="module")
 def multi30k_path():
-    return shared_multi30k_dir()
+    return multi30k_dir()
 
 
 @pytest.fixture(scope="module")
@@ -207,9 +212,11 @@ def test_multi30k_dir_priority(monkeypatch, tmp_path):
 @pytest.fixture
 def empty_cache(monkeypatch, tmp_path):
     """Multi30k resolved to an empty cache directory, downloading from the local copy."""
+    local_copy = multi30k_file("val", "de").parent
+    multi30k_file("val", "en")
     monkeypatch.delenv("FASTNMT_DATA_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setattr(data, "MULTI30K_URL", shared_multi30k_dir().as_uri() + "/{split}.{lang}.gz")
+    monkeypatch.setattr(data, "MULTI30K_URL", local_copy.as_uri() + "/{split}.{lang}.gz")
     return tmp_path / "cache/fastnmt/multi30k"
 
 
@@ -317,10 +324,10 @@ def test_encode_corpus_filters_empty_long_and_unbalanced_pairs(vocab):
     # Boundaries: longer (+ eos) fits exactly, and longer/short is exactly the allowed ratio.
     encoded = encode_corpus(corpus, vocab, max_len=longer_len + 1, ratio=longer_len / short_len)
     assert encoded.dropped == 2  # the two pairs with an empty side
-    assert encoded.src == vocab.encode([short, longer, short])
+    assert as_lists(encoded.src) == vocab.encode([short, longer, short])
     encoded = encode_corpus(corpus, vocab, max_len=longer_len, ratio=longer_len / short_len - 0.01)
     assert encoded.dropped == 4  # also too long, and too unbalanced
-    assert (encoded.src, encoded.tgt) == (vocab.encode([short]), vocab.encode([short]))
+    assert as_lists(encoded.src) == as_lists(encoded.tgt) == vocab.encode([short])
 
 
 def test_every_pair_filtered_out(vocab):
@@ -333,7 +340,7 @@ def test_every_pair_filtered_out(vocab):
 
 
 def test_corpus_stats():
-    stats = corpus_stats(EncodedCorpus(src=[[5, 6], [7]], tgt=[[8], [9, 10, 11]], dropped=4))
+    stats = corpus_stats(EncodedCorpus.from_lists([[5, 6], [7]], [[8], [9, 10, 11]], dropped=4))
     assert stats == {
         "pairs": 2,
         "dropped": 4,
@@ -375,20 +382,43 @@ def test_batch_to_moves_every_tensor():
 
 
 def test_pack_by_tokens_counts_padding_and_keeps_order():
-    sizes = [3, 3, 4, 9, 2, 2]
-    assert pack_by_tokens([4, 0, 1, 2, 3, 5], sizes, max_tokens=8) == [[4, 0], [1, 2], [3], [5]]
+    sizes = np.array([2, 3, 3, 4, 9, 2])  # a pair larger than max_tokens gets a batch alone
+    assert pack_by_tokens(sizes, max_tokens=8).tolist() == [0, 2, 4, 5, 6]
+
+
+def greedy_packing(sizes, max_tokens):
+    """The packing rule written pair by pair: add a pair while count x largest fits."""
+    bounds, count, largest = [0], 0, 0
+    for position, size in enumerate(sizes):
+        if count and (count + 1) * max(largest, size) > max_tokens:
+            bounds.append(position)
+            count, largest = 0, 0
+        count, largest = count + 1, max(largest, size)
+    return [*bounds, len(sizes)]
+
+
+@pytest.mark.parametrize("max_tokens", [7, 64, 1000])
+def test_pack_by_tokens_equals_the_pair_by_pair_rule(max_tokens):
+    rng = np.random.default_rng()
+    sizes = np.sort(rng.integers(2, 90, size=int(rng.integers(1, 3000))))
+    sizes[rng.random(len(sizes)) < 0.2] += rng.integers(0, 30)  # not quite sorted, as real data
+    assert pack_by_tokens(sizes, max_tokens).tolist() == greedy_packing(sizes.tolist(), max_tokens)
 
 
 OVER_LONG = 300  # longer than MAX_TOKENS below: must still be batched, alone
 MAX_TOKENS = 256
 
 
+def as_lists(tokens: TokenArray) -> list[list[int]]:
+    return [tokens[i].tolist() for i in range(len(tokens))]
+
+
 @pytest.fixture(scope="module")
 def synthetic():
     rng = random.Random(0)
-    src = [[7] * rng.randint(1, 60) for _ in range(499)] + [[7] * OVER_LONG]
-    tgt = [[8] * rng.randint(1, 60) for _ in range(499)] + [[8] * 5]
-    return EncodedCorpus(src, tgt, dropped=0)
+    src = [[rng.randrange(4, 90) for _ in range(rng.randint(1, 60))] for _ in range(499)]
+    tgt = [[rng.randrange(4, 90) for _ in range(rng.randint(1, 60))] for _ in range(499)]
+    return EncodedCorpus.from_lists([*src, [7] * OVER_LONG], [*tgt, [8] * 5], dropped=0)
 
 
 def padded_size(batch):
@@ -405,32 +435,36 @@ def test_every_pair_once_per_epoch_within_max_tokens(synthetic):
         else:
             assert padded_size(batch) <= MAX_TOKENS or batch.indices.tolist() == [499]
         for row, i in enumerate(batch.indices.tolist()):  # rows are the right pairs
-            assert batch.src[row, : len(synthetic.src[i])].tolist() == synthetic.src[i]
-            assert batch.tgt_out[row, : len(synthetic.tgt[i])].tolist() == synthetic.tgt[i]
+            assert batch.src[row, : len(synthetic.src[i])].tolist() == synthetic.src[i].tolist()
+            assert batch.tgt_out[row, : len(synthetic.tgt[i])].tolist() == synthetic.tgt[i].tolist()
     assert sorted(seen) == list(range(500))
-    assert [499] in batches.epoch_batches(1)
+    assert [499] in [batch.tolist() for batch in batches.epoch_batches(1)]
     assert len(batches) == len(batches.epoch_batches(1))
 
 
 def test_batches_are_bucketed_by_length(synthetic):
     batches = TokenBatches(synthetic, MAX_TOKENS, shuffle=False).epoch_batches(1)
-    src_lengths = [len(synthetic.src[i]) for batch in batches for i in batch]
+    src_lengths = [synthetic.src.lengths[i] for batch in batches for i in batch]
     assert src_lengths == sorted(src_lengths)
     assert len(batches) < 500 / 3  # packed, not one pair per batch
 
 
+def epoch(batches: TokenBatches, number: int) -> list[list[int]]:
+    return [batch.tolist() for batch in batches.epoch_batches(number)]
+
+
 def test_epoch_order_is_deterministic_per_seed_and_epoch(synthetic):
     first = TokenBatches(synthetic, MAX_TOKENS, seed=1)
-    assert first.epoch_batches(3) == TokenBatches(synthetic, MAX_TOKENS, seed=1).epoch_batches(3)
-    assert first.epoch_batches(3) != first.epoch_batches(4)
-    assert first.epoch_batches(3) != TokenBatches(synthetic, MAX_TOKENS, seed=2).epoch_batches(3)
-    assert sorted(first.epoch_batches(3)) == sorted(first.epoch_batches(4))  # same batches
+    assert epoch(first, 3) == epoch(TokenBatches(synthetic, MAX_TOKENS, seed=1), 3)
+    assert epoch(first, 3) != epoch(first, 4)
+    assert epoch(first, 3) != epoch(TokenBatches(synthetic, MAX_TOKENS, seed=2), 3)
+    assert sorted(epoch(first, 3)) == sorted(epoch(first, 4))  # same batches
 
 
 def test_two_ranks_share_the_epoch_with_equal_counts(synthetic):
-    single = TokenBatches(synthetic, MAX_TOKENS).epoch_batches(2)
+    single = epoch(TokenBatches(synthetic, MAX_TOKENS), 2)
     ranks = [TokenBatches(synthetic, MAX_TOKENS, rank=r, world_size=2) for r in (0, 1)]
-    rank0, rank1 = (r.epoch_batches(2) for r in ranks)
+    rank0, rank1 = (epoch(r, 2) for r in ranks)
     assert len(rank0) == len(rank1) == len(ranks[0]) == len(ranks[1]) == (len(single) + 1) // 2
     interleaved = [batch for pair in zip(rank0, rank1, strict=True) for batch in pair]
     # The single-process order, padded to an even count by repeating its first batch.
@@ -439,25 +473,25 @@ def test_two_ranks_share_the_epoch_with_equal_counts(synthetic):
 
 
 def test_equal_lengths_are_grouped_by_the_seed_not_by_position():
-    same_length = EncodedCorpus([[7, 7]] * 40, [[8, 8]] * 40, dropped=0)
+    same_length = EncodedCorpus.from_lists([[7, 7]] * 40, [[8, 8]] * 40)
     seed1, seed2 = (
-        TokenBatches(same_length, 30, seed=seed, shuffle=False).epoch_batches(1) for seed in (1, 2)
+        epoch(TokenBatches(same_length, 30, seed=seed, shuffle=False), 1) for seed in (1, 2)
     )
-    assert seed1 == TokenBatches(same_length, 30, seed=1, shuffle=False).epoch_batches(1)
+    assert seed1 == epoch(TokenBatches(same_length, 30, seed=1, shuffle=False), 1)
     assert seed1 != seed2
     assert seed1[0] != list(range(10))
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 8])
 def test_ranks_pad_an_uneven_epoch_by_repeating_batches(world_size):
-    five_batches = EncodedCorpus([[7] * 9] * 5, [[8] * 9] * 5, dropped=0)  # 10 tokens: one a batch
-    single = TokenBatches(five_batches, 10).epoch_batches(1)
+    five_batches = EncodedCorpus.from_lists([[7] * 9] * 5, [[8] * 9] * 5)  # 10 tokens: one a batch
+    single = epoch(TokenBatches(five_batches, 10), 1)
     ranks = [
         TokenBatches(five_batches, 10, rank=r, world_size=world_size) for r in range(world_size)
     ]
     steps = -(-5 // world_size)  # ceil: every rank runs the same number of steps
     assert [len(rank) for rank in ranks] == [steps] * world_size
-    per_rank = [rank.epoch_batches(1) for rank in ranks]
+    per_rank = [epoch(rank, 1) for rank in ranks]
     assert [len(batches) for batches in per_rank] == [steps] * world_size
     interleaved = [per_rank[r][step] for step in range(steps) for r in range(world_size)]
     assert interleaved == [single[i % 5] for i in range(steps * world_size)]
@@ -486,3 +520,101 @@ def test_real_batches_decode_to_the_target_text(vocab, train_slice):
     expected = [" ".join(pairs.tgt[i].split()) for i in batch.indices.tolist()]
     assert vocab.decode(batch.tgt_out.tolist()) == expected
     assert vocab.decode(batch.tgt_in[:, 1:].tolist()) == expected  # bos, then the same text
+
+
+# --- token arrays and their files ---------------------------------------------------------------
+
+
+def random_sequences(rng, count, *, longest=40, vocab=9000):
+    return [
+        rng.integers(4, vocab, size=int(rng.integers(0, longest))).tolist() for _ in range(count)
+    ]
+
+
+def test_token_array_round_trip_and_gather():
+    rng = np.random.default_rng()
+    sequences = random_sequences(rng, int(rng.integers(1, 300)))
+    tokens = TokenArray.from_lists(sequences)
+    assert as_lists(tokens) == sequences
+    rows = rng.permutation(len(sequences))[: int(rng.integers(1, len(sequences) + 1))]
+    ids, lengths = tokens.gather(rows)
+    assert ids.tolist() == [i for row in rows for i in sequences[row]]
+    assert lengths.tolist() == [len(sequences[row]) for row in rows]
+    assert as_lists(tokens.select(rows)) == [sequences[row] for row in rows]
+
+
+def write_mapped(directory, sequences, dtype="<u2"):
+    """A TokenArray's three files, as fastnmt.preprocess writes them, mapped back."""
+    tokens = TokenArray.from_lists(sequences, np.dtype(dtype))
+    files = []
+    for kind, array in (
+        ("ids", tokens.ids),
+        ("offsets", tokens.offsets),
+        ("lengths", tokens.lengths),
+    ):
+        array.tofile(directory / kind)
+        files.append(MappedFile(directory / kind, array.dtype.str, len(array)))
+    return TokenArray.mapped(*files)
+
+
+def test_mapped_token_array_pickles_by_file_name_and_releases_its_pages(tmp_path):
+    rng = np.random.default_rng()
+    sequences = random_sequences(rng, 1001, longest=300)
+    mapped = write_mapped(tmp_path, sequences)
+    assert as_lists(mapped) == sequences
+    pickled = pickle.dumps(mapped)
+    assert len(pickled) < 1000  # the file names, not the data
+    again = pickle.loads(pickled)
+    mapped.release_pages()
+    assert as_lists(again) == as_lists(mapped) == sequences  # pages read in again on demand
+
+
+def test_mapped_file_of_the_wrong_size_is_a_one_line_error(tmp_path):
+    (tmp_path / "ids").write_bytes(b"\0" * 7)
+    with pytest.raises(DataError) as excinfo:
+        MappedFile(tmp_path / "ids", "<u2", 4)
+    assert one_line_error(excinfo) == f"{tmp_path / 'ids'}: 7 bytes, expected 8 (4 x uint16)"
+
+
+def test_collate_from_arrays_equals_make_batch_from_lists():
+    rng = np.random.default_rng()
+    src = [[*s, 5] for s in random_sequences(rng, 37)]  # a source is never empty
+    tgt = random_sequences(rng, 37)
+    rows = rng.permutation(37)[:23]
+    from_lists = make_batch([src[r] for r in rows], [tgt[r] for r in rows], rows.tolist())
+    corpus = EncodedCorpus.from_lists(src, tgt)
+    from_arrays = data.collate(corpus.src, corpus.tgt, rows, rows)
+    for name, expected in vars(from_lists).items():
+        assert torch.equal(getattr(from_arrays, name), expected), name
+    width = from_lists.tgt_out.shape[1]
+    positions = [r * width + c for r, row in enumerate(rows) for c in range(len(tgt[row]) + 1)]
+    assert from_lists.tgt_positions.tolist() == positions
+
+
+def test_a_worker_collates_the_same_batches_and_the_global_rng_is_untouched(synthetic):
+    in_process = TokenBatches(synthetic, MAX_TOKENS, seed=3)
+    worker = TokenBatches(synthetic, MAX_TOKENS, seed=3, workers=1)
+    state = torch.get_rng_state()
+    for first in (0, 5):  # a second pass of the same worker, resuming mid-epoch
+        expected, got = list(in_process.iterate(2, first)), list(worker.iterate(2, first))
+        assert len(expected) == len(got) == len(in_process) - first
+        for a, b in zip(expected, got, strict=True):
+            assert all(torch.equal(getattr(a, k), getattr(b, k)) for k in vars(a))
+    assert torch.equal(torch.get_rng_state(), state)  # a DataLoader's seed comes from its own
+    worker.close()
+
+
+def test_batches_over_a_mapped_corpus_cover_it_once(synthetic, tmp_path):
+    sides = []
+    for side in ("src", "tgt"):
+        (tmp_path / side).mkdir()
+        sides.append(write_mapped(tmp_path / side, as_lists(getattr(synthetic, side))))
+    mapped = EncodedCorpus(*sides, dropped=0)
+    expected = epoch(TokenBatches(synthetic, MAX_TOKENS, seed=5, world_size=3, rank=2), 4)
+    batches = TokenBatches(mapped, MAX_TOKENS, seed=5, world_size=3, rank=2, workers=1)
+    assert epoch(batches, 4) == expected
+    got = list(batches.iterate(4))
+    assert [b.indices.tolist() for b in got] == expected
+    for batch in got:
+        for row, i in enumerate(batch.indices.tolist()):
+            assert batch.src[row, : len(synthetic.src[i])].tolist() == synthetic.src[i].tolist()

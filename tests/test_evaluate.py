@@ -5,7 +5,7 @@ import re
 import pytest
 
 from fastnmt import evaluate
-from tests.helpers import multi30k_dir, tiny_checkpoint
+from tests.helpers import tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def test_own_tsv_data_gets_three_labelled_scores(checkpoint_dir, tmp_path, capsy
 
 
 def test_multi30k_split_with_the_checkpoints_languages(checkpoint_dir, capsys):
-    arguments = ["--checkpoint", str(checkpoint_dir), "--data-dir", str(multi30k_dir())]
+    arguments = ["--checkpoint", str(checkpoint_dir)]  # Multi30k found as the package finds it
     assert evaluate.main([*arguments, "--split", "val", "--beam", "1", "--max-len-a", "0.3"]) == 0
     out = capsys.readouterr().out
     assert "multi30k/val en->de, greedy: 1,014 sentences" in out

@@ -1,6 +1,8 @@
 """python -m fastnmt.train on small slices of Multi30k: outputs, exact resume, DDP, bad input."""
 
 import os
+import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -74,29 +76,84 @@ def test_average_of_the_last_checkpoints_is_kept_only_when_it_validates_better(c
     assert (best == "checkpoint_average") == kept
 
 
-def test_resume_after_sigkill_continues_exactly(corpus, tmp_path):
-    """N steps straight == N/2 steps, kill -9, resume, N/2 steps (CPU, fp32, with dropout)."""
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    common = ("--max-steps", "8", "--save-interval", "4", "--max-tokens", "250")
-    assert _run(_arguments(corpus, straight, *common)).returncode == 0
-    process = subprocess.Popen(
-        [sys.executable, "-m", "fastnmt.train", *_arguments(corpus, resumed, *common)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    deadline = time.monotonic() + 300
-    while not (resumed / "checkpoint_step4").exists() and process.poll() is None:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    assert process.returncode == -signal.SIGKILL, "training ended before it could be killed"
-    result = _run(_arguments(corpus, resumed, *common))
-    assert result.returncode == 0, result.stderr
-    assert "resumed from" in result.stderr
-    expected, actual = _weights(straight), _weights(resumed)
+RESUME_RUN = ("--max-steps", "8", "--save-interval", "4", "--max-tokens", "250")
+
+
+@pytest.fixture(scope="module")
+def straight(corpus, tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The final weights of an uninterrupted RESUME_RUN (CPU, fp32, with dropout)."""
+    output = tmp_path_factory.mktemp("straight")
+    assert _run(_arguments(corpus, output, *RESUME_RUN)).returncode == 0
+    return _weights(output)
+
+
+def _assert_same_weights(expected, actual, message=""):
     assert expected.keys() == actual.keys()
     for name in expected:
-        assert torch.equal(actual[name], expected[name]), name
+        assert torch.equal(actual[name], expected[name]), f"{name} {message}"
+
+
+def _start(arguments: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "fastnmt.train", *arguments],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+def _kill(process: subprocess.Popen) -> None:
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+
+
+def test_resume_after_sigkill_continues_exactly(corpus, tmp_path, straight):
+    """N steps straight == N/2 steps, kill -9, resume, N/2 steps; the restart reuses the
+    prepared data."""
+    process = _start(_arguments(corpus, tmp_path, *RESUME_RUN))
+    deadline = time.monotonic() + 300
+    while not (tmp_path / "checkpoint_step4").exists() and process.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    _kill(process)
+    assert process.returncode == -signal.SIGKILL, "training ended before it could be killed"
+    result = _run(_arguments(corpus, tmp_path, *RESUME_RUN))
+    assert result.returncode == 0, result.stderr
+    assert "using the prepared data in" in result.stderr and "resumed from" in result.stderr
+    _assert_same_weights(straight, _weights(tmp_path))
+
+
+def test_sigkill_at_random_moments_of_saves_loses_nothing(corpus, tmp_path, straight):
+    """Saving after every step, killed (kill -9) three times, each at a random moment after the
+    save of a randomly chosen step has begun (in it, or in the steps after), and resumed each
+    time: the end result is the uninterrupted run's."""
+    arguments = _arguments(corpus, tmp_path, *RESUME_RUN, "--save-interval", "1")
+    rng = random.Random()
+    kills = []  # (step whose save was under way, seconds after it began)
+    for step in sorted(rng.sample(range(1, 8), 3)):
+        process = _start(arguments)
+        deadline = time.monotonic() + 300
+        started = (tmp_path / f".checkpoint_step{step}.new", tmp_path / f"checkpoint_step{step}")
+        while not any(p.exists() for p in started) and process.poll() is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        kills.append((step, round(rng.uniform(0, 0.05), 3)))  # a save takes milliseconds
+        time.sleep(kills[-1][1])
+        _kill(process)
+    result = _run(arguments)
+    assert result.returncode == 0, (kills, result.stderr)
+    _assert_same_weights(straight, _weights(tmp_path), f"after kills {kills}")
+
+
+@pytest.fixture(scope="module")
+def single_process(corpus, tmp_path_factory) -> dict[str, torch.Tensor]:
+    """Weights after 3 updates of one process on two batches each (no dropout): what two DDP
+    processes on one batch each must reach."""
+    output = tmp_path_factory.mktemp("single")
+    result = _run(_arguments(corpus, output, *NO_DROPOUT, "--update-freq", "2"))
+    assert result.returncode == 0, result.stderr
+    return _weights(output)
+
+
+NO_DROPOUT = ("--dropout", "0", "--attention-dropout", "0", "--max-steps", "3")
 
 
 def _free_port() -> int:
@@ -105,23 +162,48 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_ddp_with_two_gloo_processes_equals_one_process_on_the_combined_batches(corpus, tmp_path):
-    no_dropout = ("--dropout", "0", "--attention-dropout", "0", "--max-steps", "3")
-    single, ddp = tmp_path / "single", tmp_path / "ddp"
-    result = _run(_arguments(corpus, single, *no_dropout, "--update-freq", "2"))
-    assert result.returncode == 0, result.stderr
+def _assert_close_weights(expected, actual) -> None:
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], atol=2e-5, rtol=1e-4)
+
+
+def test_ddp_with_two_gloo_processes_equals_one_process_on_the_combined_batches(
+    corpus, tmp_path, single_process
+):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
         "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-        "-m", "fastnmt.train", *_arguments(corpus, ddp, *no_dropout, "--check-replicas"),
+        "-m", "fastnmt.train", *_arguments(corpus, tmp_path, *NO_DROPOUT, "--check-replicas"),
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr
     assert "parameters identical on all 2 ranks" in result.stderr
-    expected, actual = _weights(single), _weights(ddp)
-    for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], atol=2e-5, rtol=1e-4)
+    _assert_close_weights(single_process, _weights(tmp_path))
+
+
+def test_two_nodes_through_the_c10d_rendezvous(corpus, tmp_path, single_process):
+    """Two torchrun agents ("nodes" on 127.0.0.1) meet through the c10d rendezvous; node 0's
+    rank prepares the data, node 1's maps it."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+        "--rdzv-id", f"fastnmt-{os.getpid()}", "--local-addr", "127.0.0.1",
+        "-m", "fastnmt.train", *_arguments(corpus, tmp_path, *NO_DROPOUT, "--check-replicas"),
+    ]  # fmt: skip
+    nodes = [
+        subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
+        for _ in range(2)
+    ]
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    log = "".join(outputs)
+    assert "batches per epoch per rank x 2" in log, log
+    assert "parameters identical on all 2 ranks" in log
+    _assert_close_weights(single_process, _weights(tmp_path))
 
 
 def test_non_finite_loss_stops_naming_the_step_and_last_checkpoint(
@@ -225,6 +307,23 @@ class TestBadInput:
 
     def test_resume_without_checkpoint(self, corpus, tmp_path):
         assert "no checkpoint to resume" in self._error(_arguments(corpus, tmp_path, "--resume"))
+
+    def test_a_dangling_checkpoint_last_is_never_a_fresh_start(self, corpus, tmp_path):
+        arguments = _arguments(corpus, tmp_path, "--max-steps", "4", "--save-interval", "2")
+        assert _run([*arguments, "--average-last", "1"]).returncode == 0
+        shutil.rmtree(tmp_path / "checkpoint_step4")
+        message = self._error(arguments)
+        last = tmp_path / "checkpoint_last"
+        assert f"{last} points to checkpoint_step4, which does not exist" in message
+        assert f"the newest checkpoint that loads is {tmp_path / 'checkpoint_step2'}" in message
+        assert not (tmp_path / "checkpoint_step4").exists()  # nothing trained
+
+    def test_tensorboard_without_the_package(self, corpus, tmp_path, monkeypatch):
+        monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+        message = self._error(_arguments(corpus, tmp_path, "--tensorboard", str(tmp_path / "tb")))
+        assert message == (
+            "error: --tensorboard needs the tensorboard package: pip install 'fastnmt[tensorboard]'"
+        )
 
 
 def test_resuming_a_finished_run_trains_no_further(corpus, tmp_path):

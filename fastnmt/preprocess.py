@@ -1,0 +1,762 @@
+"""``python -m fastnmt.preprocess``: prepare a training corpus once, for any number of runs.
+
+Reads the training text (Multi30k, PREFIX.{src,tgt} files or a TSV file, plain or gzip) in
+chunks, trains the joint sentencepiece vocabulary on a sample of it, encodes both sides on all
+cores and writes a prepared directory:
+
+    manifest.json        what it was made from (input files with size, mtime and sha256; the
+                         vocabulary options; the length filters) and what it holds (counts, arrays)
+    spm.model            the sentencepiece model
+    train.{src,tgt}.ids      token ids of the kept pairs, concatenated (uint16 when the
+                             vocabulary fits, else uint32), raw little-endian
+    train.{src,tgt}.offsets  int64, pairs + 1: sequence i is ids[offsets[i]:offsets[i + 1]]
+    train.{src,tgt}.lengths  ids per sequence (uint16, or uint32 for --max-len above 65,536)
+
+Training memory-maps the arrays (``fastnmt.data.TokenArray``); it reads only the lengths to plan
+its batches, so its memory does not grow with the corpus. ``python -m fastnmt.train`` runs the
+same step into OUTPUT_DIR/prepared when it finds no prepared data matching its arguments, and
+reuses the directory otherwise. Exit codes: 0 done, 2 bad input, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gzip
+import hashlib
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import zlib
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from fastnmt.data import (
+    MULTI30K_LANGS,
+    DataError,
+    EncodedCorpus,
+    MappedFile,
+    TokenArray,
+    Vocabulary,
+    count_dropped,
+    filter_codes,
+    find_side,
+    multi30k_file,
+    not_utf8,
+    nothing_kept,
+    seeded_generator,
+    split_tsv_line,
+)
+
+FORMAT, VERSION = "fastnmt-prepared", 1
+MANIFEST, SPM = "manifest.json", "spm.model"
+SIDES, ARRAYS = ("src", "tgt"), ("ids", "offsets", "lengths")
+CHUNK_PAIRS = 20_000  # pairs a worker encodes at a time
+DEFAULT_SAMPLE = 2_000_000  # sentences the vocabulary is trained on, both sides together
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
+class UsageError(ValueError):
+    """A bad command-line value; the message is one line."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """A training corpus as text: two line-aligned files (source, target) or one TSV file."""
+
+    paths: tuple[Path, ...]
+    name: str  # for messages and logs
+
+    @property
+    def tsv(self) -> bool:
+        return len(self.paths) == 1
+
+
+@dataclass(frozen=True)
+class Options:
+    """How the corpus is prepared; a prepared directory is reused only with the same ones."""
+
+    vocab_size: int = 8000
+    spm_sample: int = DEFAULT_SAMPLE
+    seed: int = 1
+    max_len: int = 256
+    ratio: float = 9.0
+
+    def vocabulary_options(self) -> dict:
+        return {"vocab_size": self.vocab_size, "spm_sample": self.spm_sample, "seed": self.seed}
+
+    def filters(self) -> dict:
+        return {"max_len": self.max_len, "ratio": self.ratio}
+
+
+@dataclass
+class Prepared:
+    """An opened prepared directory."""
+
+    directory: Path
+    manifest: dict
+    vocab: Vocabulary
+    corpus: EncodedCorpus  # memory-mapped
+
+    def summary(self) -> str:
+        """The length-filtering line training logs."""
+        pairs, filters = self.manifest["pairs"], self.manifest["filters"]
+        dropped = pairs["dropped"]
+        return (
+            f"{self.manifest['name']}: {pairs['kept']:,} training pairs kept, "
+            f"{sum(dropped.values()):,} filtered out ({dropped['empty']:,} empty, "
+            f"{dropped['too long']:,} longer than {filters['max_len']} tokens, "
+            f"{dropped['length ratio']:,} length ratio); vocabulary {len(self.vocab):,}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Reuse or rebuild
+
+
+def prepare(
+    source: Source,
+    directory: Path,
+    options: Options,
+    *,
+    vocabulary: bytes | None = None,
+    workers: int | None = None,
+    log: Callable[[str], None] = lambda line: None,
+    progress: bool = False,
+) -> Prepared:
+    """The prepared data of ``source`` in ``directory``: reused when its manifest matches (same
+    inputs, unchanged, same options; ``vocabulary`` when given, e.g. a resumed checkpoint's),
+    otherwise (re)built there."""
+    directory = Path(directory)
+    stale = why_stale(directory, source, options, vocabulary)
+    if stale is None:
+        log(f"using the prepared data in {directory}")
+    else:
+        log(f"preparing {source.name} in {directory} ({stale})")
+        _build(source, directory, options, vocabulary, workers or _cores(), log, progress)
+    return open_prepared(directory)
+
+
+def check_prepared(
+    source: Source, directory: Path, options: Options, vocabulary: bytes | None
+) -> Prepared:
+    """The prepared data another process (DDP rank 0) made: opened if it matches, never built."""
+    stale = why_stale(Path(directory), source, options, vocabulary)
+    if stale is not None:
+        raise DataError(
+            f"{directory}: not the prepared data of this run ({stale}); rank 0 prepares it there, "
+            f"so --prepared-dir must be on a filesystem every node shares (or prepare it on every "
+            f"node with python -m fastnmt.preprocess)"
+        )
+    return open_prepared(directory)
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def read_manifest(directory: Path) -> dict | None:
+    """The manifest, or None when there is none or it cannot be read."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def why_stale(
+    directory: Path, source: Source, options: Options, vocabulary: bytes | None
+) -> str | None:
+    """Why ``directory`` cannot be reused for this source and these options; None if it can.
+    Cheap checks first; an input file's hash is read only when its mtime changed."""
+    manifest = read_manifest(directory)
+    if manifest is None:
+        return "no prepared data there yet"
+    if (manifest.get("format"), manifest.get("version")) != (FORMAT, VERSION):
+        return "prepared by another version of fastnmt"
+    try:
+        return _difference(manifest, source, options, vocabulary)
+    except (KeyError, TypeError):  # a manifest edited by hand, or cut short outside fastnmt
+        return f"its {MANIFEST} is damaged"
+
+
+def _difference(
+    manifest: dict, source: Source, options: Options, vocabulary: bytes | None
+) -> str | None:
+    if [record["path"] for record in manifest["inputs"]] != [str(p) for p in _resolved(source)]:
+        return "prepared from other input files"
+    if manifest["filters"] != options.filters():
+        return "prepared with other length filters"
+    if vocabulary is not None:
+        if manifest["vocabulary"]["sha256"] != _sha256(vocabulary):
+            return "prepared with another vocabulary than the checkpoint's"
+    elif manifest["vocabulary"]["trained_with"] != options.vocabulary_options():
+        return "prepared with other vocabulary options"
+    for record in manifest["inputs"]:
+        if _changed(record):
+            return f"{record['path']} changed"
+    return None
+
+
+def _resolved(source: Source) -> list[Path]:
+    return [path.resolve() for path in source.paths]
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _input_record(path: Path) -> dict:
+    status = _stat(path)
+    return {
+        "path": str(path),
+        "size": status.st_size,
+        "mtime_ns": status.st_mtime_ns,
+        "sha256": _file_sha256(path),
+    }
+
+
+def _stat(path: Path) -> os.stat_result:
+    try:
+        return path.stat()
+    except FileNotFoundError:
+        raise DataError(f"{path}: file not found") from None
+    except OSError as error:
+        raise DataError(f"{path}: cannot read: {error.strerror or error}") from None
+
+
+def _changed(record: dict) -> bool:
+    # Size and mtime first, as make, rsync and git decide: an edit that keeps both the size and
+    # the nanosecond mtime takes a deliberate effort. When only the mtime moved (a `touch`, a
+    # copy), the whole file is hashed: a hash of its first and last bytes would miss an edit in
+    # the middle. SHA-256 reads ~1-2 GB/s (hashlib's SHA extensions), so the worst case for a
+    # 10M-pair corpus (~1 GB) is a second or two, and a restart normally costs one stat per file.
+    status = _stat(Path(record["path"]))
+    if status.st_size != record["size"]:
+        return True
+    if status.st_mtime_ns == record["mtime_ns"]:
+        return False
+    return _file_sha256(Path(record["path"])) != record["sha256"]
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    buffer = bytearray(1 << 20)
+    with path.open("rb") as f:
+        while count := f.readinto(buffer):
+            digest.update(memoryview(buffer)[:count])
+    return digest.hexdigest()
+
+
+def open_prepared(directory: Path) -> Prepared:
+    """Map a prepared directory (a one-line DataError for a missing or damaged one)."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    if manifest is None:
+        raise DataError(f"{directory}: no prepared data ({MANIFEST} missing or unreadable)")
+    try:
+        return _open(directory, manifest)
+    except (KeyError, TypeError) as error:
+        raise DataError(
+            f"{directory / MANIFEST}: damaged ({error!r} is wrong or missing)"
+        ) from None
+
+
+def _open(directory: Path, manifest: dict) -> Prepared:
+    vocab = Vocabulary.load(directory / SPM)
+    if _sha256(vocab.to_bytes()) != manifest["vocabulary"]["sha256"]:
+        raise DataError(f"{directory / SPM}: not the vocabulary {MANIFEST} names")
+    sides = []
+    for side in SIDES:
+        files = [
+            MappedFile(directory / entry["file"], entry["dtype"], entry["count"])
+            for entry in (manifest["arrays"][f"{side}.{kind}"] for kind in ARRAYS)
+        ]
+        sides.append(TokenArray.mapped(*files))
+    dropped = sum(manifest["pairs"]["dropped"].values())
+    return Prepared(directory, manifest, vocab, EncodedCorpus(*sides, dropped=dropped))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the text in chunks
+
+
+class _Lines:
+    """The lines of one input file (plain or gzip, recognised by its magic bytes), as raw bytes
+    without their terminator ("\\n", and a "\\r" before it), read a chunk at a time."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.count = 0  # lines read so far
+        self.bytes_read = 0
+        try:
+            self._raw = path.open("rb")
+        except FileNotFoundError:
+            raise DataError(f"{path}: file not found") from None
+        except OSError as error:
+            raise DataError(f"{path}: cannot read: {error.strerror or error}") from None
+        gzipped = self._raw.read(2) == _GZIP_MAGIC
+        self._raw.seek(0)
+        self._lines = gzip.GzipFile(fileobj=self._raw) if gzipped else self._raw
+
+    def take(self, count: int) -> list[bytes]:
+        try:
+            lines = list(islice(self._lines, count))
+        except (OSError, EOFError, zlib.error) as error:
+            raise DataError(f"{self.path}: not a valid gzip file ({error})") from None
+        self.count += len(lines)
+        self.bytes_read = self._raw.tell()  # compressed bytes, for a gzip file
+        return [line.removesuffix(b"\n").removesuffix(b"\r") for line in lines]
+
+    def count_rest(self) -> int:
+        """Read to the end, counting (for the line-count mismatch message)."""
+        while self.take(CHUNK_PAIRS):
+            pass
+        return self.count
+
+    def close(self) -> None:
+        self._raw.close()
+
+
+@dataclass
+class _Chunk:
+    """Consecutive pairs as raw lines: one list per input file."""
+
+    paths: tuple[Path, ...]
+    first_line: int  # line number of the first pair
+    lines: tuple[list[bytes], ...]
+
+    def __len__(self) -> int:
+        return len(self.lines[0])
+
+    def texts(self, rows=None) -> tuple[list[str], list[str]]:
+        """Source and target sentences of the pairs ``rows`` (default all), decoded; a line that
+        is not UTF-8, or a TSV line without exactly one tab, is a DataError naming its line."""
+        rows = range(len(self)) if rows is None else rows
+        if len(self.paths) == 2:
+            return self._decoded(0, rows), self._decoded(1, rows)
+        path = self.paths[0]
+        pairs = [
+            split_tsv_line(line, path, self.first_line + row)
+            for row, line in zip(rows, self._decoded(0, rows), strict=True)
+        ]
+        return [source for source, _ in pairs], [target for _, target in pairs]
+
+    def _decoded(self, side: int, rows) -> list[str]:
+        lines, decoded = self.lines[side], []
+        for row in rows:
+            try:
+                decoded.append(lines[row].decode("utf-8"))
+            except UnicodeDecodeError as error:
+                line_number = self.first_line + int(row)
+                raise not_utf8(self.paths[side], line_number, lines[row][error.start]) from None
+        return decoded
+
+
+class _Reader:
+    """A source read a chunk of pairs at a time, with its progress in input bytes."""
+
+    def __init__(self, source: Source):
+        self.source = source
+        self.files = [_Lines(path) for path in source.paths]
+
+    def chunks(self) -> Iterator[_Chunk]:
+        first_line = 1
+        try:
+            while True:
+                lines = tuple(file.take(CHUNK_PAIRS) for file in self.files)
+                if len({len(side) for side in lines}) > 1:
+                    self._mismatch()
+                if not lines[0]:
+                    break
+                yield _Chunk(self.source.paths, first_line, lines)
+                first_line += len(lines[0])
+            for file in self.files:
+                if not file.count:
+                    raise DataError(f"{file.path}: file is empty")
+        finally:
+            for file in self.files:
+                file.close()
+
+    def _mismatch(self):
+        counts = [file.count_rest() for file in self.files]
+        for file, count in zip(self.files, counts, strict=True):
+            if not count:
+                raise DataError(f"{file.path}: file is empty")
+        src, tgt = self.source.paths
+        raise DataError(
+            f"line-count mismatch: {src} has {counts[0]} lines but {tgt} has {counts[1]}"
+        )
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(file.bytes_read for file in self.files)
+
+
+class _Progress:
+    """Input bytes read over the passes of a preparation: a tqdm bar (rate, ETA) on a terminal,
+    nothing otherwise (the log lines say when each pass ends)."""
+
+    def __init__(self, source: Source, passes: int, enabled: bool):
+        self.pass_size = sum(_stat(path).st_size for path in source.paths)
+        shown = enabled and sys.stderr.isatty()
+        self.bar = tqdm(
+            total=passes * self.pass_size,
+            unit="B",
+            unit_scale=True,
+            desc="preprocess",
+            disable=not shown,
+        )
+        self.done = 0  # bytes of the passes already finished
+
+    def update(self, reader: _Reader) -> None:
+        self.bar.update(self.done + reader.bytes_read - self.bar.n)
+
+    def end_pass(self) -> None:
+        self.done += self.pass_size
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Building
+
+
+def _build(
+    source: Source,
+    directory: Path,
+    options: Options,
+    vocabulary: bytes | None,
+    workers: int,
+    log: Callable[[str], None],
+    progress: bool,
+) -> None:
+    """Write the prepared directory under a temporary name beside it, then swap it in."""
+    _check_replaceable(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    for leftover in directory.parent.glob(f".{directory.name}.*"):  # from an interrupted build
+        shutil.rmtree(leftover, ignore_errors=True)
+    temporary = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    temporary.chmod(0o755)  # mkdtemp makes it private; prepared data is meant to be shared
+    bar = _Progress(source, passes=1 if vocabulary else 2, enabled=progress)
+    try:
+        inputs = [_input_record(path) for path in _resolved(source)]
+        started = time.monotonic()
+        if vocabulary is None:
+            vocab = _train_vocabulary(source, options, bar)
+            log(f"vocabulary of {len(vocab):,} trained in {time.monotonic() - started:.0f} s")
+        else:
+            vocab = Vocabulary.from_bytes(vocabulary)
+        (temporary / SPM).write_bytes(vocab.to_bytes())
+        started = time.monotonic()
+        counts = _encode(source, vocab, options, workers, temporary, bar)
+        log(f"{counts['pairs']['read']:,} pairs encoded in {time.monotonic() - started:.0f} s")
+        manifest = {
+            "format": FORMAT,
+            "version": VERSION,
+            "name": source.name,
+            "inputs": inputs,
+            "filters": options.filters(),
+            "vocabulary": {
+                "file": SPM,
+                "sha256": _sha256(vocab.to_bytes()),
+                "size": len(vocab),
+                "trained_with": None if vocabulary else options.vocabulary_options(),
+            },
+            **counts,
+        }
+        (temporary / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        _fsync_tree(temporary)
+        _swap_in(temporary, directory)
+    finally:
+        bar.close()
+        shutil.rmtree(temporary, ignore_errors=True)
+
+
+def _check_replaceable(directory: Path) -> None:
+    """Refuse to replace a directory that is not prepared data (a mistyped path)."""
+    if directory.exists() and not directory.is_dir():
+        raise DataError(f"{directory}: exists and is not a directory (--prepared-dir)")
+    if directory.is_dir() and any(directory.iterdir()) and not (directory / MANIFEST).exists():
+        raise DataError(
+            f"{directory}: not a prepared-data directory (no {MANIFEST}) and not empty; "
+            f"choose another --prepared-dir"
+        )
+
+
+def _train_vocabulary(source: Source, options: Options, bar: _Progress) -> Vocabulary:
+    """sentencepiece trained on a uniform sample of the pairs (reservoir sampling, seeded): all of
+    them, in order, when there are no more than ``spm_sample`` / 2."""
+    capacity = max(1, options.spm_sample // 2)
+    random = seeded_generator(f"fastnmt-spm-sample-{options.seed}")
+    src_sample: list[str] = []
+    tgt_sample: list[str] = []
+    seen = 0
+    reader = _Reader(source)
+    for chunk in reader.chunks():
+        filling = min(len(chunk), max(0, capacity - seen))
+        src, tgt = chunk.texts(range(filling))
+        src_sample += src
+        tgt_sample += tgt
+        # Pair i (from 0) replaces sample slot j, drawn uniformly from 0..i, when j < capacity.
+        later = np.arange(seen + filling, seen + len(chunk))
+        slots = (random.random(len(later)) * (later + 1)).astype(np.int64)
+        replacing = np.flatnonzero(slots < capacity)
+        src, tgt = chunk.texts(filling + replacing)
+        for slot, source_text, target_text in zip(slots[replacing], src, tgt, strict=True):
+            src_sample[slot], tgt_sample[slot] = source_text, target_text
+        seen += len(chunk)
+        bar.update(reader)
+    bar.end_pass()
+    return Vocabulary.train(src_sample + tgt_sample, options.vocab_size, seed=options.seed)
+
+
+def _encode(
+    source: Source,
+    vocab: Vocabulary,
+    options: Options,
+    workers: int,
+    directory: Path,
+    bar: _Progress,
+) -> dict:
+    """Encode and filter every pair, write the arrays into ``directory``; returns the manifest's
+    counts and array descriptions."""
+    id_type = np.dtype(np.uint16 if len(vocab) <= 1 << 16 else np.uint32).newbyteorder("<")
+    length_type = np.dtype(np.uint16 if options.max_len <= 1 << 16 else np.uint32)
+    types = (id_type, length_type.newbyteorder("<"))
+    with contextlib.ExitStack() as files:
+        ids_files = {
+            side: files.enter_context((directory / f"train.{side}.ids").open("wb"))
+            for side in SIDES
+        }
+        lengths, codes = _encode_chunks(source, vocab, options, types, workers, ids_files, bar)
+    dropped = count_dropped(codes)
+    if not len(lengths["src"]):
+        raise nothing_kept(source.name, dropped, options.max_len, options.ratio)
+    arrays = {}
+    for side in SIDES:
+        arrays.update(_write_index(directory, side, lengths[side], id_type))
+    pairs = {"read": len(codes), "kept": len(lengths["src"]), "dropped": dropped}
+    tokens = {side: arrays[f"{side}.ids"]["count"] for side in SIDES}
+    return {"pairs": pairs, "tokens": tokens, "arrays": arrays}
+
+
+def _encode_chunks(source, vocab, options, types, workers, ids_files, bar):
+    """Encode the chunks in worker processes, appending the kept ids to ``ids_files`` as the
+    chunks come back, in order; returns the kept pairs' lengths per side and every pair's filter
+    code."""
+    lengths: dict[str, list[np.ndarray]] = {side: [] for side in SIDES}
+    codes = []
+
+    def append(result) -> None:
+        *sides, chunk_codes = result
+        for side, tokens in zip(SIDES, sides, strict=True):
+            tokens.ids.tofile(ids_files[side])
+            lengths[side].append(tokens.lengths)
+        codes.append(chunk_codes)
+
+    reader = _Reader(source)
+    settings = (options.max_len, options.ratio, *types)
+    pool = ProcessPoolExecutor(workers, initializer=_start_worker, initargs=(vocab.to_bytes(),))
+    with pool:
+        pending = deque()
+        # A bounded number of chunks in flight: submitting them all would read the whole corpus
+        # into memory ahead of the workers.
+        for chunk in reader.chunks():
+            pending.append(pool.submit(_encode_chunk, chunk, *settings))
+            if len(pending) > 2 * workers:
+                append(pending.popleft().result())
+            bar.update(reader)
+        while pending:
+            append(pending.popleft().result())
+    bar.end_pass()
+    return {side: np.concatenate(lengths[side]) for side in SIDES}, np.concatenate(codes)
+
+
+def _write_index(directory: Path, side: str, lengths: np.ndarray, id_type: np.dtype) -> dict:
+    """Write a side's lengths and offsets; returns the manifest entries of its three arrays."""
+    offsets = np.zeros(len(lengths) + 1, np.dtype("<i8"))
+    np.cumsum(lengths, out=offsets[1:])
+    lengths.tofile(directory / f"train.{side}.lengths")
+    offsets.tofile(directory / f"train.{side}.offsets")
+    return {
+        f"{side}.{kind}": {"file": f"train.{side}.{kind}", "dtype": dtype.str, "count": count}
+        for kind, dtype, count in (
+            ("ids", id_type, int(offsets[-1])),
+            ("offsets", offsets.dtype, len(offsets)),
+            ("lengths", lengths.dtype, len(lengths)),
+        )
+    }
+
+
+_worker_vocab: Vocabulary | None = None  # the vocabulary of this worker process
+
+
+def _start_worker(model: bytes) -> None:
+    global _worker_vocab
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    _worker_vocab = Vocabulary.from_bytes(model)
+
+
+def _encode_chunk(chunk: _Chunk, max_len, ratio, id_type, length_type):
+    """(source TokenArray, target TokenArray, filter codes) of a chunk: the arrays hold the kept
+    pairs only, in the file's types."""
+    src_text, tgt_text = chunk.texts()
+    src = TokenArray.from_lists(_worker_vocab.encode(src_text), id_type)
+    tgt = TokenArray.from_lists(_worker_vocab.encode(tgt_text), id_type)
+    codes = filter_codes(src.lengths, tgt.lengths, max_len, ratio)
+    kept = np.flatnonzero(codes == 0)
+    src, tgt = src.select(kept), tgt.select(kept)
+    src.lengths, tgt.lengths = src.lengths.astype(length_type), tgt.lengths.astype(length_type)
+    return src, tgt, codes
+
+
+def _fsync_tree(directory: Path) -> None:
+    """fsync every file, then the directory: a prepared directory that carries its final name
+    is complete on disk."""
+    for path in (*directory.iterdir(), directory):
+        _fsync(path)
+
+
+def _fsync(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _swap_in(temporary: Path, directory: Path) -> None:
+    """Give ``temporary`` the name ``directory``; an old one is moved aside first and deleted
+    after (a crash in between leaves no directory: the next run prepares again)."""
+    aside = None
+    if directory.exists():
+        aside = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+        os.rename(directory, aside / "old")
+    os.rename(temporary, directory)
+    _fsync(directory.parent)
+    if aside is not None:
+        shutil.rmtree(aside)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def add_corpus_arguments(group: argparse._ArgumentGroup) -> None:
+    """The arguments that name a training corpus and how it is prepared (shared with
+    ``python -m fastnmt.train``)."""
+    group.add_argument("--dataset", default="multi30k", help="built-in dataset (default multi30k)")
+    group.add_argument(
+        "--data-dir", help="local Multi30k copy (else $FASTNMT_DATA_DIR or download)"
+    )
+    group.add_argument("--src-lang", default="en", help="source language (multi30k: en de fr cs)")
+    group.add_argument("--tgt-lang", default="de", help="target language")
+    group.add_argument("--train", help="own data: PREFIX.{src,tgt} or PREFIX.{src-lang,tgt-lang}")
+    group.add_argument("--train-tsv", help="own training data as a src<TAB>tgt file")
+    group.add_argument("--vocab-size", type=int, default=8000, help="joint sentencepiece vocab")
+    group.add_argument(
+        "--spm-sample",
+        type=int,
+        default=DEFAULT_SAMPLE,
+        help="sentences (both sides) sentencepiece is trained on, sampled from the corpus",
+    )
+    group.add_argument("--max-len", type=int, default=256, help="drop pairs longer (tokens)")
+    group.add_argument(
+        "--workers", type=int, default=_cores(), help="encoding processes (default: all cores)"
+    )
+
+
+def check_corpus_arguments(args) -> None:
+    if args.train and args.train_tsv:
+        raise UsageError("give --train or --train-tsv, not both")
+    if not (args.train or args.train_tsv):
+        if args.dataset != "multi30k":
+            raise UsageError(f"--dataset must be multi30k (or give --train), got {args.dataset!r}")
+        for flag, lang in (("--src-lang", args.src_lang), ("--tgt-lang", args.tgt_lang)):
+            if lang not in MULTI30K_LANGS:
+                raise UsageError(
+                    f"{flag} must be one of {MULTI30K_LANGS} for multi30k, got {lang!r}"
+                )
+    if args.src_lang == args.tgt_lang:
+        raise UsageError("--src-lang and --tgt-lang must differ")
+    for flag, value in (
+        ("--vocab-size", args.vocab_size),
+        ("--spm-sample", args.spm_sample),
+        ("--max-len", args.max_len),
+        ("--workers", args.workers),
+    ):
+        if value <= 0:
+            raise UsageError(f"{flag} must be positive, got {value}")
+
+
+def source_from_arguments(args) -> Source:
+    """The training text the arguments name (Multi30k is downloaded on first use)."""
+    if args.train_tsv:
+        return Source((Path(args.train_tsv),), args.train_tsv)
+    if args.train:
+        paths = (
+            find_side(args.train, (args.src_lang, "src")),
+            find_side(args.train, (args.tgt_lang, "tgt")),
+        )
+        return Source(paths, args.train)
+    paths = tuple(
+        multi30k_file("train", lang, args.data_dir) for lang in (args.src_lang, args.tgt_lang)
+    )
+    return Source(paths, "multi30k/train")
+
+
+def options_from_arguments(args) -> Options:
+    return Options(args.vocab_size, args.spm_sample, args.seed, args.max_len)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m fastnmt.preprocess", description=__doc__.split("\n")[0]
+    )
+    group = p.add_argument_group("corpus")
+    add_corpus_arguments(group)
+    group.add_argument("--seed", type=int, default=1, help="of the vocabulary's sample")
+    p.add_argument("--prepared-dir", required=True, help="where the prepared data goes")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on a terminal")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    started = time.monotonic()
+    try:
+        check_corpus_arguments(args)
+        prepared = prepare(
+            source_from_arguments(args),
+            Path(args.prepared_dir),
+            options_from_arguments(args),
+            workers=args.workers,
+            log=lambda line: tqdm.write(line, file=sys.stderr),  # above a progress bar
+            progress=not args.no_progress,
+        )
+    except (UsageError, DataError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; nothing was written", file=sys.stderr)
+        return 130
+    print(prepared.summary(), file=sys.stderr)
+    print(f"{args.prepared_dir} ready in {time.monotonic() - started:.0f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
