@@ -65,7 +65,7 @@ def marian_base(dropout: float = 0.1):
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
-    """A Marian tokenizer (en and de sentencepiece models of 6,000 pieces, ids below 58,101)."""
+    """A Marian tokenizer: en and de sentencepiece models of 6,000 pieces, and 58,101 ids."""
     folder = tmp_path_factory.mktemp("marian-base")
     train = load_multi30k("train", "en", "de", _data_dir())
     for name, texts in (("source", train.src), ("target", train.tgt)):
@@ -79,6 +79,8 @@ def tokenizer_dir(tmp_path_factory) -> Path:
         processor = spm.SentencePieceProcessor(model_file=str(folder / f"{name}.spm"))
         for i in range(processor.get_piece_size()):
             vocab.setdefault(processor.id_to_piece(i), len(vocab))
+    # Every id has a piece, as in Opus-MT's vocab.json: a random model emits any of them.
+    vocab.update({f"\u2581filler{i}": i for i in range(len(vocab), PAD)})
     vocab["<pad>"] = PAD
     (folder / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
     tokenizer = transformers.MarianTokenizer(

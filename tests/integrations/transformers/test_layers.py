@@ -62,6 +62,24 @@ def test_label_smoothing_and_items_in_batch():
     torch.testing.assert_close(found.loss, summed / 7, atol=1e-5, rtol=1e-5)
 
 
+def test_only_labelled_rows_reach_the_vocabulary(monkeypatch):
+    _, fused = patched("marian")
+    batch = padded_batch("right", torch.Generator().manual_seed(8))
+    batch["labels"][0, 1] = -100  # an ignored label inside a sentence, not only at its end
+    seen = []
+    real = fastnmt_hf.layers.linear_cross_entropy
+
+    def recording(hidden, weight, bias, target, *args):
+        seen.append((hidden.shape[0], target))
+        return real(hidden, weight, bias, target, *args)
+
+    monkeypatch.setattr(fastnmt_hf.layers, "linear_cross_entropy", recording)
+    fused.train()(**batch).loss.backward()
+    (rows, target), labels = seen[0], batch["labels"]
+    assert rows == int((labels != -100).sum()) < labels.numel()
+    assert torch.equal(target, labels[labels != -100])
+
+
 def test_generate_after_apply_matches():
     eager, fused = patched("bart")
     batch = padded_batch("right", torch.Generator().manual_seed(7))
