@@ -11,7 +11,7 @@ import sentencepiece as spm
 import torch
 import transformers
 
-from tests.helpers import multi30k_dir
+from tests.helpers import multi30k_file
 
 FAMILIES = ("marian", "bart", "mbart", "m2m_100", "pegasus")
 CONFIGS = {
@@ -67,7 +67,7 @@ def tiny_model(family: str, vocab_size: int = VOCAB, *, pad: int = PAD, eos: int
 
 
 def _lines(split: str, lang: str, count: int) -> list[str]:
-    with gzip.open(multi30k_dir() / f"{split}.{lang}.gz", "rt", encoding="utf-8") as f:
+    with gzip.open(multi30k_file(split, lang), "rt", encoding="utf-8") as f:
         return [next(f).strip() for _ in range(count)]
 
 
