@@ -82,9 +82,10 @@ def require_backend(name: str) -> None:
         pytest.fail(fastnmt.extension_status())
 
 
-def tiny_checkpoint(directory, *, max_positions=1024, seed=0):
-    """A checkpoint directory of a random 1+1-layer model (d_model 32) whose sentencepiece
-    vocabulary was trained on 300 Multi30k en/de sentences; returns its path."""
+def tiny_checkpoint(directory, *, max_positions=1024, seed=0, **overrides):
+    """A checkpoint directory of a random 1+1-layer model (d_model 32; ``overrides`` of its
+    ModelConfig) whose sentencepiece vocabulary was trained on 300 Multi30k en/de sentences;
+    returns its path. An output bias, when asked for, is random too."""
     import gzip
 
     from fastnmt import checkpoint
@@ -98,10 +99,12 @@ def tiny_checkpoint(directory, *, max_positions=1024, seed=0):
     vocab = Vocabulary.train(texts, 300)
     cfg = preset(
         "tiny", d_model=32, heads=2, d_ff=64, encoder_layers=1, decoder_layers=1,
-        vocab_size=len(vocab), max_positions=max_positions,
+        vocab_size=len(vocab), max_positions=max_positions, **overrides,
     )  # fmt: skip
     torch.manual_seed(seed)
     model = Transformer(cfg)
+    if model.output_bias is not None:
+        model.output_bias.normal_()
     config = {"model": cfg.to_dict(), "data": {"src_lang": "en", "tgt_lang": "de"}}
     saved = checkpoint.Checkpoint(model.state_dict(), config, vocab.to_bytes(), {})
     return checkpoint.save(directory, 1, saved, keep_last=1)
