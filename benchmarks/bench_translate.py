@@ -2,12 +2,16 @@
 
 Rows: greedy and beam 4, batches of 32 and 64 sentences or the Translator's default batching, the
 fused path (auto: the C++ kernels on a CPU) and the reference path, and the KV cache against
-recomputing the whole prefix every step.
+recomputing the whole prefix every step. Beside them, CTranslate2 (when installed) on the same
+model exported by ``fastnmt.export``: float32 and int8, batches of 32 sentences or of 6,000
+tokens, 2 threads, the same beam, length penalty and bans (pad, bos); every row reports BLEU.
 
 A trained model gives realistic output lengths: set FASTNMT_BENCH_CHECKPOINT=DIR to translate all
 1,000 sentences with it. Without one, a randomly initialised ``tiny`` model (the same size)
 translates the first SUBSET sentences with every output forced to its source's length (no eos),
-so rows still compare like for like; ``extra_info["model"]`` says which.
+so rows still compare like for like; ``extra_info["model"]`` says which. CTranslate2 has no
+per-sentence length limit: on the random model it suppresses eos too and stops at the batch's
+longest source, so compare its target tokens/s there, and sentences/s on a trained model.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import pytest
 import torch
 
 import fastnmt
+from fastnmt import checkpoint, export, metrics
 from fastnmt.data import Vocabulary, load_multi30k
 from fastnmt.model import Transformer, preset
 from fastnmt.translator import Translator, fastest_dtype
@@ -41,28 +46,43 @@ def _data_dir() -> Path | None:
     return SHARED_DATA
 
 
+CT2_ROWS = [  # (search, compute type, batching)
+    (s, c, b) for s in ("greedy", "beam4") for c in ("float32", "int8")
+    for b in ("32 sentences", "6000 tokens")
+]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def setup() -> tuple[Translator, list[str], dict]:
-    """(translator, source sentences, options of translate_full that fix the model's kind)."""
+def setup(tmp_path_factory) -> tuple[Translator, list[str], dict]:
+    """(translator, source sentences, options of translate_full that fix the model's kind);
+    the info also holds the references and the model's checkpoint path."""
     test = load_multi30k("test_2016_flickr", "en", "de", _data_dir())
     path = os.environ.get("FASTNMT_BENCH_CHECKPOINT")
     if path:
         translator = Translator.from_checkpoint(path)
-        return translator, test.src, {"model": f"checkpoint {path}"}
+        info = {"model": f"checkpoint {path}", "checkpoint": path}
+        return translator, test.src, {**info, "references": test.tgt}
     vocab = Vocabulary.train(test.src + test.tgt, 8000)
     torch.manual_seed(0)
     model = Transformer(preset("tiny", vocab_size=len(vocab))).eval().requires_grad_(False)
+    config = {"model": model.cfg.to_dict()}
+    saved = checkpoint.Checkpoint(model.state_dict(), config, vocab.to_bytes(), None)
+    path = checkpoint.write(tmp_path_factory.mktemp("random-tiny"), "checkpoint", saved)
     translator = Translator(model, vocab, dtype=fastest_dtype("cpu"))
     fixed = {"eos": False, "max_len_a": 1.0, "max_len_b": 0}  # output length = source length
     info = {"model": "random tiny, output length = source length (eos suppressed)", **fixed}
+    info.update(checkpoint=path, references=test.tgt[:SUBSET])
     return translator, test.src[:SUBSET], info
+
+
+SETUP_KEYS = ("model", "checkpoint", "references")  # of the info, not options of the search
 
 
 @pytest.mark.parametrize(("search", "batch", "path", "cache"), ROWS, ids=lambda v: str(v))
 def test_translate(benchmark, setup, search, batch, path, cache):
     translator, sentences, info = setup
     defaults = translator.max_sentences, translator.max_tokens
-    options = {k: v for k, v in info.items() if k != "model"}
+    options = {k: v for k, v in info.items() if k not in SETUP_KEYS}
     options.update(beam=1 if search == "greedy" else 4, incremental=cache == "kv-cache")
     if batch != DEFAULT:
         translator.max_sentences, translator.max_tokens = batch, 1 << 30
@@ -73,6 +93,7 @@ def test_translate(benchmark, setup, search, batch, path, cache):
         translations = translator.translate_full(sentences, **options)
         results["seconds"] = time.perf_counter() - started
         results["tokens"] = sum(len(t.candidates[0].tokens) for t in translations)
+        results["texts"] = [t.text for t in translations]
 
     try:
         with fastnmt.backend("reference" if path == "reference" else "auto"):
@@ -93,4 +114,63 @@ def test_translate(benchmark, setup, search, batch, path, cache):
         target_tokens=results["tokens"],
         sentences_per_s=round(len(sentences) / seconds, 1),
         target_tokens_per_s=round(results["tokens"] / seconds),
+        bleu=round(metrics.bleu(results["texts"], info["references"]).score, 2),
+    )
+
+
+@pytest.fixture(scope="module")
+def ctranslate2_dirs(setup, tmp_path_factory) -> dict[str, Path]:
+    """The setup's model exported to CTranslate2, per compute type."""
+    pytest.importorskip("ctranslate2")
+    folder = tmp_path_factory.mktemp("ctranslate2")
+    path = setup[2]["checkpoint"]
+    return {q: export.export_ctranslate2(path, folder / q, q) for q in ("float32", "int8")}
+
+
+@pytest.mark.parametrize(("search", "compute_type", "batching"), CT2_ROWS, ids=str)
+def test_ctranslate2(benchmark, setup, ctranslate2_dirs, search, compute_type, batching):
+    import ctranslate2
+
+    translator, sentences, info = setup
+    vocab = translator.vocab
+    engine = ctranslate2.Translator(
+        str(ctranslate2_dirs[compute_type]), "cpu", compute_type=compute_type, intra_threads=2
+    )
+    size, kind = batching.split()
+    options = dict(
+        beam_size=1 if search == "greedy" else 4,
+        length_penalty=1.0,
+        max_batch_size=int(size),
+        batch_type="examples" if kind == "sentences" else "tokens",
+        **export.search_options(vocab),
+    )
+    if "eos" in info:  # the random model: no eos, the longest source's length (module docstring)
+        options["suppress_sequences"].append(vocab.pieces([vocab.eos_id]))
+        options["max_decoding_length"] = max(len(ids) + 1 for ids in vocab.encode(sentences))
+    tokens = export.to_pieces(vocab, sentences)
+    engine.translate_batch(tokens[:64], **options)  # warm-up
+    results = {}
+
+    def run():
+        started = time.perf_counter()
+        hypotheses = [r.hypotheses[0] for r in engine.translate_batch(tokens, **options)]
+        results["seconds"] = time.perf_counter() - started
+        results["hypotheses"] = hypotheses
+
+    benchmark.group = "translate"
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    seconds, hypotheses = results["seconds"], results["hypotheses"]
+    produced = sum(len(h) for h in hypotheses)
+    texts = export.from_pieces(vocab, hypotheses)
+    benchmark.extra_info.update(
+        model=info["model"],
+        engine=f"ctranslate2 {ctranslate2.__version__}",
+        search=search,
+        compute_type=compute_type,
+        batching=batching,
+        sentences=len(sentences),
+        target_tokens=produced,
+        sentences_per_s=round(len(sentences) / seconds, 1),
+        target_tokens_per_s=round(produced / seconds),
+        bleu=round(metrics.bleu(texts, info["references"]).score, 2),
     )
