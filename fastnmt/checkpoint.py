@@ -79,7 +79,7 @@ def write(output_dir: Path, name: str, checkpoint: Checkpoint) -> Path:
     _write_file(new / CONFIG, lambda path: path.write_text(_json(checkpoint.config)))
     _write_file(new / SPM, lambda path: path.write_bytes(checkpoint.spm_model))
     _write_file(new / STATE, lambda path: torch.save(checkpoint.trainer_state, path))
-    _fsync(new)
+    fsync(new)
     if final.exists():  # the same name saved again: keep the old one until the new one is in
         _rename(final, old)
     _rename(new, final)
@@ -98,10 +98,10 @@ def _json(config: dict) -> str:
 
 def _write_file(path: Path, writer: Callable[[Path], object]) -> None:
     writer(path)
-    _fsync(path)
+    fsync(path)
 
 
-def _fsync(path: Path) -> None:
+def fsync(path: Path) -> None:
     """Flush a file's data, or a directory's entries, to the disk."""
     descriptor = os.open(path, os.O_RDONLY)
     try:
@@ -113,7 +113,7 @@ def _fsync(path: Path) -> None:
 def _rename(source: Path, target: Path) -> None:
     """Rename, and make the rename itself durable."""
     os.rename(source, target)
-    _fsync(target.parent)
+    fsync(target.parent)
 
 
 def _remove(path: Path) -> None:
@@ -128,7 +128,7 @@ def point(output_dir: Path, link_name: str, target: Path) -> None:
         temporary.unlink()
     temporary.symlink_to(target.name)
     os.replace(temporary, output_dir / link_name)
-    _fsync(output_dir)
+    fsync(output_dir)
 
 
 def _prune(output_dir: Path, keep_last: int) -> None:

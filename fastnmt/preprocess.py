@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from fastnmt.checkpoint import fsync
 from fastnmt.data import (
     MULTI30K_LANGS,
     DataError,
@@ -627,15 +628,7 @@ def _fsync_tree(directory: Path) -> None:
     """fsync every file, then the directory: a prepared directory that carries its final name
     is complete on disk."""
     for path in (*directory.iterdir(), directory):
-        _fsync(path)
-
-
-def _fsync(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
+        fsync(path)
 
 
 def _swap_in(temporary: Path, directory: Path) -> None:
@@ -646,7 +639,7 @@ def _swap_in(temporary: Path, directory: Path) -> None:
         aside = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
         os.rename(directory, aside / "old")
     os.rename(temporary, directory)
-    _fsync(directory.parent)
+    fsync(directory.parent)
     if aside is not None:
         shutil.rmtree(aside)
 
