@@ -33,12 +33,10 @@ from pathlib import Path
 
 import torch
 
-from fastnmt import checkpoint
-from fastnmt.checkpoint import CheckpointError
-from fastnmt.data import DataError, Vocabulary
+from fastnmt.data import Vocabulary
 from fastnmt.model import ModelConfig, position_table
 from fastnmt.translate import UsageError, run_command
-from fastnmt.translator import is_pretrained_directory
+from fastnmt.translator import is_pretrained_directory, load_checkpoint
 
 FORMATS = ("ctranslate2",)
 QUANTIZATIONS = (
@@ -67,15 +65,8 @@ def load_for_export(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], V
             f"{path} is a Hugging Face model: CTranslate2 converts it itself "
             "(ct2-transformers-converter --model DIR)"
         )
-    resolved = checkpoint.resolve(path)
-    loaded = checkpoint.load(resolved, with_trainer_state=False)
-    try:
-        cfg = ModelConfig(**loaded.config["model"])
-        vocab = Vocabulary.from_bytes(loaded.spm_model)
-    except (KeyError, TypeError, DataError) as error:
-        raise CheckpointError(f"cannot load checkpoint {resolved}: {error}") from None
-    weights = {name: tensor.float() for name, tensor in loaded.weights.items()}
-    return cfg, weights, vocab
+    model, vocab = load_checkpoint(path)
+    return model.cfg, model.state_dict(), vocab
 
 
 def _linear(spec, weight: torch.Tensor, bias: torch.Tensor | None) -> None:

@@ -59,6 +59,28 @@ def is_pretrained_directory(path: str | Path) -> bool:
         return False
 
 
+def load_checkpoint(path: str | Path) -> tuple[Transformer, Vocabulary]:
+    """The fp32 model (on the CPU, in train mode) and vocabulary of a checkpoint directory or
+    training output directory (its best checkpoint); loading executes no code. Raises
+    CheckpointError (one line) for a missing, corrupt or incompatible checkpoint."""
+    resolved = checkpoint.resolve(Path(path))
+    loaded = checkpoint.load(resolved, with_trainer_state=False)
+    try:
+        cfg = ModelConfig(**loaded.config["model"])
+        model = Transformer(cfg)
+        model.load_state_dict(loaded.weights)
+        vocab = Vocabulary.from_bytes(loaded.spm_model)
+    except (KeyError, TypeError, RuntimeError, DataError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        raise CheckpointError(f"cannot load checkpoint {resolved}: {reason}") from None
+    if len(vocab) != cfg.vocab_size:
+        raise CheckpointError(
+            f"cannot load checkpoint {resolved}: spm.model has {len(vocab)} pieces, the "
+            f"model {cfg.vocab_size}"
+        )
+    return model, vocab
+
+
 def _device_and_dtype(device, precision: str) -> tuple[torch.device, torch.dtype | None]:
     """The loaders' device ("auto" when None) and weight dtype (None: fp32) for ``precision``."""
     if precision != "auto" and precision not in PRECISIONS:
@@ -144,21 +166,7 @@ class Translator:
         Loading executes no code (safetensors, json). ``precision``: auto, fp32, bf16 or fp16.
         Raises CheckpointError (one line) for a missing, corrupt or incompatible checkpoint."""
         device, dtype = _device_and_dtype(device, precision)
-        resolved = checkpoint.resolve(Path(path))
-        loaded = checkpoint.load(resolved, with_trainer_state=False)
-        try:
-            cfg = ModelConfig(**loaded.config["model"])
-            model = Transformer(cfg)
-            model.load_state_dict(loaded.weights)
-            vocab = Vocabulary.from_bytes(loaded.spm_model)
-        except (KeyError, TypeError, RuntimeError, DataError) as error:
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
-            raise CheckpointError(f"cannot load checkpoint {resolved}: {reason}") from None
-        if len(vocab) != cfg.vocab_size:
-            raise CheckpointError(
-                f"cannot load checkpoint {resolved}: spm.model has {len(vocab)} pieces, the "
-                f"model {cfg.vocab_size}"
-            )
+        model, vocab = load_checkpoint(path)
         return cls(_for_inference(model, device, dtype), vocab, device=device, **options)
 
     @classmethod
