@@ -172,6 +172,8 @@ class MultiheadAttention(nn.Module):
         else:
             self.bias_k = self.bias_v = None
         self.add_zero_attn = add_zero_attn
+        # Int8 GEMMs of the input projections, by part: set by fastnmt.quantize.quantize_int8.
+        self.packed_projections: nn.ModuleDict | None = None
         self._reset_parameters()
 
     def _reset_parameters(self) -> None:
@@ -211,21 +213,46 @@ class MultiheadAttention(nn.Module):
         new.load_state_dict(module.state_dict())
         return new.train(module.training)
 
-    def _projection_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self._qkv_same_embed_dim:
-            return self.in_proj_weight.chunk(3)
-        return self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+    def projection_rows(self) -> dict[str, slice]:
+        """The rows of ``in_proj_weight`` (and ``in_proj_bias``) of each projection part."""
+        e = self.embed_dim
+        return {
+            "q": slice(0, e),
+            "k": slice(e, 2 * e),
+            "v": slice(2 * e, 3 * e),
+            "kv": slice(e, 3 * e),
+            "qkv": slice(0, 3 * e),
+        }
+
+    def _in_projection(self, x: torch.Tensor, part: str) -> torch.Tensor:
+        """x (B, L, in) projected by ``part`` (q, k, v, kv or qkv: outputs side by side), with
+        the int8 GEMMs ``fastnmt.quantize`` packed when it did."""
+        if self.packed_projections is not None:
+            return self.packed_projections[part](x)
+        if not self._qkv_same_embed_dim:
+            weight = {"q": self.q_proj_weight, "k": self.k_proj_weight, "v": self.v_proj_weight}
+            return F.linear(x, weight[part], self._in_bias(self.projection_rows()[part]))
+        rows = self.projection_rows()[part]
+        return F.linear(x, self.in_proj_weight[rows], self._in_bias(rows))
+
+    def _in_bias(self, rows: slice) -> torch.Tensor | None:
+        return None if self.in_proj_bias is None else self.in_proj_bias[rows]
 
     def _project(self, query, key, value, cache):
-        """Project (B, L, E) inputs to heads (B, H, L, D); with a cache, add to / read from it."""
-        w_q, w_k, w_v = self._projection_weights()
-        b_q, b_k, b_v = (None,) * 3 if self.in_proj_bias is None else self.in_proj_bias.chunk(3)
+        """Project (B, L, E) inputs to heads (B, H, L, D); with a cache, add to / read from it.
+        Inputs that are the same tensor share one GEMM (self-attention: qkv; cross: kv)."""
         if cache is not None and cache.static and cache.length:
-            return self._heads(F.linear(query, w_q, b_q)), cache.key, cache.value
-        if query is key and key is value and self._qkv_same_embed_dim:
-            q, k, v = F.linear(query, self.in_proj_weight, self.in_proj_bias).chunk(3, dim=-1)
+            return self._heads(self._in_projection(query, "q")), cache.key, cache.value
+        same = self._qkv_same_embed_dim
+        if query is key and key is value and same:
+            q, k, v = self._in_projection(query, "qkv").chunk(3, dim=-1)
+        elif key is value and same:
+            q = self._in_projection(query, "q")
+            k, v = self._in_projection(key, "kv").chunk(2, dim=-1)
         else:
-            q, k, v = F.linear(query, w_q, b_q), F.linear(key, w_k, b_k), F.linear(value, w_v, b_v)
+            q, k, v = (
+                self._in_projection(x, p) for x, p in zip((query, key, value), "qkv", strict=True)
+            )
         q, k, v = self._heads(q), self._heads(k), self._heads(v)
         if cache is not None:
             k, v = cache.append(k, v)

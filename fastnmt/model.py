@@ -102,6 +102,8 @@ class FeedForward(nn.Module):
         self.linear2 = nn.Linear(cfg.d_ff, cfg.d_model)
 
     def forward(self, x):  # (B, L, E) -> (B, L, E)
+        if not isinstance(self.linear1, nn.Linear):  # int8 layers (fastnmt.quantize), inference
+            return self.linear2(self.linear1(x))  # linear1 applies the activation
         p = self.cfg.activation_dropout if self.training else 0.0
         return feed_forward(
             x,
@@ -257,6 +259,8 @@ class Transformer(nn.Module):
         self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
         self.encoder_norm = LayerNorm(cfg.d_model) if cfg.prenorm else None
         self.decoder_norm = LayerNorm(cfg.d_model) if cfg.prenorm else None
+        # The output layer as an int8 GEMM: set by fastnmt.quantize.quantize_int8.
+        self.packed_output: nn.Module | None = None
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -308,18 +312,22 @@ class Transformer(nn.Module):
         x = self.embed(tgt_in, start)
         return residual_stack(x, sublayers, self.decoder_norm, self.cfg, self.training)
 
-    def logits(self, states, output_weight=None):  # (..., E) -> (..., V)
-        """Logits with the tied output embedding, or with ``output_weight_t()`` computed once
-        for many decoding steps."""
-        if output_weight is None:
-            return F.linear(states, self.embedding.weight, self.output_bias)
-        logits = torch.matmul(states, output_weight)
-        return logits if self.output_bias is None else logits + self.output_bias
+    def logits(self, states):  # (..., E) -> (..., V)
+        """Logits with the tied output embedding (and ``output_bias``)."""
+        if self.packed_output is not None:
+            return self.packed_output(states)
+        return F.linear(states, self.embedding.weight, self.output_bias)
 
-    def output_weight_t(self):  # -> (E, V)
-        """The tied output embedding transposed and contiguous: the layout a library GEMM reads
-        fastest for a few hundred rows (twice as fast as the (V, E) weight at 64 rows on a CPU)."""
-        return self.embedding.weight.t().contiguous()
+    def output_layer(self) -> Callable[[torch.Tensor], torch.Tensor]:  # (N, E) -> (N, V)
+        """``logits`` for many decoding steps: the tied embedding transposed and contiguous once,
+        the layout a library GEMM reads fastest for a few hundred rows (twice as fast as the
+        (V, E) weight at 64 rows on a CPU); or the packed int8 output layer."""
+        if self.packed_output is not None:
+            return self.packed_output
+        weight = self.embedding.weight.t().contiguous()  # (E, V)
+        if self.output_bias is None:
+            return lambda states: torch.matmul(states, weight)
+        return lambda states: torch.addmm(self.output_bias, states, weight)
 
     def forward(self, src, src_lengths, tgt_in):  # -> decoder states (B, T, E)
         return self.decode(tgt_in, self.encode(src, src_lengths), src_lengths)

@@ -64,7 +64,7 @@ class _Batch:
         # pad and the start symbol are never generated, unless the start symbol is eos (NLLB).
         banned = ({cfg.pad_id, cfg.bos_id} - {cfg.eos_id}) | (set() if eos else {cfg.eos_id})
         self.banned = torch.tensor(sorted(banned), device=src.device)
-        self.output_weight = model.output_weight_t()  # (E, V), once per search
+        self.output_layer = model.output_layer()  # once per search
 
     @property
     def size(self) -> int:
@@ -81,7 +81,7 @@ class _Batch:
                 new, self.memory, self.src_lengths, self.caches, start=self.cached
             )
             self.cached = self.history.shape[1]
-        logits = self.model.logits(states[:, -1], self.output_weight)  # (N, V)
+        logits = self.output_layer(states[:, -1])  # (N, V)
         return log_softmax_topk(logits, min(k, logits.shape[1]), self.banned)
 
     def keep_sentences(self, kept: torch.Tensor) -> None:

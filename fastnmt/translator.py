@@ -23,9 +23,12 @@ from fastnmt.checkpoint import CheckpointError
 from fastnmt.data import DataError, Vocabulary, make_batch
 from fastnmt.distributed import resolve_device
 from fastnmt.model import AttentionRecord, ModelConfig, Transformer
+from fastnmt.quantize import int8_supported, quantize_int8
 from fastnmt.search import Hypothesis, LengthPenalty, beam_search, greedy
 
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The weights' dtype of each inference precision (None: fp32). int8: fp32 weights whose GEMMs
+# run in int8 (fastnmt.quantize, CPUs).
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": None}
 
 
 class TruncationWarning(UserWarning):
@@ -81,17 +84,20 @@ def load_checkpoint(path: str | Path) -> tuple[Transformer, Vocabulary]:
     return model, vocab
 
 
-def _device_and_dtype(device, precision: str) -> tuple[torch.device, torch.dtype | None]:
-    """The loaders' device ("auto" when None) and weight dtype (None: fp32) for ``precision``."""
+def _inference_model(model: Transformer, device, precision: str) -> Transformer:
+    """``model`` on ``device`` ("auto" when None) in ``precision`` for translating."""
     if precision != "auto" and precision not in PRECISIONS:
         choices = ", ".join(PRECISIONS)
         raise ValueError(f"precision must be auto, {choices}; got {precision!r}")
     device = resolve_device("auto" if device is None else str(device))
-    return device, fastest_dtype(device) if precision == "auto" else PRECISIONS[precision]
-
-
-def _for_inference(model: Transformer, device, dtype) -> Transformer:
-    return model.to(device, dtype or torch.float32).eval().requires_grad_(False)
+    if precision == "auto":
+        dtype = fastest_dtype(device)
+    elif precision == "int8" and (reasons := int8_supported(device)):
+        raise ValueError(f"precision int8: {'; '.join(reasons)}")
+    else:
+        dtype = PRECISIONS[precision]
+    model = model.to(device, dtype or torch.float32).eval().requires_grad_(False)
+    return quantize_int8(model) if precision == "int8" else model
 
 
 @dataclass
@@ -163,11 +169,12 @@ class Translator:
         **options,
     ) -> Translator:
         """Load a checkpoint directory (or a training output directory: its best checkpoint).
-        Loading executes no code (safetensors, json). ``precision``: auto, fp32, bf16 or fp16.
+        Loading executes no code (safetensors, json). ``precision``: auto, fp32, bf16, fp16 or
+        int8 (CPUs: fp32 weights, int8 GEMMs; ``fastnmt.quantize``).
         Raises CheckpointError (one line) for a missing, corrupt or incompatible checkpoint."""
-        device, dtype = _device_and_dtype(device, precision)
         model, vocab = load_checkpoint(path)
-        return cls(_for_inference(model, device, dtype), vocab, device=device, **options)
+        model = _inference_model(model, device, precision)
+        return cls(model, vocab, device=model.embedding.weight.device, **options)
 
     @classmethod
     def from_pretrained(
@@ -185,9 +192,9 @@ class Translator:
         ``tgt_lang`` (e.g. eng_Latn, deu_Latn). Other options as ``from_checkpoint``."""
         from fastnmt.integrations.transformers.convert import load_pretrained
 
-        device, dtype = _device_and_dtype(device, precision)
         model, vocab = load_pretrained(directory, src_lang=src_lang, tgt_lang=tgt_lang)
-        return cls(_for_inference(model, device, dtype), vocab, device=device, **options)
+        model = _inference_model(model, device, precision)
+        return cls(model, vocab, device=model.embedding.weight.device, **options)
 
     @classmethod
     def load(cls, path: str | Path, *, src_code=None, tgt_code=None, **options) -> Translator:

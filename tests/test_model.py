@@ -76,9 +76,14 @@ def test_too_long_input_is_a_clear_error():
         model.encode(src, src_lengths)
 
 
-def test_logits_with_the_transposed_output_weight_equal_the_plain_ones():
-    model = Transformer(preset("tiny", vocab_size=50, d_model=32, heads=2, d_ff=64))
-    states = torch.randn(3, 5, 32)
+@pytest.mark.parametrize("output_bias", [False, True])
+def test_the_output_layer_for_decoding_equals_the_logits(output_bias):
+    model = Transformer(
+        preset("tiny", vocab_size=50, d_model=32, heads=2, d_ff=64, output_bias=output_bias)
+    )
+    if output_bias:
+        model.output_bias.normal_()
+    states = torch.randn(7, 32)
     torch.testing.assert_close(
-        model.logits(states, model.output_weight_t()), model.logits(states), rtol=1e-6, atol=1e-6
+        model.output_layer()(states), model.logits(states), rtol=1e-6, atol=1e-6
     )

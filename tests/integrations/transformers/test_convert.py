@@ -51,7 +51,7 @@ def test_logits_equal_the_hf_models(checkpoints, kind):
     states = model.decode(decoder_in, model.encode(batch["input_ids"], lengths), lengths)
     torch.testing.assert_close(model.logits(states), expected, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(
-        model.logits(states[:, -1], model.output_weight_t()), expected[:, -1], atol=1e-4, rtol=1e-4
+        model.output_layer()(states[:, -1]), expected[:, -1], atol=1e-4, rtol=1e-4
     )
 
 

@@ -1,0 +1,126 @@
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastnmt.model import Transformer, preset
+from fastnmt.quantize import Int8Linear, int8_supported, quantize_int8
+from fastnmt.translator import Translator
+
+from .helpers import tiny_checkpoint
+
+ACTIVATIONS = {None: lambda y: y, "relu": F.relu, "gelu": F.gelu, "silu": F.silu}
+
+
+def quantization_bound(x, weight):
+    """Largest |int8 GEMM - exact| per output (M, N): per-channel symmetric weights (step s_w),
+    activations per tensor over [min, max] in 7 bits (step s_x), each rounded by at most half a
+    step: |x dW + dx W + dx dW| summed over K."""
+    x = x.reshape(-1, x.shape[-1]).double()
+    weight = weight.double()
+    s_w = weight.abs().amax(dim=1) / 127  # (N,)
+    s_x = (x.max().clamp_min(0) - x.min().clamp_max(0)) / 127
+    k = x.shape[1]
+    return (
+        0.5 * x.abs().sum(1, keepdim=True) * s_w
+        + 0.5 * s_x * weight.abs().sum(1)
+        + 0.25 * s_x * s_w * k
+    )
+
+
+@pytest.mark.parametrize("activation", list(ACTIVATIONS))
+@pytest.mark.parametrize("shape", [(1, 1, 8), (3, 5, 37), (2, 70, 256)])
+def test_int8_linear_is_within_the_quantization_bound(shape, activation):
+    *lead, k = shape
+    n = 51
+    x, weight, bias = torch.randn(*lead, k) * 2, torch.randn(n, k) / k**0.5, torch.randn(n)
+    layer = Int8Linear(weight, bias, activation)
+    out = layer(x)
+    exact = ACTIVATIONS[activation](F.linear(x.double(), weight.double(), bias.double()))
+    # ReLU, GELU and SiLU change by at most 1.13x what their input changes (GELU's steepest).
+    bound = 1.13 * quantization_bound(x, weight).view(*lead, n) + 1e-5
+    error = (out.double() - exact).abs()
+    assert out.shape == (*lead, n) and out.dtype == torch.float32
+    assert (error <= bound).all(), f"error {error.max():.3g} over the bound"
+    assert error.max() > 0  # really quantized, not an fp32 GEMM
+
+
+def test_a_zero_weight_row_gives_its_bias():
+    weight = torch.randn(4, 16)
+    weight[2] = 0
+    bias = torch.arange(4.0)
+    out = Int8Linear(weight, bias)(torch.randn(3, 16))
+    torch.testing.assert_close(out[:, 2], torch.full((3,), 2.0))
+
+
+def _model(**overrides):
+    torch.manual_seed(0)
+    cfg = preset("tiny", vocab_size=97, d_model=64, heads=4, d_ff=96, **overrides)
+    return Transformer(cfg).eval()
+
+
+def _outputs(model):
+    """Teacher-forced log-probabilities (B, T, V), and the last step's logits from the decoding
+    output layer and from ``logits``."""
+    generator = torch.Generator().manual_seed(1)
+    src = torch.randint(3, 97, (3, 11), generator=generator)
+    src_lengths = torch.tensor([11, 4, 1])
+    tgt = torch.randint(3, 97, (3, 9), generator=generator)
+    with torch.inference_mode():
+        states = model.decode(tgt, model.encode(src, src_lengths), src_lengths)
+        last = states[:, -1]
+        return model.logits(states).log_softmax(-1), model.output_layer()(last), model.logits(last)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"prenorm": False, "activation": "gelu", "output_bias": True}, {"activation": "silu"}],
+)
+def test_a_quantized_model_keeps_its_state_dict_and_predictions(overrides):
+    model = _model(**overrides)
+    if model.output_bias is not None:
+        model.output_bias.normal_()
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    exact = _outputs(model)[0]
+    bf16 = _outputs(copy.deepcopy(model).to(torch.bfloat16))[0].float()
+    assert quantize_int8(model) is model
+    quantized, step, last = _outputs(model)
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[name], value) for name, value in before.items())
+    # The yardstick: the same model with bf16 weights (int8 measured 2.7x to 2.8x its error).
+    error, bf16_error = ((x - exact).abs().max() for x in (quantized, bf16))
+    assert 0 < error <= 4 * bf16_error, (error, bf16_error)
+    assert (quantized.argmax(-1) == exact.argmax(-1)).float().mean() > 0.9
+    torch.testing.assert_close(step, last, rtol=0, atol=0)
+
+
+def test_other_models_get_every_linear_layer_quantized():
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    x = torch.randn(5, 8)
+    exact = model(x)
+    quantize_int8(model)
+    assert all(isinstance(model[i], Int8Linear) for i in (0, 2))
+    torch.testing.assert_close(model(x), exact, rtol=0.05, atol=0.05)
+
+
+def test_refusals_are_one_line():
+    with pytest.raises(ValueError, match="must be float32"):
+        quantize_int8(_model().to(torch.bfloat16))
+    assert int8_supported("cpu") == []
+    assert "CPUs" in int8_supported("cuda")[0]
+    with pytest.raises(ValueError, match="relu, gelu, silu or None"):
+        Int8Linear(torch.randn(2, 2), None, "tanh")
+
+
+def test_the_translator_translates_in_int8(tmp_path):
+    directory = tiny_checkpoint(tmp_path / "ckpt")
+    fp32 = Translator.from_checkpoint(directory, precision="fp32")
+    int8 = Translator.from_checkpoint(directory, precision="int8")
+    assert isinstance(int8.model.packed_output, Int8Linear)
+    lines = ["a small test", "another line of text here", ""]
+    translated = int8.translate_full(lines, beam=2)
+    assert [len(t.candidates) for t in translated] == [1, 1, 0]
+    assert len(fp32.translate(lines, beam=2)) == 3
