@@ -8,7 +8,7 @@
 // the softmax is exact in two passes over that buffer (no online rescaling), and the full
 // (B, H, Lq, Lk) tensor is never formed. Inputs of any dtype are converted once per (b, h) into
 // fp32 panels (K transposed, V row-major; zero-padded to whole vectors), and every product is a
-// register-blocked micro-kernel: kTileRows rows x kTileVectors 16-lane vectors of fp32
+// register-blocked micro-kernel: kTileRows rows x kTileVectors vectors of fp32
 // accumulators, one broadcast scalar of A and one vector row of B per step of the reduction. For
 // bf16 inputs on CPUs with AVX512-BF16 the operands are packed to bf16 pairs per product and
 // each step multiplies two of the reduction (vdpbf16ps).
@@ -39,10 +39,11 @@ namespace {
 
 constexpr int64_t kBlockM = 64;  // query rows per work unit
 constexpr int64_t kFewQueries = 8;  // up to this many queries, forward_few_queries
-constexpr int kTileRows = 4;     // accumulator rows of the micro-kernel
-constexpr int kTileVectors = 4;  // accumulator vectors per row: 64 columns
+constexpr int kTileRows = 4;  // accumulator rows of the micro-kernel
+// Accumulator vectors per row: 64 columns with AVX-512's 32 registers, 16 with AVX2's 16.
+constexpr int kTileVectors = kLanes == 16 ? 4 : 2;
 
-// C(R x 16 NV) (+)= sum_k A(r, k) B(k, :) with A(r, k) = a[r * a_row + k * a_col] and B
+// C(R x kLanes NV) (+)= sum_k A(r, k) B(k, :) with A(r, k) = a[r * a_row + k * a_col] and B
 // row-major: each step of k loads NV vectors of B and broadcasts R scalars of A.
 template <int R, int NV>
 struct FloatTile {
@@ -78,7 +79,7 @@ constexpr auto tile_table(std::integer_sequence<int, R...>) {
 template <template <int, int> class Tile>
 constexpr auto kTiles = tile_table<Tile>(std::make_integer_sequence<int, kTileRows>{});
 
-// C (rows x cols, cols a multiple of 16) (+)= A (rows x depth) B (depth x cols), the operands
+// C (rows x cols, cols whole vectors) (+)= A (rows x depth) B (depth x cols), the operands
 // as a Tile takes them (A(r, k) at a[r * a_row + k * a_col], B row-major). Column blocks
 // outermost, so a block of B stays in L1 across the rows.
 template <template <int, int> class Tile, typename A, typename B>
@@ -160,7 +161,7 @@ void pack_rows(const float* m, int64_t ld, int64_t depth, int64_t n, uint32_t* w
   }
 }
 
-// C (rows x cols, cols a multiple of 16) (+)= A (rows x depth, strides a_row, a_col) B (depth x
+// C (rows x cols, cols whole vectors) (+)= A (rows x depth, strides a_row, a_col) B (depth x
 // cols, row-major) in bf16 products. A is row-major (a_col == 1) or column-major (a_row == 1).
 void bf16_gemm(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb,
                int64_t depth, float* c, int64_t ldc, int64_t rows, int64_t cols, bool accumulate) {
@@ -184,7 +185,7 @@ void bf16_gemm(const float* a, int64_t a_row, int64_t a_col, const float* b, int
 }
 #endif
 
-// C (rows x cols, cols a multiple of 16) (+)= A (rows x depth, strides a_row, a_col) B (depth x
+// C (rows x cols, cols whole vectors) (+)= A (rows x depth, strides a_row, a_col) B (depth x
 // cols, row-major), in fp32 or, for bf16 inputs (T) where the CPU has AVX512-BF16, in bf16.
 template <typename T>
 void gemm(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb,
@@ -269,7 +270,7 @@ struct KeyMask {
     return causal ? std::min(key_end[b], query_end) : key_end[b];
   }
 
-  // bias[j] = 0 for a key b shows, -inf otherwise, for j < width (a multiple of 16).
+  // bias[j] = 0 for a key b shows, -inf otherwise, for j < width (whole vectors).
   void bias(int64_t b, float* out, int64_t width) const {
     for (int64_t j = 0; j < width; ++j) {
       const bool shown = j < key_end[b] && (padding == nullptr || !padding[b * stride_b + j * stride_j]);

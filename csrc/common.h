@@ -16,7 +16,7 @@ namespace fastnmt {
 // regenerates the forward's mask exactly, whatever the thread count or loop order. The hash is
 // Chris Wellons' "lowbias32" (two multiply-xorshift rounds), cheap enough to vectorise with
 // 32-bit integer lanes; the seed's two halves are folded into a per-call base value.
-// Word: uint32_t, or WordVec for 16 values at once.
+// Word: uint32_t, or WordVec for a vector of values at once.
 template <typename Word>
 inline Word lowbias32(Word x) {
   x ^= x >> 16;

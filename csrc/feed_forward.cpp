@@ -59,7 +59,7 @@ inline Vec activation_derivative(Vec a, Activation act) {
   return act == kGelu ? gelu_derivative(a) : silu_derivative(a);
 }
 
-// z = act(a) * dropout factor, 16 elements at a time (in place when z aliases a).
+// z = act(a) * dropout factor, a vector at a time (in place when z aliases a).
 template <typename T>
 void activation_dropout(const T* a, T* z, int64_t n, Activation act, const DropoutStream& drop) {
   at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {

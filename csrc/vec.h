@@ -1,14 +1,14 @@
-// 16-lane fp32 vectors (GCC/Clang vector extensions) and the few vector functions the kernels
-// share: loads/stores, horizontal reductions and a polynomial exp. The extension is compiled for
-// the CPU that runs it (setup.py), so one Vec is one AVX-512 register there, and the compiler
-// splits it on narrower targets.
+// fp32 vectors (GCC/Clang vector extensions) and the few vector functions the kernels share:
+// loads/stores, horizontal reductions and a polynomial exp. The extension is compiled for the CPU
+// that runs it (setup.py), so one Vec is one register: 16 lanes with AVX-512, else 8 (AVX2; a
+// 16-lane vector split in two there spilled to the stack and ran the kernels 2-5x slower).
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <limits>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -17,10 +17,14 @@
 
 namespace fastnmt {
 
-typedef float Vec __attribute__((vector_size(64)));
-typedef int32_t IntVec __attribute__((vector_size(64)));
-
+#if defined(__AVX512F__)
 constexpr int64_t kLanes = 16;
+#else
+constexpr int64_t kLanes = 8;
+#endif
+
+typedef float Vec __attribute__((vector_size(4 * kLanes)));
+typedef int32_t IntVec __attribute__((vector_size(4 * kLanes)));
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 inline int64_t whole_vectors(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
@@ -46,8 +50,8 @@ inline Vec load_float(const T* p) {
 template <>
 inline Vec load_float(const float* p) { return load(p); }
 
-typedef uint16_t HalfWordVec __attribute__((vector_size(32)));
-typedef uint32_t WordVec __attribute__((vector_size(64)));
+typedef uint16_t HalfWordVec __attribute__((vector_size(2 * kLanes)));
+typedef uint32_t WordVec __attribute__((vector_size(4 * kLanes)));
 
 template <>
 inline Vec load_float(const c10::BFloat16* p) {
@@ -96,19 +100,40 @@ inline void store_float(T* p, Vec v, int64_t n) {
 
 inline Vec splat(float x) { return Vec{} + x; }
 
-inline Vec lane_indices() { return Vec{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
-
 inline WordVec word_lane_indices() {
-  return WordVec{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  WordVec v;
+  for (int l = 0; l < kLanes; ++l) v[l] = l;  // folded to a constant
+  return v;
+}
+
+inline Vec lane_indices() { return __builtin_convertvector(word_lane_indices(), Vec); }
+
+// The two halves of a vector, for reductions as trees (a chain of scalar operations costs one
+// latency per lane; a decoding step reduces once per key).
+template <typename Half, typename Whole>
+inline void halves(Whole v, Half& low, Half& high) {
+  __builtin_memcpy(&low, &v, sizeof low);
+  __builtin_memcpy(&high, reinterpret_cast<const char*>(&v) + sizeof low, sizeof high);
+}
+
+// The lanes of a vector of 4 or more, reduced with op as a tree.
+template <typename V, typename Op>
+inline float reduce_tree(V v, Op op) {
+  if constexpr (sizeof(V) == 4 * sizeof(float)) {
+    return op(op(v[0], v[2]), op(v[1], v[3]));
+  } else {
+    typedef float Half __attribute__((vector_size(sizeof(V) / 2)));
+    Half low, high;
+    halves(v, low, high);
+    return reduce_tree(op(low, high), op);
+  }
 }
 
 inline float horizontal_max(Vec v) {
 #if defined(__AVX512F__)
   return _mm512_reduce_max_ps(reinterpret_cast<__m512>(v));
 #else
-  float m = v[0];
-  for (int l = 1; l < kLanes; ++l) m = std::max(m, v[l]);
-  return m;
+  return reduce_tree(v, [](auto a, auto b) { return a > b ? a : b; });
 #endif
 }
 
@@ -116,6 +141,9 @@ inline float horizontal_max(Vec v) {
 inline uint32_t greater_mask(Vec v, float x) {
 #if defined(__AVX512F__)
   return _mm512_cmp_ps_mask(reinterpret_cast<__m512>(v), _mm512_set1_ps(x), _CMP_GT_OQ);
+#elif defined(__AVX2__)
+  const __m256 greater = _mm256_cmp_ps(reinterpret_cast<__m256>(v), _mm256_set1_ps(x), _CMP_GT_OQ);
+  return static_cast<uint32_t>(_mm256_movemask_ps(greater));
 #else
   uint32_t mask = 0;
   for (int l = 0; l < kLanes; ++l) mask |= static_cast<uint32_t>(v[l] > x) << l;
@@ -127,9 +155,7 @@ inline float horizontal_sum(Vec v) {
 #if defined(__AVX512F__)
   return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));  // a tree of shuffles
 #else
-  float s = 0.0f;
-  for (int l = 0; l < kLanes; ++l) s += v[l];
-  return s;
+  return reduce_tree(v, [](auto a, auto b) { return a + b; });
 #endif
 }
 
