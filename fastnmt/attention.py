@@ -70,6 +70,8 @@ class KVCache:
     length: int = 0
     _key: torch.Tensor | None = field(default=None, repr=False)  # (B, H, capacity, D)
     _value: torch.Tensor | None = field(default=None, repr=False)
+    _spare_key: torch.Tensor | None = field(default=None, repr=False)  # reorder's other storage
+    _spare_value: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def key(self) -> torch.Tensor | None:
@@ -101,16 +103,19 @@ class KVCache:
     def reorder(self, index: torch.Tensor) -> None:
         """Keep batch entries ``index`` (B',) in that order, e.g. the surviving beams."""
         if self._key is not None:
-            self._key = self._gather(self._key, index)
-            self._value = self._gather(self._value, index)
+            self._key, self._spare_key = self._gather(self._key, self._spare_key, index)
+            self._value, self._spare_value = self._gather(self._value, self._spare_value, index)
 
-    def _gather(self, storage: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """New storage holding ``storage``'s entries ``index``: only the filled steps are copied
-        (up to half of a doubled capacity is empty)."""
-        gathered = storage.new_empty(index.shape[0], *storage.shape[1:])
-        filled = slice(0, self.length)
+    def _gather(self, storage, spare, index) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``storage``'s entries ``index``, the next spare). They are gathered into the spare
+        storage of the previous reorder, not into new memory: a beam search reorders every step,
+        and writing fresh pages cost 4x the copy. Only the filled steps are copied."""
+        rows = index.shape[0]
+        if spare is None or spare.shape[0] < rows or spare.shape[1:] != storage.shape[1:]:
+            spare = storage.new_empty(rows, *storage.shape[1:])
+        gathered, filled = spare[:rows], slice(0, self.length)
         torch.index_select(storage[:, :, filled], 0, index, out=gathered[:, :, filled])
-        return gathered
+        return gathered, storage
 
 
 class MultiheadAttention(nn.Module):
