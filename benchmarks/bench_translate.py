@@ -1,10 +1,11 @@
 """Decoding speed: sentences/s and target tokens/s translating Multi30k test_2016_flickr.
 
 Rows: greedy and beam 4, batches of 32 and 64 sentences or the Translator's default batching, the
-fused path (auto: the C++ kernels on a CPU) and the reference path, and the KV cache against
-recomputing the whole prefix every step. Beside them, CTranslate2 (when installed) on the same
-model exported by ``fastnmt.export``: float32 and int8, batches of 32 sentences or of 6,000
-tokens, 2 threads, the same beam, length penalty and bans (pad, bos); every row reports BLEU.
+fused path (auto: the C++ kernels on a CPU) and the reference path, the KV cache against
+recomputing the whole prefix every step, and fp32 weights against int8 GEMMs
+(``fastnmt.quantize``). Beside them, CTranslate2 (when installed) on the same model exported by
+``fastnmt.export``: float32 and int8, batches of 32 sentences or of 6,000 tokens, 2 threads, the
+same beam, length penalty and bans (pad, bos); every row reports BLEU.
 
 A trained model gives realistic output lengths: set FASTNMT_BENCH_CHECKPOINT=DIR to translate all
 1,000 sentences with it. Without one, a randomly initialised ``tiny`` model (the same size)
@@ -27,7 +28,8 @@ import fastnmt
 from fastnmt import checkpoint, export, metrics
 from fastnmt.data import Vocabulary, load_multi30k
 from fastnmt.model import Transformer, preset
-from fastnmt.translator import Translator, fastest_dtype
+from fastnmt.quantize import quantize_int8
+from fastnmt.translator import Translator, fastest_dtype, load_checkpoint
 
 SUBSET = 200  # sentences translated by the random model
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k"
@@ -82,10 +84,37 @@ SETUP_KEYS = ("model", "checkpoint", "references")  # of the info, not options o
 def test_translate(benchmark, setup, search, batch, path, cache):
     translator, sentences, info = setup
     defaults = translator.max_sentences, translator.max_tokens
-    options = {k: v for k, v in info.items() if k not in SETUP_KEYS}
-    options.update(beam=1 if search == "greedy" else 4, incremental=cache == "kv-cache")
+    options = _search_options(info, search)
+    options.update(incremental=cache == "kv-cache")
     if batch != DEFAULT:
         translator.max_sentences, translator.max_tokens = batch, 1 << 30
+    try:
+        with fastnmt.backend("reference" if path == "reference" else "auto"):
+            _measure(benchmark, translator, sentences, options, info["references"])
+    finally:  # the translator is shared by the module's rows
+        translator.max_sentences, translator.max_tokens = defaults
+    benchmark.extra_info.update(model=info["model"], batch_sentences=batch, path=path, cache=cache)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+@pytest.mark.parametrize("search", ["greedy", "beam4"])
+def test_translate_precision(benchmark, setup, search, precision):
+    """The Translator's default batching with fp32 weights, or int8 GEMMs (fastnmt.quantize)."""
+    _, sentences, info = setup
+    model, vocab = load_checkpoint(info["checkpoint"])
+    model = model.eval().requires_grad_(False)
+    translator = Translator(quantize_int8(model) if precision == "int8" else model, vocab)
+    _measure(benchmark, translator, sentences, _search_options(info, search), info["references"])
+    benchmark.extra_info.update(model=info["model"], batch_sentences=DEFAULT, precision=precision)
+
+
+def _search_options(info: dict, search: str) -> dict:
+    options = {k: v for k, v in info.items() if k not in SETUP_KEYS}
+    return {**options, "beam": 1 if search == "greedy" else 4}
+
+
+def _measure(benchmark, translator, sentences, options, references) -> None:
+    """Time one translation of ``sentences`` after a warm-up; speed and BLEU into extra_info."""
     results = {}
 
     def run():
@@ -95,26 +124,19 @@ def test_translate(benchmark, setup, search, batch, path, cache):
         results["tokens"] = sum(len(t.candidates[0].tokens) for t in translations)
         results["texts"] = [t.text for t in translations]
 
-    try:
-        with fastnmt.backend("reference" if path == "reference" else "auto"):
-            translator.translate(sentences[:64], **options)  # warm-up: kernels, allocator
-            benchmark.group = "translate"
-            benchmark.pedantic(run, rounds=1, iterations=1)
-    finally:  # the translator is shared by the module's rows
-        translator.max_sentences, translator.max_tokens = defaults
+    translator.translate(sentences[:64], **options)  # warm-up: kernels, allocator
+    benchmark.group = "translate"
+    benchmark.pedantic(run, rounds=1, iterations=1)
     seconds = results["seconds"]
     benchmark.extra_info.update(
-        model=info["model"],
-        search=search,
-        batch_sentences=batch,
-        path=path,
-        cache=cache,
+        search="greedy" if options["beam"] == 1 else f"beam{options['beam']}",
         dtype=str(translator.model.embedding.weight.dtype).removeprefix("torch."),
+        int8_gemms=translator.model.packed_output is not None,
         sentences=len(sentences),
         target_tokens=results["tokens"],
         sentences_per_s=round(len(sentences) / seconds, 1),
         target_tokens_per_s=round(results["tokens"] / seconds),
-        bleu=round(metrics.bleu(results["texts"], info["references"]).score, 2),
+        bleu=round(metrics.bleu(results["texts"], references).score, 2),
     )
 
 
