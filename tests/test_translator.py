@@ -9,7 +9,7 @@ import torch
 import fastnmt
 from fastnmt.checkpoint import CheckpointError
 from fastnmt.search import LengthPenalty, beam_search
-from fastnmt.translator import Translator, TruncationWarning, fastest_dtype
+from fastnmt.translator import Translator, TruncationWarning, fastest_dtype, fastest_precision
 from tests.helpers import tiny_checkpoint
 
 SENTENCES = [
@@ -143,3 +143,14 @@ def test_auto_precision_takes_bf16_only_on_gpus_that_compute_in_it(
     """Turing (7.5) reports bf16 as supported (emulated): fp16 with loss scaling there."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     assert fastest_dtype("cuda") == expected
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_auto_inference_precision_on_cpus_is_bf16_where_native_else_int8(monkeypatch, native_bf16):
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: native_bf16)
+    assert fastest_precision("cpu") == ("bf16" if native_bf16 else "int8")
+
+
+def test_auto_inference_precision_on_gpus_is_their_half_precision(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert fastest_precision("cuda") == "bf16"
