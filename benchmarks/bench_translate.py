@@ -28,8 +28,7 @@ import fastnmt
 from fastnmt import checkpoint, export, metrics
 from fastnmt.data import Vocabulary, load_multi30k
 from fastnmt.model import Transformer, preset
-from fastnmt.quantize import quantize_int8
-from fastnmt.translator import Translator, fastest_dtype, load_checkpoint
+from fastnmt.translator import Translator, fastest_dtype
 
 SUBSET = 200  # sentences translated by the random model
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k"
@@ -101,9 +100,7 @@ def test_translate(benchmark, setup, search, batch, path, cache):
 def test_translate_precision(benchmark, setup, search, precision):
     """The Translator's default batching with fp32 weights, or int8 GEMMs (fastnmt.quantize)."""
     _, sentences, info = setup
-    model, vocab = load_checkpoint(info["checkpoint"])
-    model = model.eval().requires_grad_(False)
-    translator = Translator(quantize_int8(model) if precision == "int8" else model, vocab)
+    translator = Translator.from_checkpoint(info["checkpoint"], device="cpu", precision=precision)
     _measure(benchmark, translator, sentences, _search_options(info, search), info["references"])
     benchmark.extra_info.update(model=info["model"], batch_sentences=DEFAULT, precision=precision)
 

@@ -177,6 +177,15 @@ class MultiheadAttention(nn.Module):
         else:
             self.bias_k = self.bias_v = None
         self.add_zero_attn = add_zero_attn
+        # The rows of in_proj_weight (and in_proj_bias) of each projection part.
+        e = embed_dim
+        self.projection_rows = {
+            "q": slice(0, e),
+            "k": slice(e, 2 * e),
+            "v": slice(2 * e, 3 * e),
+            "kv": slice(e, 3 * e),
+            "qkv": slice(0, 3 * e),
+        }
         # Int8 GEMMs of the input projections, by part: set by fastnmt.quantize.quantize_int8.
         self.packed_projections: nn.ModuleDict | None = None
         self._reset_parameters()
@@ -218,30 +227,17 @@ class MultiheadAttention(nn.Module):
         new.load_state_dict(module.state_dict())
         return new.train(module.training)
 
-    def projection_rows(self) -> dict[str, slice]:
-        """The rows of ``in_proj_weight`` (and ``in_proj_bias``) of each projection part."""
-        e = self.embed_dim
-        return {
-            "q": slice(0, e),
-            "k": slice(e, 2 * e),
-            "v": slice(2 * e, 3 * e),
-            "kv": slice(e, 3 * e),
-            "qkv": slice(0, 3 * e),
-        }
-
     def _in_projection(self, x: torch.Tensor, part: str) -> torch.Tensor:
         """x (B, L, in) projected by ``part`` (q, k, v, kv or qkv: outputs side by side), with
         the int8 GEMMs ``fastnmt.quantize`` packed when it did."""
         if self.packed_projections is not None:
             return self.packed_projections[part](x)
+        rows = self.projection_rows[part]
+        bias = None if self.in_proj_bias is None else self.in_proj_bias[rows]
         if not self._qkv_same_embed_dim:
             weight = {"q": self.q_proj_weight, "k": self.k_proj_weight, "v": self.v_proj_weight}
-            return F.linear(x, weight[part], self._in_bias(self.projection_rows()[part]))
-        rows = self.projection_rows()[part]
-        return F.linear(x, self.in_proj_weight[rows], self._in_bias(rows))
-
-    def _in_bias(self, rows: slice) -> torch.Tensor | None:
-        return None if self.in_proj_bias is None else self.in_proj_bias[rows]
+            return F.linear(x, weight[part], bias)
+        return F.linear(x, self.in_proj_weight[rows], bias)
 
     def _project(self, query, key, value, cache):
         """Project (B, L, E) inputs to heads (B, H, L, D); with a cache, add to / read from it.

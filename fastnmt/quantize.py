@@ -91,7 +91,7 @@ def _attention_projections(module: MultiheadAttention) -> nn.ModuleDict:
     return nn.ModuleDict(
         {
             part: Int8Linear(module.in_proj_weight[rows], None if bias is None else bias[rows])
-            for part, rows in module.projection_rows().items()
+            for part, rows in module.projection_rows.items()
         }
     )
 

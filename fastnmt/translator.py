@@ -55,8 +55,8 @@ def fastest_dtype(device: torch.device | str) -> torch.dtype | None:
 
 def fastest_precision(device: torch.device | str) -> str:
     """The inference precision ``auto`` means: bf16 or fp16 as ``fastest_dtype``; on CPUs without
-    native bf16, int8 GEMMs (``fastnmt.quantize``; measured 1.3x fp32 at beam 4 and 1.3x-1.7x
-    greedy on an AVX2 CPU, test BLEU +0.2), else fp32."""
+    native bf16, int8 GEMMs (``fastnmt.quantize``; measured 1.3x fp32 at beam 4 and greedy on an
+    AVX2 CPU, test BLEU +0.2), else fp32."""
     dtype = fastest_dtype(device)
     if dtype is not None:
         return {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
