@@ -198,18 +198,30 @@ void gemm(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t 
   tiled_product<FloatTile>(a, a_row, a_col, b, ldb, depth, c, ldc, rows, cols, accumulate);
 }
 
-// A (B, H, L, width) tensor with a contiguous last dim, read by (b, h, row).
+// A (B, H, L, width) tensor with a contiguous last dim, read by (b, h, row). The keys and values
+// of a decoding cache can be read through cache rows (B, L), contiguous int64: row j of entry b
+// is then row j of entry cache_rows[b, j] (a beam search's cache is never reordered).
 template <typename T>
 struct Rows {
   const T* data;
   int64_t stride_b, stride_h, stride_row;
+  const int64_t* entries = nullptr;  // the cache rows, or nullptr: row j of b is b's own
+  int64_t entries_stride = 0;
 
   explicit Rows(const at::Tensor& t)
       : data(t.data_ptr<T>()), stride_b(t.stride(0)), stride_h(t.stride(1)),
         stride_row(t.stride(2)) {}
 
+  Rows(const at::Tensor& t, const at::Tensor& cache_rows) : Rows(t) {
+    if (cache_rows.defined()) {
+      entries = cache_rows.data_ptr<int64_t>();
+      entries_stride = cache_rows.size(1);
+    }
+  }
+
   const T* at(int64_t b, int64_t h, int64_t row) const {
-    return data + b * stride_b + h * stride_h + row * stride_row;
+    const int64_t entry = entries == nullptr ? b : entries[b * entries_stride + row];
+    return data + entry * stride_b + h * stride_h + row * stride_row;
   }
 };
 
@@ -353,6 +365,19 @@ at::Tensor last_dim_contiguous(const at::Tensor& t) {
   return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous();
 }
 
+// The cache rows as contiguous int64 (undefined when not given), each checked to name one of
+// the `entries` batch entries of k and v: the kernels read through them unchecked.
+at::Tensor checked_cache_rows(const c10::optional<at::Tensor>& cache_rows, int64_t entries) {
+  if (!cache_rows.has_value()) return {};
+  const auto rows = cache_rows->to(at::kLong).contiguous();
+  const int64_t* values = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows.numel(); ++i) {
+    TORCH_CHECK(values[i] >= 0 && values[i] < entries, "cache_rows must lie in [0, ", entries,
+                ") (k's batch entries), got ", values[i]);
+  }
+  return rows;
+}
+
 // Writes a (rows x width) fp32 panel (leading dim ld) to rows [first, first + rows) of a
 // contiguous (B, H, L, width) tensor's (b, h), and zeros to rows [first + rows, last).
 template <typename T>
@@ -367,10 +392,10 @@ void store_rows(const float* src, int64_t ld, T* dst, int64_t bh, int64_t length
 
 template <typename T>
 void forward_kernel(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
-                    const KeyMask& mask, float scale, const DropoutStream& drop, at::Tensor& out_,
+                    const at::Tensor& cache_rows, const KeyMask& mask, float scale, const DropoutStream& drop, at::Tensor& out_,
                     at::Tensor& lse_) {
   const Shape n(q_, v_);
-  const Rows<T> q(q_), k(k_), v(v_);
+  const Rows<T> q(q_), k(k_, cache_rows), v(v_, cache_rows);
   T* out = out_.data_ptr<T>();
   float* lse = lse_.data_ptr<float>();
   const int64_t blocks = (n.lq + kBlockM - 1) / kBlockM;
@@ -422,10 +447,10 @@ void forward_kernel(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor
 // P-weighted sum of value rows, all in fp32.
 template <typename T>
 void forward_few_queries(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
-                         const KeyMask& mask, float scale, const DropoutStream& drop,
+                         const at::Tensor& cache_rows, const KeyMask& mask, float scale, const DropoutStream& drop,
                          at::Tensor& out_, at::Tensor& lse_) {
   const Shape n(q_, v_);
-  const Rows<T> q(q_), k(k_), v(v_);
+  const Rows<T> q(q_), k(k_, cache_rows), v(v_, cache_rows);
   T* out = out_.data_ptr<T>();
   float* lse = lse_.data_ptr<float>();
   const int64_t lk_vectors = whole_vectors(n.lk), d_vectors = whole_vectors(n.d),
@@ -567,7 +592,7 @@ std::tuple<at::Tensor, at::Tensor> attention_cpp(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const c10::optional<at::Tensor>& key_lengths,
     const c10::optional<at::Tensor>& key_padding_mask, const c10::optional<at::Tensor>& seed,
-    bool causal, double dropout_p, double scale) {
+    bool causal, double dropout_p, double scale, const c10::optional<at::Tensor>& cache_rows) {
   check_cpu(q_in, "q");
   const auto q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),
              v = last_dim_contiguous(v_in);
@@ -576,12 +601,13 @@ std::tuple<at::Tensor, at::Tensor> attention_cpp(
   auto lse = at::empty({n.batch, n.heads, n.lq}, q.options().dtype(at::kFloat));
   const KeyMask mask(key_lengths, key_padding_mask, n.batch, n.lk, causal);
   const DropoutStream drop(seed, dropout_p);
+  const auto rows = checked_cache_rows(cache_rows, k.size(0));
   dispatch_float(q.scalar_type(), "attention_cpp", [&](auto tag) {
     using T = typename decltype(tag)::type;
     if (n.lq <= kFewQueries) {
-      forward_few_queries<T>(q, k, v, mask, static_cast<float>(scale), drop, out, lse);
+      forward_few_queries<T>(q, k, v, rows, mask, static_cast<float>(scale), drop, out, lse);
     } else {
-      forward_kernel<T>(q, k, v, mask, static_cast<float>(scale), drop, out, lse);
+      forward_kernel<T>(q, k, v, rows, mask, static_cast<float>(scale), drop, out, lse);
     }
   });
   return {out, lse};
@@ -635,8 +661,8 @@ at::Tensor attention_cpp_dropout_mask(const at::Tensor& seed, int64_t batch, int
 TORCH_LIBRARY_FRAGMENT(fastnmt, m) {
   m.def(
       "attention_cpp(Tensor q, Tensor k, Tensor v, Tensor? key_lengths, "
-      "Tensor? key_padding_mask, Tensor? seed, bool causal, float dropout_p, float scale) "
-      "-> (Tensor, Tensor)");
+      "Tensor? key_padding_mask, Tensor? seed, bool causal, float dropout_p, float scale, "
+      "Tensor? cache_rows) -> (Tensor, Tensor)");
   m.def(
       "attention_cpp_backward(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, "
       "Tensor out, Tensor lse, Tensor? key_lengths, Tensor? key_padding_mask, Tensor? seed, "

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastnmt import _checks
-from fastnmt.ops import attention, attention_probabilities
+from fastnmt.ops import attention, attention_probabilities, gather_cache_rows
 
 
 def scaled_dot_product_attention(
@@ -63,59 +63,86 @@ class KVCache:
 
     ``static=False`` (self-attention): every call appends that step's keys/values.
     ``static=True`` (cross-attention): keys/values are projected on the first call and reused.
-    Storage grows by doubling, so appending a step does not copy the whole cache.
+    Storage grows by doubling from ``reserve`` positions, so appending a step does not copy the
+    whole cache. ``reorder`` copies no keys either: a beam search reorders its hypotheses every
+    step, and gathering the whole cache each time cost a tenth of a CPU decoding step. Instead
+    ``rows`` records which storage entry holds each batch entry's key at each position, and
+    attention reads the storage through it (``attention(..., cache_rows=)``); appended keys go
+    to the storage entry of their batch index, at positions no entry refers to yet.
     """
 
     static: bool = False
+    reserve: int = 16  # positions the first append allocates room for
     length: int = 0
-    _key: torch.Tensor | None = field(default=None, repr=False)  # (B, H, capacity, D)
+    _key: torch.Tensor | None = field(default=None, repr=False)  # (P, H, capacity, D)
     _value: torch.Tensor | None = field(default=None, repr=False)
-    _spare_key: torch.Tensor | None = field(default=None, repr=False)  # reorder's other storage
-    _spare_value: torch.Tensor | None = field(default=None, repr=False)
+    # (B, capacity) int64: batch entry b's key t is _key[rows[b, t], :, t]; None: _key[b, :, t].
+    rows: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def key(self) -> torch.Tensor | None:
-        return None if self._key is None else self._key[:, :, : self.length]
+        """The cached keys (B, H, length, D), gathered from the storage when reordered."""
+        return None if self._key is None else self._batch(self._key)
 
     @property
     def value(self) -> torch.Tensor | None:
-        return None if self._value is None else self._value[:, :, : self.length]
+        return None if self._value is None else self._batch(self._value)
 
-    def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add keys/values (B, H, T, D) after the cached ones; return all of them."""
-        if self._key is None or self.length + key.shape[2] > self._key.shape[2]:
-            self._grow(key, value, self.length + key.shape[2])
-        end = self.length + key.shape[2]
-        self._key[:, :, self.length : end] = key
-        self._value[:, :, self.length : end] = value
+    def _batch(self, storage: torch.Tensor) -> torch.Tensor:
+        filled = storage[:, :, : self.length]
+        return filled if self.rows is None else gather_cache_rows(filled, self.stored()[2])
+
+    def stored(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """What attention reads: keys and values (P, H, length, D) as stored and the cache rows
+        (B, length) that pick each batch entry's (None: entry b is storage entry b)."""
+        rows = None if self.rows is None else self.rows[:, : self.length]
+        return self._key[:, :, : self.length], self._value[:, :, : self.length], rows
+
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Add keys/values (B, H, T, D) after the cached ones."""
+        batch, end = key.shape[0], self.length + key.shape[2]
+        if self._key is None or end > self._key.shape[2] or batch > self._key.shape[0]:
+            self._grow(key, value, end)
+        self._key[:batch, :, self.length : end] = key
+        self._value[:batch, :, self.length : end] = value
+        if self.rows is not None:
+            self.rows[:, self.length : end] = torch.arange(batch, device=key.device)[:, None]
         self.length = end
-        return self.key, self.value
 
     def _grow(self, key: torch.Tensor, value: torch.Tensor, needed: int) -> None:
-        capacity = max(needed, 2 * (0 if self._key is None else self._key.shape[2]), 16)
-        new_key = key.new_empty(*key.shape[:2], capacity, key.shape[3])
-        new_value = value.new_empty(*value.shape[:2], capacity, value.shape[3])
+        old = self._key
+        capacity = max(needed, 2 * old.shape[2] if old is not None else self.reserve)
+        entries = max(key.shape[0], 0 if old is None else old.shape[0])
+        old_value = self._value
+        self._key = self._new_storage(key, entries, capacity)
+        self._value = self._new_storage(value, entries, capacity)
         if self.length:
-            new_key[:, :, : self.length] = self.key
-            new_value[:, :, : self.length] = self.value
-        self._key, self._value = new_key, new_value
+            self._key[: old.shape[0], :, : self.length] = old[:, :, : self.length]
+            self._value[: old.shape[0], :, : self.length] = old_value[:, :, : self.length]
+        if self.rows is not None:
+            rows = self.rows.new_zeros(self.rows.shape[0], capacity)
+            rows[:, : self.length] = self.rows[:, : self.length]
+            self.rows = rows
+
+    def _new_storage(self, like: torch.Tensor, entries: int, capacity: int) -> torch.Tensor:
+        """(entries, H, capacity, D) storage. A self-attention cache is position-major in
+        memory, so that each step's keys are one contiguous write (strided writes into fresh
+        pages cost a decoding step 2x the attention's time); a static one is entry-major, so
+        that each entry's keys are read contiguously at every step."""
+        heads, width = like.shape[1], like.shape[3]
+        if self.static:
+            return like.new_empty(entries, heads, capacity, width)
+        return like.new_empty(capacity, entries, heads, width).permute(1, 2, 0, 3)
 
     def reorder(self, index: torch.Tensor) -> None:
-        """Keep batch entries ``index`` (B',) in that order, e.g. the surviving beams."""
-        if self._key is not None:
-            self._key, self._spare_key = self._gather(self._key, self._spare_key, index)
-            self._value, self._spare_value = self._gather(self._value, self._spare_value, index)
-
-    def _gather(self, storage, spare, index) -> tuple[torch.Tensor, torch.Tensor]:
-        """(``storage``'s entries ``index``, the next spare). They are gathered into the spare
-        storage of the previous reorder, not into new memory: a beam search reorders every step,
-        and writing fresh pages cost 4x the copy. Only the filled steps are copied."""
-        rows = index.shape[0]
-        if spare is None or spare.shape[0] < rows or spare.shape[1:] != storage.shape[1:]:
-            spare = storage.new_empty(rows, *storage.shape[1:])
-        gathered, filled = spare[:rows], slice(0, self.length)
-        torch.index_select(storage[:, :, filled], 0, index, out=gathered[:, :, filled])
-        return gathered, storage
+        """Keep batch entries ``index`` (B',) in that order, e.g. the surviving beams: only the
+        (B', capacity) rows are gathered."""
+        if self._key is None:
+            return
+        if self.rows is None:
+            self.rows = index[:, None].expand(-1, self._key.shape[2]).contiguous()
+        else:
+            self.rows = self.rows.index_select(0, index)
 
 
 class MultiheadAttention(nn.Module):
@@ -240,10 +267,11 @@ class MultiheadAttention(nn.Module):
         return F.linear(x, self.in_proj_weight[rows], bias)
 
     def _project(self, query, key, value, cache):
-        """Project (B, L, E) inputs to heads (B, H, L, D); with a cache, add to / read from it.
+        """Project (B, L, E) inputs to heads (B, H, L, D); with a cache, add to / read from it,
+        then k and v are its storage and the cache rows come with them (else None).
         Inputs that are the same tensor share one GEMM (self-attention: qkv; cross: kv)."""
         if cache is not None and cache.static and cache.length:
-            return self._heads(self._in_projection(query, "q")), cache.key, cache.value
+            return self._heads(self._in_projection(query, "q")), *cache.stored()
         same = self._qkv_same_embed_dim
         if query is key and key is value and same:
             q, k, v = self._in_projection(query, "qkv").chunk(3, dim=-1)
@@ -255,9 +283,10 @@ class MultiheadAttention(nn.Module):
                 self._in_projection(x, p) for x, p in zip((query, key, value), "qkv", strict=True)
             )
         q, k, v = self._heads(q), self._heads(k), self._heads(v)
-        if cache is not None:
-            k, v = cache.append(k, v)
-        return q, k, v
+        if cache is None:
+            return q, k, v, None
+        cache.append(k, v)
+        return q, *cache.stored()
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape
@@ -293,7 +322,13 @@ class MultiheadAttention(nn.Module):
             key_padding_mask = None if key_padding_mask is None else key_padding_mask[None]
             key_lengths = None if key_lengths is None else key_lengths[None]
         batch = query.shape[0]
-        q, k, v = self._project(query, key, value, cache)  # (B, H, L, D)
+        q, k, v, cache_rows = self._project(query, key, value, cache)  # (B, H, L, D)
+        # Weights, extra keys and gradients take a batch of keys: read the cache's rows once.
+        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+        extra_keys = self.bias_k is not None or self.add_zero_attn
+        if cache_rows is not None and (need_weights or grad or extra_keys):
+            k, v = gather_cache_rows(k, cache_rows), gather_cache_rows(v, cache_rows)
+            cache_rows = None
         past = k.shape[2] - q.shape[2] if cache is not None and not cache.static else 0
         masks = _AttentionMasks.from_module_arguments(
             key_padding_mask,
@@ -315,6 +350,7 @@ class MultiheadAttention(nn.Module):
             causal=masks.causal,
             dropout_p=self.dropout if self.training else 0.0,
             return_lse=need_weights,
+            cache_rows=cache_rows,
         )
         out, lse = result if need_weights else (result, None)  # (B, H, Lq, D), (B, H, Lq)
         out = self.out_proj(out.transpose(1, 2).reshape(batch, q.shape[2], self.embed_dim))

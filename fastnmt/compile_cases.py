@@ -42,7 +42,7 @@ class CompileCase:
 # ---------------------------------------------------------------------------------------------
 
 _ATTENTION_POINTERS = {"LSE": "*fp32", "DELTA": "*fp32", "KEY_LENGTHS": "*i64", "PADDING": "*u8"}
-_ATTENTION_POINTERS |= {"SEED": "*i64", "KEEP": "*u8"}
+_ATTENTION_POINTERS |= {"SEED": "*i64", "KEEP": "*u8", "CACHE_ROWS": "*i64"}
 
 
 def _attention_argument_type(name: str, constexprs: dict) -> str:
@@ -81,6 +81,8 @@ def attention_cases() -> list[CompileCase]:
                 sizes = dict(BLOCK_M=config.block_m, BLOCK_DV=widest)
                 if name != "delta":
                     sizes |= dict(flags, BLOCK_N=config.block_n, BLOCK_D=widest)
+                if name == "forward":  # decoding steps read caches through their rows
+                    sizes |= dict(HAS_CACHE_ROWS=bucket == "decode")
                 label = f"{bucket} D<={widest} {config.label}"
                 # Every backward dot product has a 64-row side (wgmma's tile); the 16-row decoding
                 # forward uses mma.sync and delta has no dot product.

@@ -56,7 +56,8 @@ class _Batch:
         self.src_lengths = src_lengths  # (A,)
         self.max_lens = max_lens.to(src.device)  # (A,)
         self.sentences = torch.arange(src.shape[0], device=src.device)  # (A,) input positions
-        self.caches = model.new_caches() if incremental else None
+        steps = 1 + int(self.max_lens.max()) if len(max_lens) else 0  # start symbol + limit
+        self.caches = model.new_caches(steps) if incremental else None
         self.cached = 0  # target positions already in the caches
         start = src.new_full((src.shape[0] * beam, 1), cfg.bos_id)
         forced = torch.tensor(prefix, dtype=src.dtype, device=src.device)
@@ -86,7 +87,8 @@ class _Batch:
 
     def keep_sentences(self, kept: torch.Tensor) -> None:
         """Keep active sentences ``kept`` (A',); ``advance`` then picks their rows."""
-        self.memory = self.memory.index_select(0, kept)
+        if self.caches is None:  # else the cross-attention caches hold all the memory says
+            self.memory = self.memory.index_select(0, kept)
         self.src_lengths = self.src_lengths.index_select(0, kept)
         self.max_lens = self.max_lens.index_select(0, kept)
         self.sentences = self.sentences.index_select(0, kept)

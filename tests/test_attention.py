@@ -202,6 +202,39 @@ class TestIncrementalDecoding:
             cache.value, torch.cat([keys[[2, 2, 0]] + 1, step - 1], 2)[[1, 0]]
         )
 
+    def test_reorder_and_reserved_appends_move_no_keys(self):
+        cache = KVCache(reserve=6)
+        cache.append(torch.randn(4, 2, 2, 8), torch.randn(4, 2, 2, 8))
+        storage = cache.stored()[0].data_ptr()
+        for index in ([3, 3, 0, 1], [0, 2], [1, 1, 0]):
+            cache.reorder(torch.tensor(index))
+            step = torch.randn(len(index), 2, 1, 8)
+            cache.append(step, step)
+        assert cache.length == 5 and cache.stored()[0].data_ptr() == storage
+        assert cache.rows.shape == (3, 6)
+
+    @pytest.mark.parametrize("read", ["through rows", "weights", "with grad"])
+    def test_decoding_through_reordered_caches_equals_recomputing(self, read):
+        """A beam search's steps: hypotheses reordered (repeated, dropped) between steps, then
+        each step's output against attention over its whole history, recomputed. Without
+        gradients attention reads through the cache rows; weights and gradients gather."""
+        _, ours = _pair(batch_first=True)
+        cache, need_weights = KVCache(), read == "weights"
+        history = torch.randn(4, 1, E)
+        ours(history, history, history, cache=cache)
+        for index in ([0, 0, 2, 3], [1, 1, 1, 0], [3, 2], [1, 0, 0]):
+            index = torch.tensor(index)
+            cache.reorder(index)
+            step = torch.randn(len(index), 1, E)
+            history = torch.cat([history[index], step], dim=1)
+            with torch.set_grad_enabled(read == "with grad"):
+                out, weights = ours(step, step, step, cache=cache, need_weights=need_weights)
+            full, full_weights = ours(history, history, history, is_causal=True)
+            torch.testing.assert_close(out, full[:, -1:], atol=1e-6, rtol=1e-6)
+            assert out.requires_grad == (read == "with grad")
+            if need_weights:
+                torch.testing.assert_close(weights, full_weights[:, -1:], atol=1e-6, rtol=1e-6)
+
 
 def test_swap_inside_torch_transformer_keeps_outputs_and_gradients():
     torch.manual_seed(1)

@@ -1,6 +1,6 @@
 """The fused ops, each dispatched per call to the best backend (see ``fastnmt.dispatch``)."""
 
-from fastnmt.ops.attention import attention, attention_probabilities
+from fastnmt.ops.attention import attention, attention_probabilities, gather_cache_rows
 from fastnmt.ops.feed_forward import feed_forward
 from fastnmt.ops.layer_norm import add_layer_norm
 from fastnmt.ops.linear_cross_entropy import CrossEntropyOutput, linear_cross_entropy
@@ -12,6 +12,7 @@ __all__ = [
     "attention",
     "attention_probabilities",
     "feed_forward",
+    "gather_cache_rows",
     "linear_cross_entropy",
     "log_softmax_topk",
 ]

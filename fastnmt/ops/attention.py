@@ -89,6 +89,43 @@ def _store_tile(base, tile, rows, cols, stride_row, stride_col, n_rows, n_cols):
 
 
 @triton.jit
+def _cache_entries(
+    CACHE_ROWS,  # (B, Lk) int batch entries of K and V holding the keys
+    stride_cb,  # elements between batch entries of CACHE_ROWS
+    stride_cn,  # elements between keys of CACHE_ROWS
+    b,  # batch entry
+    offs_n,  # (BLOCK_N,) key indices j
+    Lk,  # key length
+):
+    """(BLOCK_N,) int32 cache_rows[b, j]: the entries whose rows j are batch entry b's keys (a
+    decoding cache that is never reordered). Offsets from them stay int32 (the launcher sends
+    larger caches to the reference): int64 ones double the registers of the pointer tiles and
+    spill the decoding tiling at D = 128."""
+    rows = tl.load(CACHE_ROWS + b.to(tl.int64) * stride_cb + offs_n * stride_cn,
+                   mask=offs_n < Lk, other=0)  # fmt: skip
+    return rows.to(tl.int32)
+
+
+@triton.jit
+def _load_key_tile(
+    base,  # pointer to K or V at head h (and at batch entry b without cache rows)
+    row_offsets,  # (BLOCK_N,) offsets of the key rows from base
+    offs_n,  # (BLOCK_N,) key indices j: j >= Lk read as 0
+    cols,  # (C,) column indices: columns >= n_cols read as 0
+    stride_col,
+    Lk,
+    n_cols,
+    UPCAST: tl.constexpr,
+):
+    mask = (offs_n[:, None] < Lk) & (cols[None, :] < n_cols)
+    ptrs = base + row_offsets[:, None] + cols[None, :] * stride_col
+    tile = tl.load(ptrs, mask=mask, other=0.0)
+    if UPCAST:
+        tile = tile.to(tl.float32)
+    return tile
+
+
+@triton.jit
 def _visible_keys(
     PADDING,  # (B, Lk) uint8 view of key_padding_mask, 1 = padding (read when HAS_PADDING)
     stride_pb,  # elements between batch entries of PADDING
@@ -154,6 +191,7 @@ def _attention_forward_kernel(
     KEY_LENGTHS,  # (B,) int key lengths (read when HAS_LENGTHS)
     PADDING,  # (B, Lk) uint8 view of the bool key_padding_mask (read when HAS_PADDING)
     SEED,  # (2,) int64 dropout (seed, offset) (read when DROPOUT)
+    CACHE_ROWS,  # (B, Lk) int batch entries of K and V holding the keys (when HAS_CACHE_ROWS)
     # strides of Q:
     stride_qb,
     stride_qh,
@@ -177,6 +215,9 @@ def _attention_forward_kernel(
     # strides of PADDING:
     stride_pb,
     stride_pn,
+    # strides of CACHE_ROWS:
+    stride_cb,
+    stride_cn,
     # heads, query and key lengths, head dims of q/k and v:
     H,
     Lq,
@@ -189,6 +230,7 @@ def _attention_forward_kernel(
     HAS_LENGTHS: tl.constexpr,
     HAS_PADDING: tl.constexpr,
     DROPOUT: tl.constexpr,
+    HAS_CACHE_ROWS: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # tl.dot's input_precision: "ieee", or "tf32" where allowed
     BLOCK_M: tl.constexpr,  # query rows per program
@@ -203,8 +245,11 @@ def _attention_forward_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     Q += b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    K += b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-    V += b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+    K += h.to(tl.int64) * stride_kh
+    V += h.to(tl.int64) * stride_vh
+    if not HAS_CACHE_ROWS:  # with cache rows, each key row has its own batch entry
+        K += b.to(tl.int64) * stride_kb
+        V += b.to(tl.int64) * stride_vb
     OUT += b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
     qk_scale = tl.cast(scale, tl.float32) * LOG2_E  # S2 = qk_scale * q . k
     dropout_p = tl.cast(dropout_p, tl.float32)
@@ -221,8 +266,14 @@ def _attention_forward_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)  # running sum of Pd v, unnormalised
     for start_n in range(0, loop_end, BLOCK_N):
         offs_n = start_n + offs_n0
-        k = _load_tile(K, offs_n, offs_d, stride_kn, stride_kd, Lk, D, UPCAST)
-        v = _load_tile(V, offs_n, offs_dv, stride_vn, stride_vd, Lk, Dv, UPCAST)
+        if HAS_CACHE_ROWS:
+            entries = _cache_entries(CACHE_ROWS, stride_cb, stride_cn, b, offs_n, Lk)
+            k_rows = entries * stride_kb + offs_n * stride_kn
+            v_rows = entries * stride_vb + offs_n * stride_vn
+        else:
+            k_rows, v_rows = offs_n * stride_kn, offs_n * stride_vn
+        k = _load_key_tile(K, k_rows, offs_n, offs_d, stride_kd, Lk, D, UPCAST)
+        v = _load_key_tile(V, v_rows, offs_n, offs_dv, stride_vd, Lk, Dv, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         visible = _visible_keys(
             PADDING, stride_pb, stride_pn, b, offs_m, offs_n, Lq, key_end, CAUSAL, HAS_PADDING
@@ -578,9 +629,19 @@ def masked_scores(q, k, key_lengths, key_padding_mask, attn_mask, causal, scale)
     return scores.masked_fill(empty_rows, 0.0), empty_rows
 
 
+def gather_cache_rows(x: torch.Tensor, cache_rows: torch.Tensor) -> torch.Tensor:
+    """Keys or values x (P, H, Lk, D) as the batch (B, H, Lk, D) that ``cache_rows`` (B, Lk)
+    describes: entry b's row j is x[cache_rows[b, j], :, j]."""
+    positions = torch.arange(x.shape[2], device=x.device)
+    return x[cache_rows, :, positions].transpose(1, 2)  # (B, Lk, H, D) -> (B, H, Lk, D)
+
+
 def attention_reference(
-    q, k, v, key_lengths, key_padding_mask, attn_mask, causal, dropout_p, scale, return_lse
-):
+    q, k, v, key_lengths, key_padding_mask, attn_mask, causal, dropout_p, scale, return_lse,
+    cache_rows,
+):  # fmt: skip
+    if cache_rows is not None:
+        k, v = gather_cache_rows(k, cache_rows), gather_cache_rows(v, cache_rows)
     scores, empty_rows = masked_scores(
         q, k, key_lengths, key_padding_mask, attn_mask, causal, scale
     )
@@ -722,7 +783,9 @@ def _padding_view(key_padding_mask):
     return padding, padding.stride()
 
 
-def _launch_forward(q, k, v, key_lengths, key_padding_mask, seed, causal, dropout_p, scale):
+def _launch_forward(
+    q, k, v, key_lengths, key_padding_mask, seed, causal, dropout_p, scale, cache_rows
+):
     batch, heads, lq, head_dim = q.shape
     lk, value_dim = k.shape[2], v.shape[3]
     out = new_output((batch, heads, lq, value_dim), kernel_output_dtype(q.dtype), q.device)
@@ -731,9 +794,11 @@ def _launch_forward(q, k, v, key_lengths, key_padding_mask, seed, causal, dropou
     config = launch_config("forward", lq, lk, max(head_dim, value_dim))
     with device_guard(q.device):
         _attention_forward_kernel[(batch * heads, triton.cdiv(lq, config.block_m))](
-            q, k, v, out, lse, key_lengths, padding, seed,
+            q, k, v, out, lse, key_lengths, padding, seed, cache_rows,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *padding_strides,
+            *(cache_rows.stride() if cache_rows is not None else (0, 0)),
             heads, lq, lk, head_dim, value_dim, scale, dropout_p,
+            HAS_CACHE_ROWS=cache_rows is not None,
             **_kernel_flags(key_lengths, padding, seed, causal, q.dtype),
             **_launch_options(config, head_dim, value_dim),
         )  # fmt: skip
@@ -857,7 +922,29 @@ def _check_masks(key_padding_mask, attn_mask, q, expected_scores: tuple[int, ...
             )
 
 
-def _check_scores_inputs(q, k, key_lengths, key_padding_mask, attn_mask, causal, scale) -> float:
+def _check_cache_rows(cache_rows, q, k) -> None:
+    batch, lk, entries = q.shape[0], k.shape[2], k.shape[0]
+    _checks.tensor("cache_rows", cache_rows, ndim=2)
+    if cache_rows.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cache_rows must be int32 or int64, got {cache_rows.dtype}")
+    _checks.shape("cache_rows", cache_rows, (batch, lk), "(B, Lk): q's B, k's Lk")
+    _checks.same_device("cache_rows", cache_rows, "q", q)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k)):
+        raise ValueError("cache_rows is for decoding: no backward, so q, k, v must not need grad")
+    # The C++ kernel checks the entries always; other backends only in debugging runs (reading
+    # them would sync a GPU with the host every decoding step).
+    if _checks.values_checked() and not torch.compiler.is_compiling() and cache_rows.numel():
+        low, high = torch.aminmax(cache_rows)
+        if low < 0 or high >= entries:
+            raise ValueError(
+                f"cache_rows must lie in [0, {entries}) (k's batch entries), got values in "
+                f"[{int(low)}, {int(high)}]"
+            )
+
+
+def _check_scores_inputs(
+    q, k, key_lengths, key_padding_mask, attn_mask, causal, scale, cache_rows=None
+) -> float:
     """Checks what the scores S depend on; returns the scale to use."""
     for name, tensor in (("q", q), ("k", k)):
         _checks.tensor(name, tensor, ndim=4, floating=True)
@@ -865,7 +952,11 @@ def _check_scores_inputs(q, k, key_lengths, key_padding_mask, attn_mask, causal,
     _checks.same_dtype("k", k, "q", q)
     batch, heads, lq, head_dim = q.shape
     lk = k.shape[2]
-    _checks.shape("k", k, (batch, heads, lk, head_dim), "(B, H, Lk, D) matching q's B, H, D")
+    if cache_rows is None:
+        _checks.shape("k", k, (batch, heads, lk, head_dim), "(B, H, Lk, D) matching q's B, H, D")
+    else:  # k holds its own batch of entries, which cache_rows picks from
+        _checks.shape("k", k, (k.shape[0], heads, lk, head_dim), "(P, H, Lk, D): q's H and D")
+        _check_cache_rows(cache_rows, q, k)
     if key_lengths is not None and key_padding_mask is not None:
         raise ValueError("give key_lengths or key_padding_mask, not both")
     if key_lengths is not None:
@@ -888,8 +979,11 @@ def _prepare(
     dropout_p=0.0,
     scale=None,
     return_lse=False,
+    cache_rows=None,
 ):
-    scale = _check_scores_inputs(q, k, key_lengths, key_padding_mask, attn_mask, causal, scale)
+    scale = _check_scores_inputs(
+        q, k, key_lengths, key_padding_mask, attn_mask, causal, scale, cache_rows
+    )
     _checks.tensor("v", v, ndim=4, floating=True)
     _checks.same_device("v", v, "q", q)
     _checks.same_dtype("v", v, "q", q)
@@ -905,6 +999,7 @@ def _prepare(
         dropout_p=_checks.probability("dropout_p", dropout_p),
         scale=scale,
         return_lse=bool(return_lse),
+        cache_rows=cache_rows,
     )
     return q.device, prepared
 
@@ -931,8 +1026,11 @@ def _attention_forward_op(
     causal: bool,
     dropout_p: float,
     scale: float,
+    cache_rows: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _launch_forward(q, k, v, key_lengths, key_padding_mask, seed, causal, dropout_p, scale)
+    return _launch_forward(
+        q, k, v, key_lengths, key_padding_mask, seed, causal, dropout_p, scale, cache_rows
+    )
 
 
 @torch.library.custom_op("fastnmt::attention_backward", mutates_args=())
@@ -957,7 +1055,7 @@ def _attention_backward_op(
     )  # fmt: skip
 
 
-def _forward_fake(q, k, v, key_lengths, key_padding_mask, seed, causal, dropout_p, scale):
+def _forward_fake(q, k, v, key_lengths, key_padding_mask, seed, causal, dropout_p, scale, _rows):
     out = q.new_empty((*q.shape[:3], v.shape[3]))
     return out, q.new_empty(q.shape[:3], dtype=torch.float32)
 
@@ -967,7 +1065,7 @@ def _backward_fake(grad_out, grad_lse, q, k, v, *_):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, key_lengths, key_padding_mask, seed, causal, dropout_p, scale = inputs
+    q, k, v, key_lengths, key_padding_mask, seed, causal, dropout_p, scale, _ = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, key_lengths, key_padding_mask, seed)
     ctx.causal, ctx.dropout_p, ctx.scale = causal, dropout_p, scale
@@ -982,7 +1080,9 @@ def _make_backward(backward_op):
             grad_out, grad_lse, q, k, v, out, lse, key_lengths, key_padding_mask, seed,
             ctx.causal, ctx.dropout_p, ctx.scale,
         )  # fmt: skip
-        return *grads, None, None, None, None, None, None  # masks, seed, causal, p, scale
+        # key_lengths, key_padding_mask, seed, causal, dropout_p, scale, cache_rows (never
+        # given with gradients: _check_cache_rows)
+        return *grads, None, None, None, None, None, None, None
 
     return backward
 
@@ -1000,22 +1100,30 @@ registration.register_kernels(
 )
 
 
-def _triton_unsupported(q, k, v, attn_mask, **_):
+def _triton_unsupported(q, k, v, attn_mask, cache_rows, **_):
     if attn_mask is not None:
         yield "attn_mask: the Triton kernel takes key_lengths / key_padding_mask and causal only"
+    if cache_rows is not None and max(_span(k), _span(v)) >= 2**31:
+        yield "cache_rows into k/v storage of 2**31 or more elements (the kernel's offsets: int32)"
     if q.dtype not in _TRITON_DTYPES:
         yield f"dtype {q.dtype}: the Triton kernel runs {', '.join(map(str, _TRITON_DTYPES))}"
     if max(q.shape[3], v.shape[3]) > MAX_HEAD_DIM:
         yield f"head dim {max(q.shape[3], v.shape[3])} > {MAX_HEAD_DIM}"
 
 
+def _span(x: torch.Tensor) -> int:
+    """Elements from x's first to its last element, + 1."""
+    return 1 + sum((size - 1) * stride for size, stride in zip(x.shape, x.stride(), strict=True))
+
+
 @ATTENTION.register("triton", unsupported=_triton_unsupported)
 def attention_triton(
-    q, k, v, key_lengths, key_padding_mask, attn_mask, causal, dropout_p, scale, return_lse
-):
+    q, k, v, key_lengths, key_padding_mask, attn_mask, causal, dropout_p, scale, return_lse,
+    cache_rows,
+):  # fmt: skip
     seed = dropout_seed(q.device) if dropout_p > 0.0 else None
     out, lse = _attention_forward_op(
-        q, k, v, key_lengths, key_padding_mask, seed, causal, dropout_p, scale
+        q, k, v, key_lengths, key_padding_mask, seed, causal, dropout_p, scale, cache_rows
     )
     return out, (lse if return_lse else None)
 
@@ -1032,11 +1140,12 @@ def _cpp_unsupported(q, attn_mask, **_):
 
 @ATTENTION.register("cpp", unsupported=_cpp_unsupported)
 def attention_cpp(
-    q, k, v, key_lengths, key_padding_mask, attn_mask, causal, dropout_p, scale, return_lse
-):
+    q, k, v, key_lengths, key_padding_mask, attn_mask, causal, dropout_p, scale, return_lse,
+    cache_rows,
+):  # fmt: skip
     seed = dropout_seed(q.device) if dropout_p > 0.0 else None
     out, lse = torch.ops.fastnmt.attention_cpp(
-        q, k, v, key_lengths, key_padding_mask, seed, causal, dropout_p, scale
+        q, k, v, key_lengths, key_padding_mask, seed, causal, dropout_p, scale, cache_rows
     )
     return out, (lse if return_lse else None)
 
@@ -1053,6 +1162,7 @@ def attention(
     dropout_p=0.0,
     scale=None,
     return_lse=False,
+    cache_rows=None,
 ):
     """Masked scaled-dot-product attention on the best available backend.
 
@@ -1070,6 +1180,11 @@ def attention(
         scale: score scale, default D ** -0.5.
         return_lse: also return the fp32 log-sum-exp (B, H, Lq) of each row (-inf for a row
             that sees no key).
+        cache_rows: int (B, Lk), decoding only (no gradients): k and v are then (P, H, Lk, ...)
+            with any P, and entry b's key j is k[cache_rows[b, j], :, j] (likewise v). A beam
+            search's cache is then never reordered: only this small index follows the beams
+            (``KVCache``). Entries must lie in [0, P): the C++ backend always checks, the others
+            under FASTNMT_CHECK_VALUES=1 (a host sync otherwise).
 
     Returns:
         out (B, H, Lq, Dv), or (out, lse) when ``return_lse``. A row that sees no key is 0.
@@ -1085,5 +1200,6 @@ def attention(
         dropout_p=dropout_p,
         scale=scale,
         return_lse=return_lse,
+        cache_rows=cache_rows,
     )
     return (out, lse) if return_lse else out

@@ -454,7 +454,7 @@ def test_opcheck_forward_and_backward_ops():
     lengths = torch.tensor([7, 2], device=TRITON_DEVICE)
     padding = torch.rand(2, 7, device=TRITON_DEVICE) < 0.3
     seed = dropout_seed(q.device)
-    forward = (q.requires_grad_(), k, v, lengths, padding, seed, True, 0.3, 0.25)
+    forward = (q.requires_grad_(), k, v, lengths, padding, seed, True, 0.3, 0.25, None)
     torch.library.opcheck(torch.ops.fastnmt.attention_forward.default, forward)
     out, lse = torch.ops.fastnmt.attention_forward(*forward)
     backward = (torch.randn_like(out), torch.randn_like(lse), q.detach(), k, v, out.detach())
@@ -654,7 +654,7 @@ class TestCpp:
         # The Triton ops' arguments, in their order; no seed without dropout.
         with_dropout = ((lengths, None), dropout_seed(q.device), 0.3)
         for masks, seed, dropout_p in (with_dropout, ((None, padding), None, 0.0)):
-            forward = (q.requires_grad_(), k, v, *masks, seed, True, dropout_p, 0.25)
+            forward = (q.requires_grad_(), k, v, *masks, seed, True, dropout_p, 0.25, None)
             torch.library.opcheck(torch.ops.fastnmt.attention_cpp.default, forward)
             out, lse = torch.ops.fastnmt.attention_cpp(*forward)
             backward = (torch.randn_like(out), torch.randn_like(lse), q.detach(), k, v)
@@ -741,3 +741,102 @@ class TestFusedDropout:
         torch.manual_seed(5)
         assert torch.equal(first, _forced(fused, q, k, v, 0.3)[0])
         assert not torch.equal(first, second)
+
+
+# ---------------------------------------------------------------------------------------------
+# cache_rows: keys and values read through a decoding cache's rows, on every backend.
+# ---------------------------------------------------------------------------------------------
+
+CACHE_ROWS_CASES = [  # P (stored entries), B, Lq, Lk, D
+    (5, 3, 1, 7, 16),  # one decoding step, more entries stored than read
+    (2, 6, 4, 9, 24),  # entries shared by several batch entries (beams of one sentence)
+    (4, 4, 11, 1, 16),  # Lk = 1; Lq past the C++ few-queries path
+    (3, 2, 70, 37, 16),  # several query and key blocks
+]
+
+
+def _cache_rows_inputs(case, device, dtype=FP32):
+    entries, batch, lq, lk, head_dim = case
+    q = torch.randn(batch, 2, lq, head_dim, device=device, dtype=dtype)
+    # k and v stored position-major, as KVCache stores a self-attention cache
+    k, v = (
+        torch.randn(lk, entries, 2, head_dim, device=device, dtype=dtype).permute(1, 2, 0, 3)
+        for _ in range(2)
+    )
+    rows = torch.randint(0, entries, (batch, lk), device=device)
+    lengths = random_lengths(batch, lk).to(device)
+    return q, k, v, rows, lengths
+
+
+def test_gather_cache_rows_picks_each_key_from_its_entry():
+    k = torch.randn(3, 2, 4, 5)
+    rows = torch.tensor([[2, 0, 0, 1], [1, 1, 2, 2]])
+    gathered = attention_module.gather_cache_rows(k, rows)
+    assert gathered.shape == (2, 2, 4, 5)
+    for b in range(2):
+        for j in range(4):
+            assert torch.equal(gathered[b, :, j], k[rows[b, j], :, j])
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton", "cpp"])
+@pytest.mark.parametrize("case", CACHE_ROWS_CASES, ids=str)
+@pytest.mark.parametrize("dtype", [FP32, BF16])
+def test_cache_rows_equal_attention_over_the_gathered_keys(backend, case, dtype):
+    """Reading through cache rows is the same computation as on the gathered batch: the same
+    backend gives the same bits, and both stay within the error rule of the float64 oracle."""
+    require_backend(backend)
+    device = device_of(backend)
+    q, k, v, rows, lengths = _cache_rows_inputs(case, device, dtype)
+    gather = attention_module.gather_cache_rows
+    with dispatch.backend(backend):
+        out = attention(q, k, v, key_lengths=lengths, causal=True, cache_rows=rows)
+        expected = attention(q, gather(k, rows), gather(v, rows), key_lengths=lengths, causal=True)
+    assert torch.equal(out, expected)
+    oracle, _, _ = attention_oracle(
+        q, gather(k, rows), gather(v, rows), key_lengths=lengths, causal=True
+    )
+    plain, _ = _plain_torch(
+        q, gather(k, rows), gather(v, rows), None, 0.0, True, key_lengths=lengths
+    )
+    assert_error_within(out, plain, oracle, factor=2, atol=ATOL[dtype])
+
+
+CACHE_ROWS_ERRORS = [
+    (dict(cache_rows=torch.zeros(3, 7)), TypeError, "cache_rows must be int32 or int64"),
+    (dict(cache_rows=torch.zeros(3, 6, dtype=torch.long)), ValueError, "cache_rows"),
+    (dict(cache_rows=torch.zeros(7, dtype=torch.long)), ValueError, "cache_rows"),
+]
+
+
+@pytest.mark.parametrize(("override", "error", "message"), CACHE_ROWS_ERRORS)
+def test_bad_cache_rows_name_the_argument(override, error, message):
+    q, k, v, _, _ = _cache_rows_inputs(CACHE_ROWS_CASES[0], "cpu")
+    with pytest.raises(error, match=message) as raised:
+        attention(q, k, v, **override)
+    assert "\n" not in str(raised.value)
+
+
+def test_cache_rows_refuse_gradients():
+    q, k, v, rows, _ = _cache_rows_inputs(CACHE_ROWS_CASES[0], "cpu")
+    with pytest.raises(ValueError, match="cache_rows is for decoding"):
+        attention(q.requires_grad_(), k, v, cache_rows=rows)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpp"])
+def test_cache_rows_out_of_range_raise(backend, monkeypatch):
+    """The C++ kernel checks every entry; the reference under FASTNMT_CHECK_VALUES=1."""
+    require_backend(backend)
+    if backend == "reference":
+        monkeypatch.setenv("FASTNMT_CHECK_VALUES", "1")
+    q, k, v, rows, _ = _cache_rows_inputs(CACHE_ROWS_CASES[0], "cpu")
+    rows[1, 2] = k.shape[0]
+    with dispatch.backend(backend), pytest.raises((ValueError, RuntimeError)) as raised:
+        attention(q, k, v, cache_rows=rows)
+    assert "cache_rows must lie in [0, 5)" in str(raised.value)
+
+
+def test_opcheck_with_cache_rows(fused):
+    q, k, v, rows, lengths = _cache_rows_inputs(CACHE_ROWS_CASES[1], device_of(fused))
+    op = {"triton": torch.ops.fastnmt.attention_forward, "cpp": torch.ops.fastnmt.attention_cpp}
+    forward = (q, k, v, lengths, None, None, False, 0.0, 0.25, rows)
+    torch.library.opcheck(op[fused].default, forward, test_utils=("test_schema", "test_faketensor"))
