@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import fastnmt
-from fastnmt import checkpoint, export, metrics
+from fastnmt import checkpoint, export, metrics, shortlist
 from fastnmt.data import Vocabulary, load_multi30k
 from fastnmt.model import Transformer, preset
 from fastnmt.translator import Translator, fastest_dtype
@@ -103,6 +103,21 @@ def test_translate_precision(benchmark, setup, search, precision):
     translator = Translator.from_checkpoint(info["checkpoint"], device="cpu", precision=precision)
     _measure(benchmark, translator, sentences, _search_options(info, search), info["references"])
     benchmark.extra_info.update(model=info["model"], batch_sentences=DEFAULT, precision=precision)
+
+
+@pytest.mark.parametrize("search", ["greedy", "beam4"])
+def test_translate_shortlist(benchmark, setup, search, tmp_path_factory):
+    """int8 with a vocabulary shortlist (fastnmt.shortlist, default sizes) built from the
+    training output's prepared corpus."""
+    _, sentences, info = setup
+    prepared = Path(info["checkpoint"]) / "prepared"
+    if not prepared.is_dir():
+        pytest.skip("needs FASTNMT_BENCH_CHECKPOINT=a training output directory (its prepared/)")
+    path = tmp_path_factory.mktemp("shortlist") / "shortlist.st"
+    assert shortlist.main(["--prepared-dir", str(prepared), "--output", str(path)]) == 0
+    translator = Translator.from_checkpoint(info["checkpoint"], precision="int8", shortlist=path)
+    _measure(benchmark, translator, sentences, _search_options(info, search), info["references"])
+    benchmark.extra_info.update(model=info["model"], precision="int8", shortlist=True)
 
 
 def _search_options(info: dict, search: str) -> dict:

@@ -167,7 +167,7 @@ def multi30k_dir(data_dir: str | Path | None = None) -> Path:
     return _default_cache_dir()
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
+def write_atomically(path: Path, data: bytes) -> None:
     """Write via a temporary file in the same directory and a rename, so that a crash or a
     concurrent writer (several DDP ranks) never leaves a partial file at ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -189,7 +189,7 @@ def download(url: str, path: str | Path, *, timeout: float = 60.0) -> None:
         with urllib.request.urlopen(url, timeout=timeout) as response:
             data = response.read()
         gzip.decompress(data)  # an HTML error page or truncated body must not enter the cache
-        _write_atomically(path, data)
+        write_atomically(path, data)
     except (OSError, EOFError, zlib.error) as error:
         reason = getattr(error, "reason", None) or error
         raise DataError(
@@ -301,7 +301,7 @@ class Vocabulary:
 
     def save(self, path: str | Path) -> None:
         """Write the .model file (atomically, as checkpoints are written)."""
-        _write_atomically(Path(path), self._model)
+        write_atomically(Path(path), self._model)
 
     @classmethod
     def load(cls, path: str | Path) -> Vocabulary:

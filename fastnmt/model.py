@@ -318,16 +318,22 @@ class Transformer(nn.Module):
             return self.packed_output(states)
         return F.linear(states, self.embedding.weight, self.output_bias)
 
-    def output_layer(self) -> Callable[[torch.Tensor], torch.Tensor]:  # (N, E) -> (N, V)
-        """``logits`` for many decoding steps: the tied embedding transposed and contiguous once,
-        the layout a library GEMM reads fastest for a few hundred rows (twice as fast as the
-        (V, E) weight at 64 rows on a CPU); or the packed int8 output layer."""
+    def output_layer(
+        self, vocabulary: torch.Tensor | None = None
+    ) -> Callable[[torch.Tensor], torch.Tensor]:  # (N, E) -> (N, V), or (N, len(vocabulary))
+        """``logits`` for many decoding steps, of every word or of the sorted ids ``vocabulary``
+        only (a shortlist): the tied embedding's rows transposed and contiguous once, the layout
+        a library GEMM reads fastest for a few hundred rows (twice as fast as the (V, E) weight at
+        64 rows on a CPU); or the packed int8 output layer (those rows packed once)."""
         if self.packed_output is not None:
-            return self.packed_output
-        weight = self.embedding.weight.t().contiguous()  # (E, V)
-        if self.output_bias is None:
+            return self.packed_output if vocabulary is None else self.packed_output.rows(vocabulary)
+        weight, bias = self.embedding.weight, self.output_bias
+        if vocabulary is not None:
+            weight, bias = weight[vocabulary], None if bias is None else bias[vocabulary]
+        weight = weight.t().contiguous()  # (E, V)
+        if bias is None:
             return lambda states: torch.matmul(states, weight)
-        return lambda states: torch.addmm(self.output_bias, states, weight)
+        return lambda states: torch.addmm(bias, states, weight)
 
     def forward(self, src, src_lengths, tgt_in):  # -> decoder states (B, T, E)
         return self.decode(tgt_in, self.encode(src, src_lengths), src_lengths)

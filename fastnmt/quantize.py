@@ -65,6 +65,7 @@ class Int8Linear(nn.Module):
             raise ValueError(f"activation must be relu, gelu, silu or None, got {activation!r}")
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.packed = _pack(weight, bias)
+        self._source = (weight, bias, activation)  # what ``rows`` packs from (references)
         self.fused_relu = activation == "relu"
         self.activation = _ACTIVATIONS[activation]
 
@@ -74,6 +75,12 @@ class Int8Linear(nn.Module):
         new = cls(linear.weight, linear.bias, activation)
         new.weight, new.bias = linear.weight, linear.bias
         return new
+
+    def rows(self, index: torch.Tensor) -> Int8Linear:
+        """The layer of output channels ``index`` only (a vocabulary shortlist's output layer),
+        packed from the float weights: per-channel scales make it equal to these rows."""
+        weight, bias, activation = self._source
+        return Int8Linear(weight[index], None if bias is None else bias[index], activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         quantized = torch.ops.quantized

@@ -14,11 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from fastnmt.model import Transformer
 from fastnmt.ops import log_softmax_topk
+
+if TYPE_CHECKING:
+    from fastnmt.shortlist import Shortlist
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,16 @@ class _Batch:
     """The sentences still being searched and everything the decoder keeps for them."""
 
     def __init__(
-        self, model: Transformer, src, src_lengths, max_lens, beam, incremental, eos, prefix
+        self,
+        model: Transformer,
+        src,
+        src_lengths,
+        max_lens,
+        beam,
+        incremental,
+        eos,
+        prefix,
+        shortlist: Shortlist | None,
     ):
         cfg = model.cfg
         self.model, self.beam = model, beam
@@ -65,7 +78,16 @@ class _Batch:
         # pad and the start symbol are never generated, unless the start symbol is eos (NLLB).
         banned = ({cfg.pad_id, cfg.bos_id} - {cfg.eos_id}) | (set() if eos else {cfg.eos_id})
         self.banned = torch.tensor(sorted(banned), device=src.device)
-        self.output_layer = model.output_layer()  # once per search
+        # The ids the output layer scores (None: all): the shortlist's, with eos, without banned.
+        self.vocabulary = None if shortlist is None else self._shortlisted(shortlist, src, eos)
+        if self.vocabulary is not None:
+            self.banned = self.banned[:0]
+        self.output_layer = model.output_layer(self.vocabulary)  # once per search
+
+    def _shortlisted(self, shortlist: Shortlist, src, eos: bool) -> torch.Tensor:
+        ids = shortlist.vocabulary(src)
+        ids = torch.cat([ids, ids.new_tensor([self.model.cfg.eos_id] if eos else [])]).unique()
+        return ids[~torch.isin(ids, self.banned)]
 
     @property
     def size(self) -> int:
@@ -82,8 +104,9 @@ class _Batch:
                 new, self.memory, self.src_lengths, self.caches, start=self.cached
             )
             self.cached = self.history.shape[1]
-        logits = self.output_layer(states[:, -1])  # (N, V)
-        return log_softmax_topk(logits, min(k, logits.shape[1]), self.banned)
+        logits = self.output_layer(states[:, -1])  # (N, V), or (N, shortlisted)
+        log_probs, ids = log_softmax_topk(logits, min(k, logits.shape[1]), self.banned)
+        return log_probs, ids if self.vocabulary is None else self.vocabulary[ids]
 
     def keep_sentences(self, kept: torch.Tensor) -> None:
         """Keep active sentences ``kept`` (A',); ``advance`` then picks their rows."""
@@ -135,15 +158,17 @@ def greedy(
     incremental: bool = True,
     eos: bool = True,
     prefix: Sequence[int] = (),
+    shortlist: Shortlist | None = None,
 ) -> list[Hypothesis]:
     """The most probable next token at every step, for src (B, S) with lengths (B,); at most
     ``max_lens`` (B,) tokens each. ``incremental=False`` recomputes the whole prefix every step
     (no KV cache); ``eos=False`` never ends a hypothesis early (fixed-length benchmarks).
     ``prefix``: tokens forced after the start symbol (NLLB's target language), with
     log-probability 0, counted in the lengths and returned in the hypotheses' tokens, as
-    transformers' ``forced_bos_token_id`` does."""
+    transformers' ``forced_bos_token_id`` does. ``shortlist``: score only the words it lists
+    for the batch's source tokens (``fastnmt.shortlist``)."""
     _check(max_lens, src, prefix=prefix)
-    batch = _Batch(model, src, src_lengths, max_lens, 1, incremental, eos, prefix)
+    batch = _Batch(model, src, src_lengths, max_lens, 1, incremental, eos, prefix, shortlist)
     log_probs = torch.zeros(batch.size, device=src.device)  # (A,)
     results: list[Hypothesis | None] = [None] * src.shape[0]
     for step in _steps(max_lens, prefix):
@@ -184,6 +209,7 @@ def beam_search(
     incremental: bool = True,
     eos: bool = True,
     prefix: Sequence[int] = (),
+    shortlist: Shortlist | None = None,
 ) -> list[list[Hypothesis]]:
     """The ``nbest`` best hypotheses per sentence (best first) of a beam search of width
     ``beam``, arguments as ``greedy``'s.
@@ -196,7 +222,7 @@ def beam_search(
     """
     _check(max_lens, src, beam, nbest, prefix)
     k, eos_id = beam, model.cfg.eos_id
-    batch = _Batch(model, src, src_lengths, max_lens, k, incremental, eos, prefix)
+    batch = _Batch(model, src, src_lengths, max_lens, k, incremental, eos, prefix, shortlist)
     scores = torch.full((batch.size, k), float("-inf"), device=src.device)  # (A, K)
     scores[:, 0] = 0.0  # all beams start as the same empty prefix: expand only one of them
     finished: list[list[Hypothesis]] = [[] for _ in range(src.shape[0])]

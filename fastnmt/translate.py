@@ -51,6 +51,7 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--max-tokens", type=int, default=6000, help="padded source tokens/batch")
     run.add_argument("--max-sentences", type=int, default=256, help="sentences per batch")
     run.add_argument("--precision", default="auto", choices=["auto", *PRECISIONS])
+    run.add_argument("--shortlist", help="score only the words this file lists (fastnmt.shortlist)")
     run.add_argument("--backend", default="auto", choices=["auto", *fastnmt.BACKENDS])
     run.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda:$LOCAL_RANK if available)")
 
@@ -89,6 +90,7 @@ def load_translator(args) -> Translator:
             precision=args.precision,
             max_tokens=args.max_tokens,
             max_sentences=args.max_sentences,
+            shortlist=args.shortlist,
         )
     except CheckpointError:
         raise

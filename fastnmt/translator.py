@@ -25,6 +25,7 @@ from fastnmt.distributed import resolve_device
 from fastnmt.model import AttentionRecord, ModelConfig, Transformer
 from fastnmt.quantize import int8_supported, quantize_int8
 from fastnmt.search import Hypothesis, LengthPenalty, beam_search, greedy
+from fastnmt.shortlist import Shortlist
 
 # The weights' dtype of each inference precision (None: fp32). int8: fp32 weights whose GEMMs
 # run in int8 (fastnmt.quantize, CPUs).
@@ -140,7 +141,9 @@ class Translator:
     dtype: the weights' dtype for translating (bf16 is several times faster than fp32 on CPUs
     with AMX); a model in another dtype is translated by a converted copy, so weights are not cast
     again at every op as autocast would. None: the model's own. max_tokens bounds a batch's padded
-    source tokens, max_sentences its sentences (times ``beam`` hypotheses each).
+    source tokens, max_sentences its sentences (times ``beam`` hypotheses each). shortlist: a
+    ``fastnmt.shortlist.Shortlist`` or the path of one: each batch scores only the target words
+    it lists for the batch's source tokens.
     """
 
     def __init__(
@@ -152,6 +155,7 @@ class Translator:
         dtype: torch.dtype | None = None,
         max_tokens: int = 6000,
         max_sentences: int = 256,
+        shortlist: Shortlist | str | Path | None = None,
     ):
         """``vocab`` also gives the ``target_prefix`` every translation starts with, if it has
         one (NLLB's target language: ``PretrainedVocabulary``)."""
@@ -165,6 +169,9 @@ class Translator:
         self.target_prefix: list[int] = list(getattr(vocab, "target_prefix", []))
         self.device = torch.device(device)
         self.max_tokens, self.max_sentences = max_tokens, max_sentences
+        if isinstance(shortlist, (str, Path)):
+            shortlist = Shortlist.load(shortlist, vocab)
+        self.shortlist = shortlist
 
     @classmethod
     def from_checkpoint(
@@ -271,7 +278,11 @@ class Translator:
                 max_lens = limit.clamp(shortest, self.model.cfg.max_positions)
                 inputs = (self.model, batch.src, batch.src_lengths, max_lens)
                 search = dict(
-                    penalty=penalty, incremental=incremental, eos=eos, prefix=self.target_prefix
+                    penalty=penalty,
+                    incremental=incremental,
+                    eos=eos,
+                    prefix=self.target_prefix,
+                    shortlist=self.shortlist,
                 )
                 if beam == 1 and nbest == 1:  # the same search; greedy skips beam bookkeeping
                     found = [[h] for h in greedy(*inputs, **search)]
