@@ -107,7 +107,8 @@ def _sha256(vocab: Vocabulary) -> str:
 
 def _cooccurrences(corpus: EncodedCorpus, pairs: np.ndarray, size: int):
     """Over ``pairs``: the distinct keys s * size + t of co-occurring (source s, target t) and
-    their pair counts c(s, t), and the pair counts c(s) of every source and target token."""
+    their pair counts c(s, t); the pair counts c(s) of every source token; and how often each
+    target token occurs (which ones are frequent)."""
     keys, counts = np.empty(0, np.int64), np.empty(0, np.int64)
     source_counts, target_counts = np.zeros(size, np.int64), np.zeros(size, np.int64)
     for start in range(0, len(pairs), _PAIRS_PER_CHUNK):
