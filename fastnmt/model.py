@@ -338,7 +338,7 @@ class Transformer(nn.Module):
     def forward(self, src, src_lengths, tgt_in):  # -> decoder states (B, T, E)
         return self.decode(tgt_in, self.encode(src, src_lengths), src_lengths)
 
-    def new_caches(self, steps: int = 0) -> list[LayerCache]:
+    def new_caches(self, steps: int = 16) -> list[LayerCache]:
         """Empty caches of every decoder layer, with room for ``steps`` target positions
         reserved (the length limit of a search: the caches then never grow)."""
         return [LayerCache(KVCache(reserve=steps)) for _ in self.decoder]
