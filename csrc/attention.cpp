@@ -392,8 +392,8 @@ void store_rows(const float* src, int64_t ld, T* dst, int64_t bh, int64_t length
 
 template <typename T>
 void forward_kernel(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
-                    const at::Tensor& cache_rows, const KeyMask& mask, float scale, const DropoutStream& drop, at::Tensor& out_,
-                    at::Tensor& lse_) {
+                    const at::Tensor& cache_rows, const KeyMask& mask, float scale,
+                    const DropoutStream& drop, at::Tensor& out_, at::Tensor& lse_) {
   const Shape n(q_, v_);
   const Rows<T> q(q_), k(k_, cache_rows), v(v_, cache_rows);
   T* out = out_.data_ptr<T>();
@@ -447,8 +447,8 @@ void forward_kernel(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor
 // P-weighted sum of value rows, all in fp32.
 template <typename T>
 void forward_few_queries(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
-                         const at::Tensor& cache_rows, const KeyMask& mask, float scale, const DropoutStream& drop,
-                         at::Tensor& out_, at::Tensor& lse_) {
+                         const at::Tensor& cache_rows, const KeyMask& mask, float scale,
+                         const DropoutStream& drop, at::Tensor& out_, at::Tensor& lse_) {
   const Shape n(q_, v_);
   const Rows<T> q(q_), k(k_, cache_rows), v(v_, cache_rows);
   T* out = out_.data_ptr<T>();

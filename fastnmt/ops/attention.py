@@ -73,7 +73,22 @@ def _load_tile(
     n_cols,  # columns >= n_cols read as 0 (head dims padded to a power of two)
     UPCAST: tl.constexpr,  # compute from an fp32 copy (bf16 under the interpreter)
 ):
-    ptrs = base + rows[:, None] * stride_row + cols[None, :] * stride_col
+    return _load_rows(base, rows * stride_row, rows, cols, stride_col, n_rows, n_cols, UPCAST)
+
+
+@triton.jit
+def _load_rows(
+    base,  # pointer that the row offsets start from
+    row_offsets,  # (R,) elements from base to each row's column 0
+    rows,  # (R,) row indices: rows >= n_rows read as 0
+    cols,  # (C,) column indices
+    stride_col,
+    n_rows,
+    n_cols,
+    UPCAST: tl.constexpr,
+):
+    """``_load_tile`` for rows at any offsets (the keys of a cache read through its rows)."""
+    ptrs = base + row_offsets[:, None] + cols[None, :] * stride_col
     tile = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols), other=0.0)
     if UPCAST:
         tile = tile.to(tl.float32)
@@ -104,25 +119,6 @@ def _cache_entries(
     rows = tl.load(CACHE_ROWS + b.to(tl.int64) * stride_cb + offs_n * stride_cn,
                    mask=offs_n < Lk, other=0)  # fmt: skip
     return rows.to(tl.int32)
-
-
-@triton.jit
-def _load_key_tile(
-    base,  # pointer to K or V at head h (and at batch entry b without cache rows)
-    row_offsets,  # (BLOCK_N,) offsets of the key rows from base
-    offs_n,  # (BLOCK_N,) key indices j: j >= Lk read as 0
-    cols,  # (C,) column indices: columns >= n_cols read as 0
-    stride_col,
-    Lk,
-    n_cols,
-    UPCAST: tl.constexpr,
-):
-    mask = (offs_n[:, None] < Lk) & (cols[None, :] < n_cols)
-    ptrs = base + row_offsets[:, None] + cols[None, :] * stride_col
-    tile = tl.load(ptrs, mask=mask, other=0.0)
-    if UPCAST:
-        tile = tile.to(tl.float32)
-    return tile
 
 
 @triton.jit
@@ -272,8 +268,8 @@ def _attention_forward_kernel(
             v_rows = entries * stride_vb + offs_n * stride_vn
         else:
             k_rows, v_rows = offs_n * stride_kn, offs_n * stride_vn
-        k = _load_key_tile(K, k_rows, offs_n, offs_d, stride_kd, Lk, D, UPCAST)
-        v = _load_key_tile(V, v_rows, offs_n, offs_dv, stride_vd, Lk, Dv, UPCAST)
+        k = _load_rows(K, k_rows, offs_n, offs_d, stride_kd, Lk, D, UPCAST)
+        v = _load_rows(V, v_rows, offs_n, offs_dv, stride_vd, Lk, Dv, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         visible = _visible_keys(
             PADDING, stride_pb, stride_pn, b, offs_m, offs_n, Lq, key_end, CAUSAL, HAS_PADDING
