@@ -23,6 +23,7 @@ except ImportError as error:  # one line, with the fix
 
 from fastnmt.integrations.transformers.attention import (
     NAME,
+    Packing,
     UnsupportedModelError,
     fastnmt_attention_forward,
     register,
@@ -49,6 +50,7 @@ register()
 __all__ = [
     "FAMILIES",
     "NAME",
+    "Packing",
     "UnsupportedModelError",
     "apply_fastnmt",
     "apply_fastnmt_to_bart",

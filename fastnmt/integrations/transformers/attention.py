@@ -7,9 +7,17 @@ flash-attention one: the 2D (B, Lk) padding mask (True = keep), or None when not
 Left and right padding are the same to a padding mask. Causality comes from the module
 (``is_causal``) or the call's ``is_causal``; with a KV cache the Lq new queries are the last
 positions (bottom-right alignment).
+
+Packed calls: ``apply_fastnmt``'s layers drop padded positions before their projections and FFN
+and give the attention modules (1, tokens, d) hidden states. They pass ``fastnmt_query_packing`` /
+``fastnmt_key_packing`` (a ``Packing``) through the module's kwargs, and the attention function
+puts the packed queries / keys back in their padded (B, H, L, D) places for the kernels, and packs
+the output again.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -21,6 +29,36 @@ NAME = "fastnmt"
 
 class UnsupportedModelError(ValueError):
     """A model or call fastnmt's attention cannot serve; the message is one line."""
+
+
+class Packing(NamedTuple):
+    """The kept positions of a (batch, length) padded layout, packed as (1, tokens, ...)."""
+
+    rows: torch.Tensor  # (tokens,) int64: flat indices b * length + i of the kept positions
+    batch: int
+    length: int
+
+    @classmethod
+    def of(cls, mask: torch.Tensor) -> Packing:
+        """From a (B, L) mask, True / 1 = kept (one host sync, for the row count)."""
+        return cls(mask.flatten().nonzero().squeeze(1), *mask.shape)
+
+    def pack(self, padded: torch.Tensor) -> torch.Tensor:
+        """(B, L, ...) -> (1, tokens, ...)."""
+        return padded.flatten(0, 1).index_select(0, self.rows).unsqueeze(0)
+
+    def unpack(self, packed: torch.Tensor, fill: torch.Tensor | None = None) -> torch.Tensor:
+        """(1, tokens, ...) -> (B, L, ...); the dropped positions from ``fill`` (else zeros)."""
+        rows = packed[0]
+        if fill is None:
+            flat = rows.new_zeros(self.batch * self.length, *rows.shape[1:])
+        else:
+            flat = fill.flatten(0, 1).to(rows.dtype)
+        return flat.index_copy(0, self.rows, rows).unflatten(0, (self.batch, self.length))
+
+    def unpack_heads(self, packed: torch.Tensor) -> torch.Tensor:
+        """(1, H, tokens, D) -> (B, H, L, D), zeros at the dropped positions."""
+        return self.unpack(packed.transpose(1, 2)).transpose(1, 2)
 
 
 def _masks(attention_mask, causal: bool, lq: int, lk: int, device):
@@ -54,12 +92,19 @@ def fastnmt_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers' attention-function contract: query (B, H, Lq, D), key/value (B, H, Lk, D)
-    -> ((B, Lq, H, D), probabilities (B, H, Lq, Lk) when output_attentions, else None)."""
+    -> ((B, Lq, H, D), probabilities (B, H, Lq, Lk) when output_attentions, else None). Packed
+    queries / keys are (1, H, tokens, D), and so is the output then (1, tokens, H, D)."""
     if kwargs.get("position_bias") is not None:
         raise UnsupportedModelError(
             f"attn_implementation={NAME!r} does not take T5/mT5's additive position bias (its "
             "kernels mask by padding and causality only); use 'sdpa' or 'eager' for this model"
         )
+    query_packing = kwargs.get("fastnmt_query_packing")
+    key_packing = kwargs.get("fastnmt_key_packing")
+    if query_packing is not None:
+        query = query_packing.unpack_heads(query)
+    if key_packing is not None:
+        key, value = key_packing.unpack_heads(key), key_packing.unpack_heads(value)
     if key.shape[1] != query.shape[1]:  # grouped-query attention: each key head serves a group
         groups = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
@@ -75,7 +120,8 @@ def fastnmt_attention_forward(
     weights = None
     if need_weights:  # exact from the log-sum-exp: no second softmax
         weights = attention_probabilities(query, key, scale=scaling, lse=lse, **masks)
-    return out.transpose(1, 2), weights
+    out = out.transpose(1, 2)
+    return (out if query_packing is None else query_packing.pack(out)), weights
 
 
 def register() -> None:

@@ -5,6 +5,11 @@ not cover. On the model instance (the classes stay untouched, so other models in
 unaffected) it:
 
 - sets ``attn_implementation="fastnmt"`` (padding-aware fused attention, ``attention.py``);
+- drops padded positions: with a padding mask and no KV cache (training, and the encoder in
+  ``generate()``), a layer packs its kept positions into (1, tokens, d) before its projections and
+  FFN, and puts them back after; padded positions pass through the layer unchanged (their outputs
+  are masked everywhere, as in transformers' flash-attention path). In training with labels the
+  decoder's padding is the positions after each target's last label;
 - makes every encoder and decoder layer run dropout + residual add + LayerNorm as one
   ``add_layer_norm`` and the feed-forward block as one ``feed_forward``; post-norm (Marian, BART:
   x = LN(x + dropout(f(x)))) or pre-norm (mBART, M2M100/NLLB, Pegasus: x = x + dropout(f(LN(x))))
@@ -24,8 +29,14 @@ import types
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.weak import WeakTensorKeyDictionary
 
-from fastnmt.integrations.transformers.attention import NAME, UnsupportedModelError, register
+from fastnmt.integrations.transformers.attention import (
+    NAME,
+    Packing,
+    UnsupportedModelError,
+    register,
+)
 from fastnmt.ops import add_layer_norm, feed_forward, linear_cross_entropy
 
 # model_type -> pre-norm (True) or post-norm (False) layers.
@@ -51,6 +62,39 @@ def _activation(config) -> str:
             f"apply_fastnmt: activation_function must be one of {sorted(ACTIVATIONS)}, got {name!r}"
         )
     return ACTIVATIONS[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing: a layer computes its kept positions only.
+
+# mask -> its Packing. A model passes every layer of a stack the same mask object, so the rows
+# (and their host sync) are found once per stack, not once per layer.
+_PACKINGS = WeakTensorKeyDictionary()
+
+
+def _packing(layer: nn.Module, mask: torch.Tensor | None) -> Packing | None:
+    """How ``layer`` packs the positions of its (B, L) padding mask; None when nothing is padded
+    or its attention is not fastnmt's (only that one takes packed calls)."""
+    if mask is None or mask.dim() != 2 or layer.self_attn.config._attn_implementation != NAME:
+        return None
+    if mask not in _PACKINGS:
+        _PACKINGS[mask] = Packing.of(mask)
+    packing = _PACKINGS[mask]
+    return packing if packing.rows.numel() else None
+
+
+def _packed_kwargs(kwargs: dict, queries: Packing | None, keys: Packing | None) -> dict:
+    """An attention module's kwargs, with the packings its attention function must undo."""
+    extra = {"fastnmt_query_packing": queries, "fastnmt_key_packing": keys}
+    return kwargs | {name: packing for name, packing in extra.items() if packing is not None}
+
+
+def _packed(packing: Packing | None, x: torch.Tensor | None) -> torch.Tensor | None:
+    return x if packing is None or x is None else packing.pack(x)
+
+
+def _unpacked(packing: Packing | None, x: torch.Tensor, padded: torch.Tensor) -> torch.Tensor:
+    return x if packing is None else packing.unpack(x, fill=padded)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,6 +125,9 @@ def _feed_forward(layer, activation: str):
 
 
 def _encoder_layer_forward(self, hidden_states, attention_mask, **kwargs):
+    packing = _packing(self, attention_mask)
+    kwargs = _packed_kwargs(kwargs, packing, packing)
+
     def self_attention(y):
         return self.self_attn(hidden_states=y, attention_mask=attention_mask, **kwargs)[0]
 
@@ -89,7 +136,8 @@ def _encoder_layer_forward(self, hidden_states, attention_mask, **kwargs):
         (self.final_layer_norm, _feed_forward(self, self.fastnmt_activation)),
     ]
     p = self.dropout if self.training else 0.0
-    return _residual_sublayers(hidden_states, sublayers, self.fastnmt_prenorm, p)
+    x = _residual_sublayers(_packed(packing, hidden_states), sublayers, self.fastnmt_prenorm, p)
+    return _unpacked(packing, x, hidden_states)
 
 
 def _decoder_layer_forward(
@@ -102,21 +150,27 @@ def _decoder_layer_forward(
     use_cache=True,
     **kwargs,
 ):
+    # A KV cache holds (B, ...) keys and reorders them by batch entry: no packing with one.
+    cached = past_key_values is not None
+    packing = None if cached else _packing(self, attention_mask)
+    memory_packing = None if cached else _packing(self, encoder_attention_mask)
+    memory = _packed(memory_packing, encoder_hidden_states)
+
     def self_attention(y):
         return self.self_attn(
             hidden_states=y,
             past_key_values=past_key_values,
             attention_mask=attention_mask,
-            **kwargs,
+            **_packed_kwargs(kwargs, packing, packing),
         )[0]
 
     def cross_attention(y):
         return self.encoder_attn(
             hidden_states=y,
-            key_value_states=encoder_hidden_states,
+            key_value_states=memory,
             attention_mask=encoder_attention_mask,
             past_key_values=past_key_values,
-            **kwargs,
+            **_packed_kwargs(kwargs, packing, memory_packing),
         )[0]
 
     sublayers = [(self.self_attn_layer_norm, self_attention)]
@@ -124,7 +178,8 @@ def _decoder_layer_forward(
         sublayers.append((self.encoder_attn_layer_norm, cross_attention))
     sublayers.append((self.final_layer_norm, _feed_forward(self, self.fastnmt_activation)))
     p = self.dropout if self.training else 0.0
-    return _residual_sublayers(hidden_states, sublayers, self.fastnmt_prenorm, p)
+    x = _residual_sublayers(_packed(packing, hidden_states), sublayers, self.fastnmt_prenorm, p)
+    return _unpacked(packing, x, hidden_states)
 
 
 def _patch_layers(model: nn.Module, prenorm: bool, activation: str) -> None:
@@ -147,6 +202,14 @@ def _decoder_inputs(model: nn.Module, labels: torch.Tensor) -> torch.Tensor:
     if "decoder_start_token_id" in inspect.signature(shift).parameters:
         return shift(labels, config.pad_token_id, config.decoder_start_token_id)
     return shift(labels, config.pad_token_id)
+
+
+def _labelled_prefix(labels: torch.Tensor) -> torch.Tensor:
+    """(B, L) bool: the positions up to each row's last counted label. Nothing after it reaches
+    the loss (the decoder is causal), so those are the decoder's padding."""
+    positions = torch.arange(1, labels.shape[1] + 1, device=labels.device)
+    last = ((labels != IGNORE_INDEX) * positions).amax(1, keepdim=True)  # 0 for no label
+    return positions <= last
 
 
 def fused_loss(model: nn.Module, hidden, labels, label_smoothing: float, items=None):
@@ -185,6 +248,8 @@ def _fused_loss_forward(self, *args, **kwargs):
     items = arguments.pop("num_items_in_batch", None)
     if all(arguments.get(name) is None for name in ("decoder_input_ids", "decoder_inputs_embeds")):
         arguments["decoder_input_ids"] = _decoder_inputs(self, labels)
+    if arguments.get("decoder_attention_mask") is None and self.config._attn_implementation == NAME:
+        arguments["decoder_attention_mask"] = _labelled_prefix(labels.to(self.device))
     arguments["use_cache"] = False
     outputs = self.model(**arguments)
     loss = fused_loss(self, outputs[0], labels, self.fastnmt_label_smoothing, items)

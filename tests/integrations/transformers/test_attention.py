@@ -95,6 +95,52 @@ def test_output_attentions_are_the_probabilities(family):
     assert (found.cross_attentions[0][2, :, :, 1:] == 0).all()
 
 
+class _Module(torch.nn.Module):
+    def __init__(self, causal: bool):
+        super().__init__()
+        self.is_causal = causal
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+@pytest.mark.parametrize("kind", ["self, causal", "cross", "cross, keys packed only"])
+def test_packed_calls_equal_padded_ones(kind, need_weights):
+    """A packed call (what apply_fastnmt's layers make) gives the padded call's outputs and
+    gradients at the kept positions, and its probabilities."""
+    torch.manual_seed(9)
+    b, h, d, lq = 3, 2, 8, 6
+    lk = lq if kind.startswith("self") else 5
+    query_mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2, [1] + [0] * 5], dtype=torch.bool)
+    key_mask = query_mask if lk == lq else torch.tensor([[1] * 5, [0, 1, 1, 1, 1], [0, 0, 0, 1, 1]])
+    queries = None if kind.endswith("only") else fastnmt_hf.Packing.of(query_mask)
+    keys = fastnmt_hf.Packing.of(key_mask)
+    q, k, v = (torch.randn(b, h, n, d, requires_grad=True) for n in (lq, lk, lk))
+    module = _Module(causal=kind.startswith("self"))
+    mask = key_mask.long()
+    options = dict(output_attentions=need_weights, scaling=0.3)
+    padded, padded_weights = fastnmt_hf.fastnmt_attention_forward(module, q, k, v, mask, **options)
+
+    def packed_heads(packing, x):
+        return x if packing is None else packing.pack(x.transpose(1, 2)).transpose(1, 2)
+
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    inputs = [packed_heads(queries, leaves[0])] + [packed_heads(keys, x) for x in leaves[1:]]
+    packing = dict(fastnmt_query_packing=queries, fastnmt_key_packing=keys)
+    forward = fastnmt_hf.fastnmt_attention_forward
+    packed, weights = forward(module, *inputs, mask, **options, **packing)
+    kept = query_mask.flatten() if queries is not None else torch.ones(b * lq, dtype=torch.bool)
+    expected = padded.flatten(0, 1)[kept]
+    torch.testing.assert_close(packed.flatten(0, 1), expected, atol=1e-6, rtol=1e-5)
+    if need_weights:  # (B, H, Lq, Lk), padded: the kept queries' rows are the padded call's
+        assert weights.shape == padded_weights.shape == (b, h, lq, lk)
+        kept_rows = [x.transpose(1, 2).flatten(0, 1)[kept] for x in (weights, padded_weights)]
+        torch.testing.assert_close(*kept_rows, atol=1e-6, rtol=1e-5)
+    upstream = torch.randn_like(expected)
+    (packed.flatten(0, 1) * upstream).sum().backward()
+    (expected * upstream).sum().backward()
+    for leaf, original in zip(leaves, (q, k, v), strict=True):
+        torch.testing.assert_close(leaf.grad, original.grad, atol=1e-5, rtol=1e-5)
+
+
 def test_dropout_in_training_is_seeded_and_off_in_eval():
     model = tiny_model("bart", attention_dropout=0.5)
     model.set_attn_implementation(fastnmt_hf.NAME)

@@ -80,6 +80,55 @@ def test_only_labelled_rows_reach_the_vocabulary(monkeypatch):
     assert torch.equal(target, labels[labels != -100])
 
 
+def _recorded_feed_forward_rows(monkeypatch) -> list[int]:
+    rows, real = [], fastnmt_hf.layers.feed_forward
+
+    def recording(x, *args):
+        rows.append(x.flatten(0, -2).shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(fastnmt_hf.layers, "feed_forward", recording)
+    return rows
+
+
+@pytest.mark.parametrize("family", ["marian", "mbart"])
+def test_layers_compute_only_the_kept_positions(family, monkeypatch):
+    """Training: the encoder's unpadded positions and the decoder's up to each last label (an
+    ignored label inside a sentence still feeds the later ones); the loss and gradients are the
+    padded model's (test_training_loss_and_gradients_match_without_logits)."""
+    _, fused = patched(family)
+    batch = padded_batch("right", torch.Generator().manual_seed(10))
+    batch["labels"][0, 1] = -100
+    rows = _recorded_feed_forward_rows(monkeypatch)
+    fused.train()(**batch).loss.backward()
+    encoder, decoder = int(batch["attention_mask"].sum()), 5 + 3 + 5  # row 1 ends at 3 labels
+    assert rows == [encoder] * 2 + [decoder] * 2  # two layers each
+    rows.clear()
+    fused.eval()(**batch)  # with a KV cache the decoder stays padded
+    assert rows == [encoder] * 2 + [batch["labels"].numel()] * 2
+
+
+@pytest.mark.parametrize("padding", ["right", "left"])
+def test_packed_eval_without_cache_equals_eager_at_kept_positions(padding):
+    eager, fused = patched("bart")
+    batch = padded_batch(padding, torch.Generator().manual_seed(11))
+    labels = batch.pop("labels")
+    decoder_mask = labels != -100
+    inputs = dict(batch, decoder_input_ids=labels.clamp(min=3), use_cache=False)
+    inputs["decoder_attention_mask"] = decoder_mask
+    expected, found = eager(**inputs), fused(**inputs)
+    torch.testing.assert_close(
+        found.logits[decoder_mask], expected.logits[decoder_mask], atol=1e-4, rtol=1e-4
+    )
+    source = batch["attention_mask"].bool()
+    torch.testing.assert_close(
+        found.encoder_last_hidden_state[source],
+        expected.encoder_last_hidden_state[source],
+        atol=1e-4,
+        rtol=1e-4,
+    )
+
+
 def test_generate_after_apply_matches():
     eager, fused = patched("bart")
     batch = padded_batch("right", torch.Generator().manual_seed(7))
