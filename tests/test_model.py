@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from fastnmt.model import ModelConfig, Transformer, preset, sinusoidal_positions
+from fastnmt.model import (
+    BlockedOutputLayer,
+    ModelConfig,
+    Transformer,
+    preset,
+    sinusoidal_positions,
+)
 
 SMALL = ModelConfig(vocab_size=50, d_model=32, heads=4, d_ff=64, encoder_layers=2, decoder_layers=2)
 
@@ -76,14 +82,16 @@ def test_too_long_input_is_a_clear_error():
         model.encode(src, src_lengths)
 
 
+@pytest.mark.parametrize("vocab_size", [50, 2 * BlockedOutputLayer.BLOCK + 452])
 @pytest.mark.parametrize("output_bias", [False, True])
-def test_the_output_layer_for_decoding_equals_the_logits(output_bias):
-    model = Transformer(
-        preset("tiny", vocab_size=50, d_model=32, heads=2, d_ff=64, output_bias=output_bias)
-    )
+def test_the_output_layer_for_decoding_equals_the_logits(output_bias, vocab_size):
+    """Also across vocabulary blocks (the last one partial) and with its reused buffer: calls
+    of fewer and then more rows than before."""
+    sizes = dict(vocab_size=vocab_size, d_model=32, heads=2, d_ff=64)
+    model = Transformer(preset("tiny", output_bias=output_bias, **sizes))
     if output_bias:
         model.output_bias.normal_()
-    states = torch.randn(7, 32)
-    torch.testing.assert_close(
-        model.output_layer()(states), model.logits(states), rtol=1e-6, atol=1e-6
-    )
+    layer = model.output_layer()
+    for rows in (7, 3, 9):
+        states = torch.randn(rows, 32)
+        torch.testing.assert_close(layer(states), model.logits(states), rtol=1e-6, atol=1e-6)
