@@ -350,25 +350,30 @@ class Transformer(nn.Module):
 
 class BlockedOutputLayer:
     """(N, E) -> (N, V) logits on a CPU, for decoding steps (no gradients): ``x @ weight + bias``
-    with the (E, V) weight in contiguous blocks of ``BLOCK`` columns, each GEMM writing its
-    columns of one logits buffer that every call reuses (the result is valid until the next call).
+    with an (E, V) weight of over ``CACHED_BYTES`` in contiguous blocks of ``BLOCK`` columns, each
+    GEMM writing its columns of one logits buffer that every call reuses (the result is valid
+    until the next call).
 
     Why blocks: with a few hundred rows, a library GEMM over a weight larger than the cache gives
     each thread its own rows and so streams the whole weight from memory once per thread; a
     (E, 1024) block is read from memory once and then from the cache. Why one buffer: a fresh
     (N, V) tensor of over 32 MB is a fresh mapping from the allocator, and its page faults cost as
     much as a third of the GEMM. Measured on 2 cores (E=512, V=58,101, 160 rows): 82 ms against
-    120-170 ms for one GEMM; for the tiny preset (E=256, V=8,000) the same or a little faster.
+    120-170 ms for one GEMM. A weight that fits in the cache (the tiny preset's 8 MB) stays one
+    block: there blocks gained nothing and cost up to 15% at 256 rows.
     """
 
     BLOCK = 1024
+    CACHED_BYTES = 32 << 20  # a last-level cache (an EPYC's 8-core complex)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):  # weight (E, V)
         weight = weight.detach()
-        self.starts = range(0, weight.shape[1], self.BLOCK)
-        self.blocks = [weight[:, i : i + self.BLOCK].contiguous() for i in self.starts]
-        self.bias = None if bias is None else bias.detach()
         self.width = weight.shape[1]
+        large = weight.numel() * weight.element_size() > self.CACHED_BYTES
+        block = self.BLOCK if large else self.width
+        self.starts = range(0, self.width, block)
+        self.blocks = [weight[:, i : i + block].contiguous() for i in self.starts]
+        self.bias = None if bias is None else bias.detach()
         self.buffer = weight.new_empty(0, self.width)
 
     def __call__(self, states: torch.Tensor) -> torch.Tensor:

@@ -82,16 +82,20 @@ def test_too_long_input_is_a_clear_error():
         model.encode(src, src_lengths)
 
 
-@pytest.mark.parametrize("vocab_size", [50, 2 * BlockedOutputLayer.BLOCK + 452])
+@pytest.mark.parametrize("blocks", [1, 3])
 @pytest.mark.parametrize("output_bias", [False, True])
-def test_the_output_layer_for_decoding_equals_the_logits(output_bias, vocab_size):
-    """Also across vocabulary blocks (the last one partial) and with its reused buffer: calls
-    of fewer and then more rows than before."""
+def test_the_output_layer_for_decoding_equals_the_logits(output_bias, blocks, monkeypatch):
+    """In one block, and in vocabulary blocks (the last one partial) as for a weight larger than
+    the cache; with its reused buffer: calls of fewer and then more rows than before."""
+    if blocks > 1:
+        monkeypatch.setattr(BlockedOutputLayer, "CACHED_BYTES", 0)
+    vocab_size = (blocks - 1) * BlockedOutputLayer.BLOCK + 452
     sizes = dict(vocab_size=vocab_size, d_model=32, heads=2, d_ff=64)
     model = Transformer(preset("tiny", output_bias=output_bias, **sizes))
     if output_bias:
         model.output_bias.normal_()
     layer = model.output_layer()
+    assert len(layer.blocks) == blocks
     for rows in (7, 3, 9):
         states = torch.randn(rows, 32)
         torch.testing.assert_close(layer(states), model.logits(states), rtol=1e-6, atol=1e-6)
