@@ -371,9 +371,11 @@ class BlockedOutputLayer:
         self.width = weight.shape[1]
         large = weight.numel() * weight.element_size() > self.CACHED_BYTES
         block = self.BLOCK if large else self.width
-        self.starts = range(0, self.width, block)
-        self.blocks = [weight[:, i : i + block].contiguous() for i in self.starts]
-        self.bias = None if bias is None else bias.detach()
+        columns = [slice(i, i + block) for i in range(0, self.width, block)]
+        self.blocks = [  # (first column, (E, width) weight block, its bias or None)
+            (s.start, weight[:, s].contiguous(), None if bias is None else bias.detach()[s])
+            for s in columns
+        ]
         self.buffer = weight.new_empty(0, self.width)
 
     def __call__(self, states: torch.Tensor) -> torch.Tensor:
@@ -381,10 +383,10 @@ class BlockedOutputLayer:
         if self.buffer.shape[0] < rows or self.buffer.dtype != states.dtype:
             self.buffer = states.new_empty(rows, self.width)
         logits = self.buffer[:rows]
-        for start, block in zip(self.starts, self.blocks, strict=True):
+        for start, block, bias in self.blocks:
             columns = logits[:, start : start + block.shape[1]]
-            if self.bias is None:
+            if bias is None:
                 torch.mm(states, block, out=columns)
             else:
-                torch.addmm(self.bias[start : start + block.shape[1]], states, block, out=columns)
+                torch.addmm(bias, states, block, out=columns)
         return logits
