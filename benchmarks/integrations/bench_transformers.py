@@ -8,6 +8,9 @@ FFN 2048, vocabulary 58,101, swish, random weights), on Multi30k sentences.
   against fastnmt's Translator on the imported model (same beam, length penalty, limits; the
   outputs are checked identical). FASTNMT_BENCH_SENTENCES (default 100) sentences: a random model
   rarely stops before 128 tokens, so all 1,000 take many minutes on a CPU.
+  FASTNMT_BENCH_HF_MODEL: a saved MarianMT directory (model and tokenizer, e.g. a Hub Opus-MT
+  checkpoint, or one trained with ``apply_fastnmt``) to translate instead: one that ends its
+  sentences, as real checkpoints do.
 
 Run: ``pytest benchmarks/integrations --benchmark-only``.
 """
@@ -124,12 +127,14 @@ def test_fine_tuning_step(benchmark, peak_memory, tokenizer_dir, variant, precis
 
 
 @pytest.fixture(scope="module")
-def translation_setup(tokenizer_dir, tmp_path_factory):
+def translation_setup(request, tmp_path_factory):
+    test = load_multi30k("test_2016_flickr", "en", "de", _data_dir())
+    if trained := os.environ.get("FASTNMT_BENCH_HF_MODEL"):
+        return Path(trained), test.src[:SENTENCES], {}
     folder = tmp_path_factory.mktemp("marian-base-model")
-    for path in tokenizer_dir.iterdir():
+    for path in request.getfixturevalue("tokenizer_dir").iterdir():
         (folder / path.name).write_bytes(path.read_bytes())
     marian_base(dropout=0.0).save_pretrained(folder)
-    test = load_multi30k("test_2016_flickr", "en", "de", _data_dir())
     return folder, test.src[:SENTENCES], {}
 
 
@@ -146,7 +151,7 @@ def _hf_translate(folder: Path, sentences: list[str]) -> list[str]:
                 max_new_tokens=MAX_NEW_TOKENS,
                 length_penalty=1.0,
                 early_stopping=True,
-                bad_words_ids=[[PAD]],
+                bad_words_ids=[[model.config.pad_token_id]],
             )
             outputs += tokenizer.batch_decode(generated, skip_special_tokens=True)
     return outputs
