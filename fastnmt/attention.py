@@ -111,7 +111,12 @@ class KVCache:
 
     def _grow(self, key: torch.Tensor, value: torch.Tensor, needed: int) -> None:
         old = self._key
-        capacity = max(needed, 2 * old.shape[2] if old is not None else self.reserve)
+        if old is None:
+            capacity = max(needed, self.reserve)
+        elif needed > old.shape[2]:  # doubling keeps appends amortized O(1)
+            capacity = max(needed, 2 * old.shape[2])
+        else:  # more entries only (after a beam search's first step, one per sentence)
+            capacity = old.shape[2]
         entries = max(key.shape[0], 0 if old is None else old.shape[0])
         old_value = self._value
         self._key = self._new_storage(key, entries, capacity)

@@ -1,7 +1,8 @@
 """Greedy and beam search on the KV-cache incremental decoder, batched across sentences.
 
-Shapes: B sentences, of which A are still being searched; K beams per sentence; N = A*K hypothesis
-rows, sentence-major (row a*K + k is beam k of active sentence a); V vocabulary; S source tokens.
+Shapes: B sentences, of which A are still being searched; K beams per sentence; N = A*W hypothesis
+rows, sentence-major (row a*W + w is hypothesis w of active sentence a), W = 1 at the first step
+and K after it; V vocabulary; S source tokens.
 
 A sentence's search runs at most ``max_lens[b]`` steps. A hypothesis ends with eos, or is kept
 without it (truncated) when it reaches that limit, as greedy keeps it. Lengths count generated
@@ -57,14 +58,13 @@ class _Batch:
         src,
         src_lengths,
         max_lens,
-        beam,
         incremental,
         eos,
         prefix,
         shortlist: Shortlist | None,
     ):
         cfg = model.cfg
-        self.model, self.beam = model, beam
+        self.model = model
         self.memory = model.encode(src, src_lengths)  # (A, S, E)
         self.src_lengths = src_lengths  # (A,)
         self.max_lens = max_lens.to(src.device)  # (A,)
@@ -72,7 +72,8 @@ class _Batch:
         steps = 1 + int(self.max_lens.max()) if len(max_lens) else 0  # start symbol + limit
         self.caches = model.new_caches(steps) if incremental else None
         self.cached = 0  # target positions already in the caches
-        start = src.new_full((src.shape[0] * beam, 1), cfg.bos_id)
+        # One hypothesis per sentence: a beam search's K beams are one prefix until its first step.
+        start = src.new_full((src.shape[0], 1), cfg.bos_id)
         forced = torch.tensor(prefix, dtype=src.dtype, device=src.device)
         self.history = torch.cat([start, forced.expand(start.shape[0], -1)], dim=1)  # (N, step + 1)
         # pad and the start symbol are never generated, unless the start symbol is eos (NLLB).
@@ -168,7 +169,7 @@ def greedy(
     transformers' ``forced_bos_token_id`` does. ``shortlist``: score only the words it lists
     for the batch's source tokens (``fastnmt.shortlist``)."""
     _check(max_lens, src, prefix=prefix)
-    batch = _Batch(model, src, src_lengths, max_lens, 1, incremental, eos, prefix, shortlist)
+    batch = _Batch(model, src, src_lengths, max_lens, incremental, eos, prefix, shortlist)
     log_probs = torch.zeros(batch.size, device=src.device)  # (A,)
     results: list[Hypothesis | None] = [None] * src.shape[0]
     for step in _steps(max_lens, prefix):
@@ -222,25 +223,25 @@ def beam_search(
     """
     _check(max_lens, src, beam, nbest, prefix)
     k, eos_id = beam, model.cfg.eos_id
-    batch = _Batch(model, src, src_lengths, max_lens, k, incremental, eos, prefix, shortlist)
-    scores = torch.full((batch.size, k), float("-inf"), device=src.device)  # (A, K)
-    scores[:, 0] = 0.0  # all beams start as the same empty prefix: expand only one of them
+    # The first step scores one hypothesis per sentence (its K beams would all be the empty
+    # prefix, as CTranslate2 also avoids); its best K continuations become the K beams.
+    batch = _Batch(model, src, src_lengths, max_lens, incremental, eos, prefix, shortlist)
+    scores = torch.zeros((batch.size, 1), device=src.device)  # (A, W)
     finished: list[list[Hypothesis]] = [[] for _ in range(src.shape[0])]
     for step in _steps(max_lens, prefix):
-        # A sentence's best 2K continuations are among its beams' best 2K each.
+        # A sentence's best 2K continuations are among its hypotheses' best 2K each.
         log_probs, next_ids = batch.next_tokens(2 * k)  # (N, C), C = 2K (or V if fewer)
-        per_beam = log_probs.shape[1]
-        candidates = (scores.view(-1, 1) + log_probs).reshape(batch.size, k * per_beam)
-        top, index = candidates.topk(2 * k, dim=1)  # (A, 2K), best first
-        origin = index // per_beam  # beam within the sentence
-        tokens = next_ids.reshape(batch.size, k * per_beam).gather(1, index)  # next token
+        width, per_beam = scores.shape[1], log_probs.shape[1]
+        top, index = _best(scores.view(-1, 1) + log_probs, batch.size, 2 * k)  # (A, 2K)
+        first_row = torch.arange(0, batch.size * width, width, device=src.device)[:, None]
+        origins = first_row + index // per_beam  # (A, 2K) the row each candidate continues
+        tokens = next_ids.reshape(batch.size, width * per_beam).gather(1, index)  # next token
         ends = tokens == eos_id
         last = batch.max_lens <= step + 1  # (A,)
         finishing = (ends[:, :k] | last[:, None]) & (top[:, :k] > float("-inf"))  # (A, K)
-        done = _finish(batch, finished, finishing, top, origin, tokens, k, eos_id, penalty)
+        done = _finish(batch, finished, finishing, top, origins, tokens, k, eos_id, penalty)
         scores, pick = top.masked_fill(ends, float("-inf")).topk(k, dim=1)  # (A, K)
-        first_row = torch.arange(0, batch.size * k, k, device=src.device)[:, None]
-        rows, tokens = first_row + origin.gather(1, pick), tokens.gather(1, pick)  # (A, K)
+        rows, tokens = origins.gather(1, pick), tokens.gather(1, pick)  # (A, K)
         if done is not None:
             kept = (~done).nonzero()[:, 0]
             if not kept.numel():
@@ -251,14 +252,26 @@ def beam_search(
     return [sorted(h, key=lambda h: h.score, reverse=True)[:nbest] for h in finished]
 
 
-def _finish(batch, finished, finishing, top, origin, tokens, k, eos_id, penalty):
+def _best(candidates, sentences: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The n best of each sentence's candidates (N, C) -> scores and their columns in the
+    sentence's (W*C,) candidates, (A, n) each, best first. Fewer than n candidates (a vocabulary
+    smaller than 2K at the first step) are padded with -inf scores at the last column."""
+    candidates = candidates.reshape(sentences, -1)
+    count = candidates.shape[1]
+    if count < n:
+        candidates = torch.nn.functional.pad(candidates, (0, n - count), value=float("-inf"))
+    top, index = candidates.topk(n, dim=1)
+    return top, index.clamp_(max=count - 1)
+
+
+def _finish(batch, finished, finishing, top, origins, tokens, k, eos_id, penalty):
     """Record the hypotheses marked ``finishing`` (A, K) (the first K candidates of each active
-    sentence) that their sentence still has room for; the (A,) bool of sentences now done, or
-    None when nothing finished."""
+    sentence, continuing rows ``origins``) that their sentence still has room for; the (A,) bool
+    of sentences now done, or None when nothing finished."""
     if not finishing.any():  # the step's one host sync
         return None
     sentence, rank = finishing.nonzero(as_tuple=True)
-    rows = sentence * k + origin[sentence, rank]
+    rows = origins[sentence, rank]
     generated = torch.cat([batch.history[rows, 1:], tokens[sentence, rank, None]], dim=1)
     ended = zip(
         batch.sentences[sentence].tolist(),

@@ -213,6 +213,20 @@ class TestIncrementalDecoding:
         assert cache.length == 5 and cache.stored()[0].data_ptr() == storage
         assert cache.rows.shape == (3, 6)
 
+    def test_more_entries_keep_the_reserved_positions(self):
+        """A beam search's first step has one entry per sentence, then K: the storage gains
+        entries, not positions (reserved ones are not doubled)."""
+        cache = KVCache(reserve=6)
+        keys = torch.randn(2, 2, 1, 8)
+        cache.append(keys, keys + 1)
+        cache.reorder(torch.tensor([0, 0, 0, 1, 1, 1]))
+        step = torch.randn(6, 2, 1, 8)
+        cache.append(step, step + 1)
+        assert cache.stored()[0].shape[2] == 2 and cache._key.shape[2] == 6
+        expected = torch.cat([keys.repeat_interleave(3, 0), step], dim=2)
+        torch.testing.assert_close(cache.key, expected)
+        torch.testing.assert_close(cache.value, expected + 1)
+
     @pytest.mark.parametrize("read", ["through rows", "weights", "with grad"])
     def test_decoding_through_reordered_caches_equals_recomputing(self, read):
         """A beam search's steps: hypotheses reordered (repeated, dropped) between steps, then

@@ -197,6 +197,23 @@ def test_beams_share_one_cross_attention_entry_per_sentence():
     torch.testing.assert_close(shared, repeated, atol=1e-5, rtol=1e-5)
 
 
+def test_the_first_beam_search_step_scores_one_hypothesis_per_sentence(monkeypatch):
+    """Its K beams are the same empty prefix: one row each, then K (the results are the
+    exhaustive and one-at-a-time searches' above)."""
+    model = _model(SMALL)
+    src, src_lengths = _sources(SMALL)
+    scored_rows = []
+    output_layer = model.output_layer
+
+    def counting_output_layer(vocabulary=None):
+        layer = output_layer(vocabulary)
+        return lambda states: scored_rows.append(states.shape[0]) or layer(states)
+
+    monkeypatch.setattr(model, "output_layer", counting_output_layer)
+    beam_search(model, src, src_lengths, torch.full((4,), 5), beam=3, eos=False)
+    assert scored_rows == [4, 12, 12, 12, 12]
+
+
 def test_bad_arguments_are_named():
     model = _model(SMALL)
     src, src_lengths = _sources(SMALL)
