@@ -224,7 +224,7 @@ def beam_search(
     _check(max_lens, src, beam, nbest, prefix)
     k, eos_id = beam, model.cfg.eos_id
     # The first step scores one hypothesis per sentence (its K beams would all be the empty
-    # prefix, as CTranslate2 also avoids); its best K continuations become the K beams.
+    # prefix); its best K continuations become the K beams.
     batch = _Batch(model, src, src_lengths, max_lens, incremental, eos, prefix, shortlist)
     scores = torch.zeros((batch.size, 1), device=src.device)  # (A, W)
     finished: list[list[Hypothesis]] = [[] for _ in range(src.shape[0])]
@@ -255,12 +255,13 @@ def beam_search(
 def _best(candidates, sentences: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The n best of each sentence's candidates (N, C) -> scores and their columns in the
     sentence's (W*C,) candidates, (A, n) each, best first. Fewer than n candidates (a vocabulary
-    smaller than 2K at the first step) are padded with -inf scores at the last column."""
+    smaller than 2K at the first step) are padded with -inf scores at the last real column."""
     candidates = candidates.reshape(sentences, -1)
     count = candidates.shape[1]
-    if count < n:
-        candidates = torch.nn.functional.pad(candidates, (0, n - count), value=float("-inf"))
-    top, index = candidates.topk(n, dim=1)
+    if count >= n:
+        return candidates.topk(n, dim=1)
+    padded = torch.nn.functional.pad(candidates, (0, n - count), value=float("-inf"))
+    top, index = padded.topk(n, dim=1)
     return top, index.clamp_(max=count - 1)
 
 
