@@ -1,9 +1,10 @@
 // The k most probable entries of each row of log_softmax(logits), some columns banned (the row
 // step of beam search; fastnmt/ops/log_softmax_topk.py has the math and the reference).
 //
-// Each row is read once from the logits into an fp32 buffer (banned columns set to -inf there)
-// while finding its max; one more vectorised pass over that buffer, while it is in L1/L2, sums
-// the exponentials and keeps the top k in a small sorted list that a whole vector of candidates
+// Each row is read once from the logits into an fp32 buffer while finding its max; the banned
+// columns' exponentials are summed and the columns set to -inf there (out of the choice, still in
+// the normaliser, as in fairseq's and transformers' search); one more vectorised pass over that
+// buffer, while it is in L1/L2, sums the other exponentials and keeps the top k in a small sorted list that a whole vector of candidates
 // skips when none of its lanes beats the k-th best. No (rows x V) log-probability tensor is written. Rows are
 // independent, so the work is split over rows and no result depends on the thread count.
 #include "common.h"
@@ -46,11 +47,9 @@ class TopK {
   int64_t size_ = 0;
 };
 
-// Row row (V logits) -> x (fp32, whole vectors; banned columns and the padding lanes -inf),
-// returning the max of x.
+// Row row (V logits) -> x (fp32, whole vectors; the padding lanes -inf), returning its max.
 template <typename T>
-float load_row(const T* row, int64_t vocab, int64_t padded, const int64_t* banned,
-               int64_t banned_count, float* x) {
+float load_row(const T* row, int64_t vocab, int64_t padded, float* x) {
   Vec running_max = splat(-kInf);
   for (int64_t j = 0; j < padded; j += kLanes) {
     const int64_t n = std::min(kLanes, vocab - j);
@@ -59,19 +58,28 @@ float load_row(const T* row, int64_t vocab, int64_t padded, const int64_t* banne
     running_max = v > running_max ? v : running_max;
   }
   std::fill(x + vocab, x + padded, -kInf);  // the tail lanes were loaded as 0
-  float row_max = horizontal_max(running_max);
-  bool max_banned = vocab < padded;  // a tail 0 may have been the max
-  for (int64_t b = 0; b < banned_count; ++b) {
-    max_banned |= x[banned[b]] == row_max;
-    x[banned[b]] = -kInf;
-  }
-  if (max_banned) row_max = *std::max_element(x, x + vocab);
-  return row_max;
+  const float row_max = horizontal_max(running_max);
+  // a tail 0 may have been the max
+  return vocab < padded ? *std::max_element(x, x + vocab) : row_max;
 }
 
-// log sum exp(x - row_max) + row_max over x, and its top k (best first) offered to top, in one
-// pass; a vector of candidates whose lanes none beats the k-th best is skipped with one compare.
-float log_sum_exp_and_top(const float* x, int64_t vocab, int64_t padded, float row_max, TopK& top) {
+// Sets the banned columns of x to -inf and returns the sum of their exp(x - row_max), which stays
+// in the normaliser. A repeated id adds nothing the second time (its column is -inf by then).
+float ban(float* x, const int64_t* banned, int64_t banned_count, float row_max) {
+  float total = 0.0f;
+  for (int64_t b = 0; b < banned_count; ++b) {
+    float& value = x[banned[b]];
+    if (value > -kInf) total += std::exp(value - row_max);
+    value = -kInf;
+  }
+  return total;
+}
+
+// log (sum exp(x - row_max) + banned_total) + row_max over x, and its top k (best first) offered
+// to top, in one pass; a vector of candidates whose lanes none beats the k-th best is skipped with
+// one compare.
+float log_sum_exp_and_top(const float* x, int64_t vocab, int64_t padded, float row_max,
+                          float banned_total, TopK& top) {
   // The whole vectors holding the first k columns are all offered, whatever they hold.
   const int64_t head = std::min(padded, whole_vectors(top.capacity()));
   for (int64_t j = 0; j < std::min(head, vocab); ++j) top.offer(x[j], j);
@@ -86,7 +94,7 @@ float log_sum_exp_and_top(const float* x, int64_t vocab, int64_t padded, float r
       top.offer(x[j + l], j + l);
     }
   }
-  return row_max + std::log(horizontal_sum(total));
+  return row_max + std::log(horizontal_sum(total) + banned_total);
 }
 
 template <typename T>
@@ -97,9 +105,10 @@ void rows(const T* logits, const int64_t* banned, int64_t banned_count, float* v
     std::vector<float> buffer(padded);
     float* x = buffer.data();
     for (int64_t i = begin; i < end; ++i) {
-      const float row_max = load_row(logits + i * vocab, vocab, padded, banned, banned_count, x);
+      const float row_max = load_row(logits + i * vocab, vocab, padded, x);
+      const float banned_total = ban(x, banned, banned_count, row_max);
       TopK top(values + i * k, indices + i * k, k);
-      const float lse = log_sum_exp_and_top(x, vocab, padded, row_max, top);
+      const float lse = log_sum_exp_and_top(x, vocab, padded, row_max, banned_total, top);
       for (int64_t c = 0; c < k; ++c) {
         float& value = values[i * k + c];
         // every logit -inf: no token is possible, every value -inf

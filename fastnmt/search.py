@@ -79,16 +79,18 @@ class _Batch:
         # pad and the start symbol are never generated, unless the start symbol is eos (NLLB).
         banned = ({cfg.pad_id, cfg.bos_id} - {cfg.eos_id}) | (set() if eos else {cfg.eos_id})
         self.banned = torch.tensor(sorted(banned), device=src.device)
-        # The ids the output layer scores (None: all): the shortlist's, with eos, without banned.
-        self.vocabulary = None if shortlist is None else self._shortlisted(shortlist, src, eos)
+        # The ids the output layer scores (None: all): the shortlist's, with eos and the banned
+        # ids, which stay in the normaliser as without a shortlist; banned becomes their columns.
+        self.vocabulary = None if shortlist is None else self._shortlisted(shortlist, src)
         if self.vocabulary is not None:
-            self.banned = self.banned[:0]
+            self.banned = torch.searchsorted(self.vocabulary, self.banned)
         self.output_layer = model.output_layer(self.vocabulary)  # once per search
 
-    def _shortlisted(self, shortlist: Shortlist, src, eos: bool) -> torch.Tensor:
+    def _shortlisted(self, shortlist: Shortlist, src) -> torch.Tensor:
+        """The shortlist's ids for ``src``, eos and the banned ids: sorted, unique."""
         ids = shortlist.vocabulary(src)
-        ids = torch.cat([ids, ids.new_tensor([self.model.cfg.eos_id] if eos else [])]).unique()
-        return ids[~torch.isin(ids, self.banned)]
+        eos = ids.new_tensor([self.model.cfg.eos_id])
+        return torch.cat([ids, eos, self.banned.to(ids.dtype)]).unique()
 
     @property
     def size(self) -> int:

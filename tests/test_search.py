@@ -38,15 +38,16 @@ def _sources(cfg: ModelConfig, lengths=(7, 3, 5, 1)):
 def _log_probs(model, src, src_lengths, row: int, prefixes: list[list[int]]) -> torch.Tensor:
     """(P, L + 1, V) next-token log-probabilities after bos + each prefix of each of the P
     ``prefixes`` (right-padded to L tokens) for sentence ``row``, by one full forward pass (no
-    cache); pad and bos are excluded from the distribution, as in the searches."""
+    cache); pad and bos are never chosen but stay in the normaliser, as in the searches (and
+    fairseq's and transformers')."""
     cfg = model.cfg
     memory = model.encode(src[row : row + 1], src_lengths[row : row + 1])
     width = max(map(len, prefixes))
     tgt_in = torch.tensor([[cfg.bos_id, *p] + [cfg.pad_id] * (width - len(p)) for p in prefixes])
     states = model.decode(tgt_in, memory, src_lengths[row : row + 1])  # K = P rows per sentence
-    logits = model.logits(states)
-    logits[..., [cfg.pad_id, cfg.bos_id]] = float("-inf")
-    return logits.log_softmax(-1)
+    log_probs = model.logits(states).log_softmax(-1)
+    log_probs[..., [cfg.pad_id, cfg.bos_id]] = float("-inf")
+    return log_probs
 
 
 def _sequence_log_probs(model, src, src_lengths, row: int, outputs) -> list[float]:

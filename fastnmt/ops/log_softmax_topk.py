@@ -2,20 +2,23 @@ r"""The k best entries of each row of log_softmax(logits), with some tokens bann
 of beam search and greedy decoding.
 
 ``log_softmax_topk(logits, k, banned)`` returns (values, indices), both (N, k), equal to
-``log_softmax(logits with the banned columns at -inf).topk(k)``; the C++ kernel breaks ties
-towards the lower column (a stable descending sort's first k), the reference as ``torch.topk``.
+``log_softmax(logits).index_fill(1, banned, -inf).topk(k)``: banned tokens are never chosen but
+stay in the normaliser, as in fairseq's and transformers' searches (whose scores, and so whose
+beams, fastnmt's then reproduce; renormalising without them ranks hypotheses differently once a
+banned token has probability mass). The C++ kernel breaks ties towards the lower column (a
+stable descending sort's first k), the reference as ``torch.topk``.
 
 Math, for row i of logits z_i (V,) and the allowed columns A (all but ``banned``):
 
-    m_i   = max_{v in A} z_iv
-    lse_i = m_i + log sum_{v in A} exp(z_iv - m_i)
-    top_i = the k columns of largest z_iv (banned ones count as -inf), ties to the lower index
+    m_i   = max_v z_iv
+    lse_i = m_i + log sum_v exp(z_iv - m_i)                       (every column, banned included)
+    top_i = the k columns of A of largest z_iv (past |A|: banned ones, as -inf), ties to the lower
     out   = z_{i, top_i} - lse_i
 
 log_softmax shifts a row by a constant, so its top k are the logits' top k and only k values
 need the shift: no (N, V) log-probability tensor is written. Beam search then ranks the K*2K
 candidates of a sentence (each beam's best 2K contain the sentence's best 2K) instead of its K*V.
-A row with every column banned or -inf gives -inf values.
+A row whose allowed columns are all banned or -inf gives -inf values.
 
 Banned ids must lie in [0, V). The op checks this only under ``FASTNMT_CHECK_VALUES=1`` (a host
 sync per decoding step otherwise; the search bans fixed ids: pad, bos). Unchecked, a wrong id
@@ -44,8 +47,9 @@ _CPP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def log_softmax_topk_reference(logits, k, banned):
-    z = logits.float().index_fill(1, banned, float("-inf"))  # (N, V)
-    lse = torch.logsumexp(z, dim=-1, keepdim=True)  # (N, 1), -inf for a row with no allowed token
+    z = logits.float()  # (N, V)
+    lse = torch.logsumexp(z, dim=-1, keepdim=True)  # (N, 1), banned columns included
+    z = z.index_fill(1, banned, float("-inf"))  # out of the choice only
     values, indices = z.topk(k, dim=-1)  # ties in torch.topk's order (a full sort: 20x slower)
     return torch.where(lse > float("-inf"), values - lse, float("-inf")), indices
 
@@ -107,7 +111,8 @@ def log_softmax_topk(logits, k: int, banned=None) -> tuple[torch.Tensor, torch.T
     Args:
         logits: (N, V) floating scores.
         k: how many per row, 1 <= k <= V.
-        banned: optional int (n,) column ids that get probability 0 (e.g. pad and bos).
+        banned: optional int (n,) column ids never chosen (e.g. pad and bos); they stay in the
+            softmax's normaliser, as in fairseq's and transformers' beam search.
 
     Returns:
         values: (N, k) fp32 log-probabilities, descending (-inf for banned columns when k

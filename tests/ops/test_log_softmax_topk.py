@@ -15,10 +15,11 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def _oracle(logits, k, banned):
-    """float64 log_softmax with banned columns at -inf (a row with none allowed: all -inf, not
-    NaN); the first k of a stable descending sort."""
-    z = logits.double().index_fill(1, banned, float("-inf"))
-    values, indices = z.log_softmax(-1).sort(dim=-1, descending=True, stable=True)
+    """float64 log_softmax, then banned columns at -inf (they stay in the normaliser, as in
+    fairseq and transformers); a row with none allowed: all -inf, not NaN. The first k of a
+    stable descending sort."""
+    z = logits.double().log_softmax(-1).index_fill(1, banned, float("-inf"))
+    values, indices = z.sort(dim=-1, descending=True, stable=True)
     values = values[:, :k]
     return values.masked_fill(values.isnan(), float("-inf")), indices[:, :k]
 
@@ -49,7 +50,7 @@ def test_matches_the_float64_oracle(backend, dtype, rows, vocab, k):
     if backend == "cpp":  # ties to the lower column: exactly the stable sort's order
         torch.testing.assert_close(indices, expected_indices, rtol=0, atol=0)
     else:  # ties in torch.topk's order: each index holds its value
-        chosen = logits.double().index_fill(1, banned, float("-inf")).log_softmax(-1)
+        chosen = logits.double().log_softmax(-1).index_fill(1, banned, float("-inf"))
         chosen = chosen.gather(1, indices)
         torch.testing.assert_close(
             chosen.nan_to_num(float("-inf"), neginf=float("-inf")),
@@ -71,19 +72,22 @@ def test_banned_columns_come_last_with_minus_infinity(cpp):
     values, indices = log_softmax_topk(logits, 6, torch.tensor([5, 1]))
     assert set(indices[:, 4:].flatten().tolist()) == {1, 5}
     assert torch.isinf(values[:, 4:]).all() and torch.isfinite(values[:, :4]).all()
-    # The allowed columns' probabilities sum to 1.
-    torch.testing.assert_close(values[:, :4].exp().sum(-1), torch.ones(4))
+    # The banned columns keep their share of the normaliser: the allowed ones sum to the rest.
+    allowed = 1 - logits.softmax(-1)[:, [1, 5]].sum(-1)
+    torch.testing.assert_close(values[:, :4].exp().sum(-1), allowed)
 
 
 @pytest.mark.parametrize("backend", ["cpp", "reference"])
 def test_a_row_with_nothing_allowed_gives_minus_infinity(backend):
+    """All -inf, or finite only in banned columns: no token can be chosen."""
     require_backend(backend)
-    logits = torch.randn(2, 3)
+    logits = torch.randn(3, 3)
     logits[1] = float("-inf")
+    logits[2, 1:] = float("-inf")
     with fastnmt.backend(backend):
         values, _ = log_softmax_topk(logits, 2, torch.tensor([0]))
     assert torch.isfinite(values[0]).all()
-    assert torch.isneginf(values[1]).all()
+    assert torch.isneginf(values[1:]).all()
 
 
 def test_non_contiguous_logits(cpp):

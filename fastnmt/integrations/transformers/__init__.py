@@ -13,14 +13,8 @@ Three uses:
 
 from __future__ import annotations
 
-try:
-    import transformers as _transformers
-except ImportError as error:  # one line, with the fix
-    raise ImportError(
-        "fastnmt.integrations.transformers needs transformers >= 5.0: "
-        'pip install "fastnmt[transformers]"'
-    ) from error
-
+# First: importing it raises a one-line ImportError without a supported transformers.
+from fastnmt.integrations.transformers import _version  # noqa: F401
 from fastnmt.integrations.transformers.attention import (
     NAME,
     Packing,
@@ -38,12 +32,6 @@ from fastnmt.integrations.transformers.layers import (
     apply_fastnmt_to_pegasus,
     fused_loss,
 )
-
-if int(_transformers.__version__.split(".")[0]) < 5:
-    raise ImportError(
-        f"fastnmt.integrations.transformers needs transformers >= 5.0 (its attention registries), "
-        f"found {_transformers.__version__}"
-    )
 
 register()
 

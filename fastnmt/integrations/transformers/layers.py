@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from fastnmt.integrations.transformers import _version
 from fastnmt.integrations.transformers.attention import (
     NAME,
     Packing,
@@ -146,12 +147,14 @@ def _decoder_layer_forward(
     attention_mask=None,
     encoder_hidden_states=None,
     encoder_attention_mask=None,
-    past_key_values=None,
     use_cache=True,
     **kwargs,
 ):
+    # The KV cache comes under the keyword this transformers version names it (_cache_keyword).
+    cache = kwargs.pop(self.fastnmt_cache_keyword, None)
+    attention_cache = {self.fastnmt_attention_cache_keyword: cache}
     # A KV cache holds (B, ...) keys and reorders them by batch entry: no packing with one.
-    cached = past_key_values is not None
+    cached = cache is not None
     packing = None if cached else _packing(self, attention_mask)
     memory_packing = None if cached else _packing(self, encoder_attention_mask)
     memory = _packed(memory_packing, encoder_hidden_states)
@@ -159,8 +162,8 @@ def _decoder_layer_forward(
     def self_attention(y):
         return self.self_attn(
             hidden_states=y,
-            past_key_values=past_key_values,
             attention_mask=attention_mask,
+            **attention_cache,
             **_packed_kwargs(kwargs, packing, packing),
         )[0]
 
@@ -169,7 +172,7 @@ def _decoder_layer_forward(
             hidden_states=y,
             key_value_states=memory,
             attention_mask=encoder_attention_mask,
-            past_key_values=past_key_values,
+            **attention_cache,
             **_packed_kwargs(kwargs, packing, memory_packing),
         )[0]
 
@@ -182,11 +185,33 @@ def _decoder_layer_forward(
     return _unpacked(packing, x, hidden_states)
 
 
+# The KV cache's keyword, newest name first: transformers 5.0-5.23 call it past_key_values, 5.24
+# renamed it cache (and deprecates the old name).
+CACHE_KEYWORDS = ("cache", "past_key_values")
+
+
+def _cache_keyword(module: nn.Module) -> str:
+    """The keyword under which ``module.forward`` takes the KV cache, read from its signature
+    (transformers' deprecation decorator keeps it visible through ``__wrapped__``)."""
+    parameters = inspect.signature(type(module).forward).parameters
+    for name in CACHE_KEYWORDS:
+        if name in parameters:
+            return name
+    raise UnsupportedModelError(
+        f"apply_fastnmt: {type(module).__name__}.forward takes its KV cache under none of "
+        f"{CACHE_KEYWORDS} (transformers {_version.transformers.__version__}); fastnmt supports "
+        f"transformers {_version.SUPPORTED}"
+    )
+
+
 def _patch_layers(model: nn.Module, prenorm: bool, activation: str) -> None:
     base = model.get_encoder().layers, model.get_decoder().layers
     for layers, forward in zip(base, (_encoder_layer_forward, _decoder_layer_forward), strict=True):
         for layer in layers:
             layer.fastnmt_prenorm, layer.fastnmt_activation = prenorm, activation
+            if forward is _decoder_layer_forward:
+                layer.fastnmt_cache_keyword = _cache_keyword(layer)
+                layer.fastnmt_attention_cache_keyword = _cache_keyword(layer.self_attn)
             layer.forward = types.MethodType(forward, layer)
 
 

@@ -1,6 +1,8 @@
 """apply_fastnmt: the same outputs, loss, gradients and state_dict as the model it patched."""
 
 import copy
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -135,8 +137,11 @@ def test_packed_eval_without_cache_equals_eager_at_kept_positions(padding):
     )
 
 
-def test_generate_after_apply_matches():
-    eager, fused = patched("bart")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_after_apply_matches(family):
+    """Beam search reorders the KV cache the patched decoder layers pass on (under the keyword
+    of this transformers version: past_key_values, or cache from 5.24)."""
+    eager, fused = patched(family)
     batch = padded_batch("right", torch.Generator().manual_seed(7))
     del batch["labels"]
     options = dict(num_beams=4, max_new_tokens=10, do_sample=False)
@@ -156,3 +161,48 @@ def test_unsupported_models_are_refused_in_one_line():
         fastnmt_hf.apply_fastnmt_to_marian(tiny_model("bart"))
     with pytest.raises(ValueError, match="label_smoothing"):
         fastnmt_hf.apply_fastnmt(tiny_model("bart"), label_smoothing=1.0)
+
+
+class _NewLayer(torch.nn.Module):
+    def forward(self, hidden_states, cache=None, **kwargs):
+        return hidden_states
+
+
+class _OldLayer(torch.nn.Module):
+    def forward(self, hidden_states, past_key_values=None, use_cache=True):
+        return hidden_states
+
+
+class _UnknownLayer(torch.nn.Module):
+    def forward(self, hidden_states, kv=None):
+        return hidden_states
+
+
+def test_the_cache_keyword_follows_the_layer_signature():
+    assert fastnmt_hf.layers._cache_keyword(_NewLayer()) == "cache"
+    assert fastnmt_hf.layers._cache_keyword(_OldLayer()) == "past_key_values"
+    with pytest.raises(fastnmt_hf.UnsupportedModelError, match=r"_UnknownLayer\.forward") as error:
+        fastnmt_hf.layers._cache_keyword(_UnknownLayer())
+    assert "\n" not in str(error.value) and fastnmt_hf._version.SUPPORTED in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("version", "supported"),
+    [("4.57.6", False), ("5.5.0", False), ("5.6.0", True), ("5.24.0", True), ("5.30.0.dev0", True),
+     ("6.0.0", False)],
+)  # fmt: skip
+def test_transformers_out_of_range_is_a_one_line_import_error(monkeypatch, version, supported):
+    monkeypatch.setattr(fastnmt_hf._version.transformers, "__version__", version)
+    if supported:
+        fastnmt_hf._version.check()
+        return
+    with pytest.raises(ImportError, match=f"found {re.escape(version)}") as error:
+        fastnmt_hf._version.check()
+    assert "\n" not in str(error.value) and "transformers>=5.6,<6" in str(error.value)
+
+
+def test_the_supported_range_is_the_one_in_pyproject():
+    """The transformers and dev extras ask for the range the import accepts."""
+    pyproject = (Path(__file__).parents[3] / "pyproject.toml").read_text()
+    requirements = re.findall(r'"transformers([^"]*)"', pyproject)
+    assert requirements == [fastnmt_hf._version.SUPPORTED] * 2
