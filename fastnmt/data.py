@@ -612,7 +612,7 @@ def collate(
         tgt_in=torch.from_numpy(tgt_in),
         tgt_out=torch.from_numpy(tgt_out),
         tgt_lengths=torch.from_numpy(tgt_lengths),
-        indices=torch.as_tensor(np.asarray(indices, np.int64)),
+        indices=torch.from_numpy(np.asarray(indices, np.int64)),
         tgt_positions=torch.from_numpy(np.flatnonzero(targets)),
     )
 

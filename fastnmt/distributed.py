@@ -80,7 +80,7 @@ class Distributed:
         """Host values summed across ranks (identity for one process)."""
         if self.world_size == 1:
             return values
-        tensor = torch.tensor(values, dtype=torch.float64)
+        tensor = torch.tensor(values, dtype=torch.float64, device="cpu")  # the gloo host group
         dist.all_reduce(tensor, group=self.host_group)
         return tensor.tolist()
 

@@ -45,7 +45,7 @@ def _pack(weight: torch.Tensor, bias: torch.Tensor | None):
     """fbgemm's prepacked per-channel int8 weight (and fp32 bias)."""
     weight = weight.detach().float()
     scales = (weight.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-    zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
+    zero_points = torch.zeros(weight.shape[0], dtype=torch.long, device=weight.device)
     with warnings.catch_warnings():  # PyTorch marks quantized tensors for a future removal
         warnings.simplefilter("ignore", UserWarning)
         quantized = torch.quantize_per_channel(weight, scales.double(), zero_points, 0, torch.qint8)

@@ -132,7 +132,15 @@ class _Batch:
         self.history = torch.cat([self.history, tokens[:, None]], dim=1)
 
 
-def _check(max_lens, src, beam: int = 1, nbest: int = 1, prefix: Sequence[int] = ()) -> None:
+def _check(
+    model, max_lens, src, src_lengths, beam: int = 1, nbest: int = 1, prefix: Sequence[int] = ()
+) -> None:
+    device = model.embedding.weight.device
+    for name, tensor in (("src", src), ("src_lengths", src_lengths)):
+        if tensor.device != device:
+            raise ValueError(
+                f"{name} must be on the model's device ({device}), got {tensor.device}"
+            )
     if beam < 1:
         raise ValueError(f"beam must be at least 1, got {beam}")
     if not 1 <= nbest <= beam:
@@ -170,7 +178,7 @@ def greedy(
     log-probability 0, counted in the lengths and returned in the hypotheses' tokens, as
     transformers' ``forced_bos_token_id`` does. ``shortlist``: score only the words it lists
     for the batch's source tokens (``fastnmt.shortlist``)."""
-    _check(max_lens, src, prefix=prefix)
+    _check(model, max_lens, src, src_lengths, prefix=prefix)
     batch = _Batch(model, src, src_lengths, max_lens, incremental, eos, prefix, shortlist)
     log_probs = torch.zeros(batch.size, device=src.device)  # (A,)
     results: list[Hypothesis | None] = [None] * src.shape[0]
@@ -223,7 +231,7 @@ def beam_search(
     ``early_stopping=True``), or at its length limit, where its best K continuations are finished as
     they are. With K as large as the number of possible prefixes the search is exhaustive.
     """
-    _check(max_lens, src, beam, nbest, prefix)
+    _check(model, max_lens, src, src_lengths, beam, nbest, prefix)
     k, eos_id = beam, model.cfg.eos_id
     # The first step scores one hypothesis per sentence (its K beams would all be the empty
     # prefix); its best K continuations become the K beams.

@@ -11,6 +11,11 @@ import fastnmt
 # Where Triton kernels run in the tests: compiled on a CUDA GPU when there is one, else in the
 # Triton interpreter on CPU tensors (tests/conftest.py sets TRITON_INTERPRET=1 first).
 TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# Why Triton does not run CPU tensors unforced: with a GPU it runs CUDA tensors only; without
+# one the interpreter runs them, but only when triton is forced.
+TRITON_CPU_REASON = (
+    "tensors are on cpu" if torch.cuda.is_available() else "only when triton is forced"
+)
 
 
 def device_of(backend: str) -> torch.device:

@@ -116,9 +116,13 @@ def test_refusals_are_one_line():
 
 
 def test_the_translator_translates_in_int8(tmp_path):
+    """On a CPU (also where a GPU would be the default device); CUDA is refused in one line."""
     directory = tiny_checkpoint(tmp_path / "ckpt")
     fp32 = Translator.from_checkpoint(directory, precision="fp32")
-    int8 = Translator.from_checkpoint(directory, precision="int8")
+    int8 = Translator.from_checkpoint(directory, precision="int8", device="cpu")
+    refusal = "int8 GEMMs run on CPUs" if torch.cuda.is_available() else "CUDA"
+    with pytest.raises(ValueError, match=refusal):
+        Translator.from_checkpoint(directory, precision="int8", device="cuda")
     assert isinstance(int8.model.packed_output, Int8Linear)
     lines = ["a small test", "another line of text here", ""]
     translated = int8.translate_full(lines, beam=2)

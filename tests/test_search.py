@@ -225,6 +225,8 @@ def test_bad_arguments_are_named():
         beam_search(model, src, src_lengths, max_lens, beam=2, nbest=3)
     with pytest.raises(ValueError, match="max_lens must be"):
         greedy(model, src, src_lengths, torch.tensor([3, 0, 1, 1]))
+    with pytest.raises(ValueError, match=r"src must be on the model's device \(cpu\), got meta"):
+        greedy(model, src.to("meta"), src_lengths, max_lens)
 
 
 @pytest.mark.parametrize("beam", [1, 4])

@@ -52,10 +52,11 @@ def test_greedy_is_beam_1_of_the_search(translator):
     assert beam_1.text == greedy_texts[0]
     # nbest=1 with beam 1 takes greedy's code path; beam_search(beam=1) must agree with it.
     tokens = translator.vocab.encode([SENTENCES[0]])[0] + [translator.vocab.eos_id]
+    on_device = dict(device=translator.device)  # the model's: CUDA where there is one
     found = beam_search(
         translator.model,
-        torch.tensor([tokens]),
-        torch.tensor([len(tokens)]),
+        torch.tensor([tokens], **on_device),
+        torch.tensor([len(tokens)], **on_device),
         torch.tensor([int(1.2 * len(tokens) + 10)]),
         beam=1,
         penalty=LengthPenalty(),

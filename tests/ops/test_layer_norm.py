@@ -10,7 +10,7 @@ import torch
 
 import fastnmt
 from fastnmt.ops import add_layer_norm, triton_common
-from tests.helpers import assert_error_within, device_of, require_backend
+from tests.helpers import TRITON_CPU_REASON, assert_error_within, device_of, require_backend
 
 layer_norm_module = importlib.import_module("fastnmt.ops.layer_norm")
 
@@ -295,16 +295,19 @@ def test_triton_at_gpu_tiles(triton_device, width, dtype, prenorm):
             _assert_dropout_backward_matches_oracle(rows, width, prenorm, triton_device)
 
 
-def test_triton_reasons():
+def test_triton_reasons(triton_device):
+    """CPU tensors: Triton only in the interpreter, and only when forced (with a GPU: not at
+    all). Tensors on the Triton device: chosen on a GPU; forced, the kernel's own limits."""
     cpu = fastnmt.dispatch.explain("add_layer_norm", torch.randn(2, 8))
-    assert (
-        cpu["chosen"] in ("cpp", "reference") and "only when triton is forced" in cpu["triton"][0]
-    )
+    assert cpu["chosen"] in ("cpp", "reference") and TRITON_CPU_REASON in cpu["triton"][0]
+    if torch.cuda.is_available():
+        on_gpu = torch.randn(2, 8, device=triton_device)
+        assert fastnmt.dispatch.explain("add_layer_norm", on_gpu)["chosen"] == "triton"
     with fastnmt.backend("triton"):
         with pytest.raises(fastnmt.BackendUnavailableError, match="a row must fit one Triton"):
-            add_layer_norm(torch.randn(1, 9000))
+            add_layer_norm(torch.randn(1, 9000, device=triton_device))
         with pytest.raises(fastnmt.BackendUnavailableError, match=r"x has dtype torch\.float64"):
-            add_layer_norm(torch.randn(2, 8, dtype=torch.float64))
+            add_layer_norm(torch.randn(2, 8, dtype=torch.float64, device=triton_device))
 
 
 def test_cpp_is_chosen_for_cpu_tensors_and_independent_of_thread_count():

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import fastnmt
 from fastnmt.ops import linear_cross_entropy
 from fastnmt.ops.triton_common import gpu_tiles
-from tests.helpers import assert_error_within, device_of, require_backend
+from tests.helpers import TRITON_DEVICE, assert_error_within, device_of, require_backend
 
 op_module = sys.modules["fastnmt.ops.linear_cross_entropy"]
 IGNORE = -100
@@ -221,8 +221,9 @@ def test_reduction_none_runs_on_the_reference():
         hidden.view(2, 3, 8), weight, bias, target.view(2, 3), 0.1, IGNORE, "none"
     )
     assert out.loss.shape == (2, 3) and out.loss[0, 1] == 0.0
+    on_triton = (t.to(TRITON_DEVICE) for t in (hidden, weight, bias, target))
     with fastnmt.backend("triton"), pytest.raises(fastnmt.BackendUnavailableError, match="none"):
-        linear_cross_entropy(hidden, weight, bias, target, 0.1, IGNORE, "none")
+        linear_cross_entropy(*on_triton, 0.1, IGNORE, "none")
 
 
 def test_fused_opcheck(fused):
