@@ -3,10 +3,11 @@
 //
 // Each row is read once from the logits into an fp32 buffer while finding its max; the banned
 // columns' exponentials are summed and the columns set to -inf there (out of the choice, still in
-// the normaliser, as in fairseq's and transformers' search); one more vectorised pass over that
-// buffer, while it is in L1/L2, sums the other exponentials and keeps the top k in a small sorted list that a whole vector of candidates
-// skips when none of its lanes beats the k-th best. No (rows x V) log-probability tensor is written. Rows are
-// independent, so the work is split over rows and no result depends on the thread count.
+// the normaliser, as in fairseq's and transformers' search). One more vectorised pass over that
+// buffer, while it is in L1/L2, sums the other exponentials and keeps the top k in a small sorted
+// list that a whole vector of candidates skips when none of its lanes beats the k-th best. No
+// (rows x V) log-probability tensor is written. Rows are independent, so the work is split over
+// rows and no result depends on the thread count.
 #include "common.h"
 #include "vec.h"
 

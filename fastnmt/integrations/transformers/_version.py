@@ -10,6 +10,8 @@ except ImportError as error:  # one line, with the fix
         'fastnmt.integrations.transformers needs transformers: pip install "fastnmt[transformers]"'
     ) from error
 
+# Before 5.6 the layers return tuples (5.0-5.3) and the attention modules view keys with the
+# query's batch size (5.4-5.5), which packed (1, tokens) queries beside (B, L) keys break.
 OLDEST = (5, 6)
 NEWEST_MAJOR = 5  # transformers 6 may change the layer and cache interfaces this module patches
 SUPPORTED = f">={OLDEST[0]}.{OLDEST[1]},<{NEWEST_MAJOR + 1}"

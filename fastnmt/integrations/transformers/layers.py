@@ -185,8 +185,8 @@ def _decoder_layer_forward(
     return _unpacked(packing, x, hidden_states)
 
 
-# The KV cache's keyword, newest name first: transformers 5.0-5.23 call it past_key_values, 5.24
-# renamed it cache (and deprecates the old name).
+# The KV cache's keyword, newest name first: transformers 5.24 renamed past_key_values to cache
+# (and deprecates the old name).
 CACHE_KEYWORDS = ("cache", "past_key_values")
 
 
@@ -209,10 +209,10 @@ def _patch_layers(model: nn.Module, prenorm: bool, activation: str) -> None:
     for layers, forward in zip(base, (_encoder_layer_forward, _decoder_layer_forward), strict=True):
         for layer in layers:
             layer.fastnmt_prenorm, layer.fastnmt_activation = prenorm, activation
-            if forward is _decoder_layer_forward:
-                layer.fastnmt_cache_keyword = _cache_keyword(layer)
-                layer.fastnmt_attention_cache_keyword = _cache_keyword(layer.self_attn)
             layer.forward = types.MethodType(forward, layer)
+    for layer in model.get_decoder().layers:  # the names its cache comes and goes under
+        layer.fastnmt_cache_keyword = _cache_keyword(layer)
+        layer.fastnmt_attention_cache_keyword = _cache_keyword(layer.self_attn)
 
 
 # ---------------------------------------------------------------------------------------------
