@@ -12,16 +12,19 @@ namespace {
 
 constexpr int64_t kRowsPerBlock = 32;  // rows per partial sum of dweight / dbias
 
-// Affine parameters as fp32, zero-padded to whole vectors (ones/zeros when absent), so the
-// kernels load them without a tail case.
-at::Tensor as_float_or(const c10::optional<at::Tensor>& t, int64_t width, float fill) {
-  auto padded = at::zeros({whole_vectors(width)}, at::kFloat);
-  if (t.has_value()) {
-    padded.narrow(0, 0, width).copy_(*t);
-  } else {
-    padded.narrow(0, 0, width).fill_(fill);
-  }
-  return padded;
+// An affine parameter as contiguous fp32: the tensor itself when it already is one (no copy per
+// call: at translation shapes, an op's fixed cost is most of its time), undefined when absent.
+at::Tensor as_float(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? t->to(at::kFloat).contiguous() : at::Tensor();
+}
+
+const float* float_data(const at::Tensor& t) {
+  return t.defined() ? t.data_ptr<float>() : nullptr;
+}
+
+// Lanes [j, j + n) of an affine parameter (n <= kLanes), or `fill` where it is absent.
+inline Vec affine(const float* parameter, int64_t j, int64_t n, float fill) {
+  return parameter != nullptr ? load_float(parameter + j, n) : splat(fill);
 }
 
 // Lanes [0, n) of v, the others 0.
@@ -55,8 +58,9 @@ void forward_row(const x_t* x, const h_t* residual, const float* weight, const f
   const float rstd =
       1.0f / std::sqrt(horizontal_sum(squares) / static_cast<float>(width) + eps);
   for (int64_t j = 0; j < width; j += kLanes) {
+    const int64_t n = std::min(kLanes, width - j);
     const Vec xhat = (load(hf + j) - mean) * rstd;
-    store_float(y + j, xhat * load(weight + j) + load(bias + j), std::min(kLanes, width - j));
+    store_float(y + j, xhat * affine(weight, j, n, 1.0f) + affine(bias, j, n, 0.0f), n);
   }
   *mean_out = mean;
   *rstd_out = rstd;
@@ -89,7 +93,7 @@ void backward_row(const x_t* dy, const h_t* dh_out, const h_t* h, const float* w
     const int64_t n = std::min(kLanes, width - j);
     const Vec dy_j = load_float(dy + j, n);  // 0 past the row: no contribution below
     const Vec xhat_j = (load_float(h + j, n) - mean) * rstd;
-    const Vec g_j = dy_j * load(weight + j);
+    const Vec g_j = dy_j * affine(weight, j, n, 1.0f);
     store(g + j, g_j);
     store(xhat + j, xhat_j);
     sum_g += g_j;
@@ -141,6 +145,7 @@ void backward_rows(const x_t* dy, const h_t* dh_out, const h_t* h, const float* 
 // Sum (blocks, width) partials over blocks, in block order.
 at::Tensor sum_blocks(const at::Tensor& partials) {
   const int64_t blocks = partials.size(0), width = partials.size(1);
+  if (blocks == 1) return partials.view({width});
   auto total = at::zeros({width}, partials.options());
   const float* in = partials.data_ptr<float>();
   float* out = total.data_ptr<float>();
@@ -187,8 +192,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_forwar
   const auto x = x_in.contiguous();
   c10::optional<at::Tensor> residual;
   if (residual_in.has_value()) residual = residual_in->to(h_dtype).contiguous();
-  const auto weight = as_float_or(weight_in, width, 1.0f);
-  const auto bias = as_float_or(bias_in, width, 0.0f);
+  const auto weight = as_float(weight_in);
+  const auto bias = as_float(bias_in);
   auto y = at::empty_like(x);
   auto h = at::empty(x.sizes(), x.options().dtype(h_dtype));
   auto mean = at::empty({rows}, x.options().dtype(at::kFloat));
@@ -199,7 +204,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_forwar
     using h_t = typename decltype(h_tag)::type;
     forward_rows<x_t, h_t>(
         x.data_ptr<x_t>(), residual ? residual->data_ptr<h_t>() : nullptr,
-        weight.data_ptr<float>(), bias.data_ptr<float>(), y.data_ptr<x_t>(), h.data_ptr<h_t>(),
+        float_data(weight), float_data(bias), y.data_ptr<x_t>(), h.data_ptr<h_t>(),
         mean.data_ptr<float>(), rstd.data_ptr<float>(), rows, width, eps, dropout);
   });
   return {y, h, mean, rstd};
@@ -218,7 +223,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_backwa
   const auto h_c = h.contiguous();
   c10::optional<at::Tensor> dh_out;
   if (dh_out_in.has_value()) dh_out = dh_out_in->to(h.scalar_type()).contiguous();
-  const auto weight = as_float_or(weight_in, width, 1.0f);
+  const auto weight = as_float(weight_in);
   auto dx = at::empty_like(dy);
   auto dresidual = has_residual ? at::empty_like(h_c) : h.new_empty({0});
   const int64_t blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
@@ -230,7 +235,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_backwa
     using h_t = typename decltype(h_tag)::type;
     backward_rows<x_t, h_t>(
         dy.data_ptr<x_t>(), dh_out ? dh_out->data_ptr<h_t>() : nullptr, h_c.data_ptr<h_t>(),
-        weight.data_ptr<float>(), mean.data_ptr<float>(), rstd.data_ptr<float>(),
+        float_data(weight), mean.data_ptr<float>(), rstd.data_ptr<float>(),
         dx.data_ptr<x_t>(), has_residual ? dresidual.data_ptr<h_t>() : nullptr,
         weight_partials.data_ptr<float>(), bias_partials.data_ptr<float>(), rows, width, dropout);
   });

@@ -1,6 +1,6 @@
 """fastnmt: fused attention, residual+LayerNorm and FFN kernels, and a translator built on them."""
 
-from fastnmt import ops
+from fastnmt import environment, ops
 from fastnmt._extension import extension_available, extension_status
 from fastnmt.dispatch import BACKENDS, BackendUnavailableError, backend, explain
 from fastnmt.translator import Translator
@@ -12,6 +12,7 @@ __all__ = [
     "BackendUnavailableError",
     "Translator",
     "backend",
+    "environment",
     "explain",
     "extension_available",
     "extension_status",

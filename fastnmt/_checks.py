@@ -10,9 +10,10 @@ stay memory-safe for any value (out-of-range lengths are clamped to [0, L]).
 from __future__ import annotations
 
 import numbers
-import os
 
 import torch
+
+from fastnmt import environment
 
 
 def tensor(name: str, value, *, ndim: int | None = None, floating: bool = False) -> torch.Tensor:
@@ -65,4 +66,4 @@ def autocasting(device: torch.device) -> bool:
 
 def values_checked() -> bool:
     """Whether ops check tensor values (a host sync each): ``FASTNMT_CHECK_VALUES=1``."""
-    return os.environ.get("FASTNMT_CHECK_VALUES") == "1"
+    return environment.check_values

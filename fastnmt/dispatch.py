@@ -5,30 +5,47 @@ that implementation cannot run a given call (an empty list means it can), in the
 xformers' ``not_supported_reasons()``. A call runs on the first backend, in ``BACKENDS`` order, with
 no reasons against it; ``reference`` runs everything, so a call always has a backend.
 
-A backend can be forced with the environment variable ``FASTNMT_BACKEND`` or, taking precedence, the
+A backend can be forced with the environment variable ``FASTNMT_BACKEND`` (read at import, see
+``fastnmt.environment``) or, taking precedence, the
 ``backend()`` context manager, for every op or only for some (``backend("reference",
 ops=["linear_cross_entropy"])``: A/B comparisons of one op inside a whole model). Forcing a
 backend that cannot run the call raises ``BackendUnavailableError`` with the reasons: a forced
 backend never falls back silently.
 ``explain()`` returns, for a call, every backend's reasons. Under ``torch.compile`` the backend is
 chosen when the graph is traced and stays part of it: force a backend before compiling.
+
+The host cost of a call is what decides an op's speed at translation shapes (a GPU kernel takes
+tens of microseconds), so the choice is cached per call signature: the forced backends, grad and
+autocast modes, and each argument (a tensor by shape, strides, dtype, device and requires_grad;
+anything else by value). A call whose signature was seen skips the argument checks and the
+reasons: a dict lookup, then the implementation. Reasons and checks read nothing else, so a cached
+choice is the one ``explain()`` gives.
+
+Each backend may register two implementations: the eager one (kernels called through a plain
+``torch.autograd.Function``, the leanest path into them) and a traced one for ``torch.compile``,
+``torch.func`` transforms and export (the torch.library ops, with fakes, that graphs keep opaque).
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 
 import torch
 
+from fastnmt import environment
 from fastnmt._extension import extension_available, extension_status
 from fastnmt._triton import TRITON_AVAILABLE, triton_status
 
 BACKENDS = ("triton", "cpp", "reference")
-ENV_VAR = "FASTNMT_BACKEND"
+ENV_VAR = environment.BACKEND
 _AUTO = "auto"
+# Distinct call signatures remembered per op: bucketed MT batches and decoding lengths give a few
+# hundred; past this many the cache starts afresh rather than growing without bound.
+_MAX_DECISIONS = 4096
 
 # The active backend() blocks, innermost last: (backend name, op names or None for every op).
 _forced: ContextVar[tuple[tuple[str, frozenset[str] | None], ...]] = ContextVar(
@@ -73,7 +90,7 @@ def forced_backend(op_name: str) -> str | None:
         None,
     )
     if name is None:
-        name = _check_backend_name(os.environ.get(ENV_VAR, _AUTO), ENV_VAR)
+        name = _check_backend_name(environment.backend, ENV_VAR)
     return None if name == _AUTO else name
 
 
@@ -103,6 +120,12 @@ _DEVICE_REASONS: dict[str, Callable[[torch.device, bool], list[str]]] = {
     "reference": lambda device, forced: [],
 }
 
+
+def _tracing() -> bool:
+    """Under torch.compile, export or a torch.func transform: the traced implementations run."""
+    return torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+
+
 UnsupportedFn = Callable[..., Iterable[str]]
 PrepareFn = Callable[..., tuple[torch.device, dict]]
 
@@ -111,25 +134,43 @@ class Op:
     """One op's implementations, keyed by backend, each with the reasons it cannot run a call.
 
     ``prepare`` takes the op's public arguments, validates them (raising ValueError/TypeError that
-    name the argument) and returns the device and the keyword arguments every implementation takes.
+    name the argument) and returns the device and the keyword arguments every implementation takes:
+    the tensors as given, the other arguments normalized (defaults filled in). The public function
+    calls the op with every argument positionally, in ``prepare``'s order: the cached path.
     """
 
     def __init__(self, name: str, prepare: PrepareFn):
         self.name = name
         self.prepare = prepare
+        self._names = tuple(inspect.signature(prepare).parameters)
         self._implementations: dict[str, tuple[Callable, UnsupportedFn | None]] = {}
+        self._traced: dict[str, Callable] = {}
+        # call signature -> (implementation, the normalized non-tensor arguments)
+        self._decisions: dict[tuple, tuple[Callable, dict]] = {}
 
-    def register(self, backend_name: str, unsupported: UnsupportedFn | None = None):
+    def register(
+        self,
+        backend_name: str,
+        unsupported: UnsupportedFn | None = None,
+        *,
+        traced: Callable | None = None,
+    ):
         """Decorator: ``fn(**prepared)`` implements this op on ``backend_name``;
         ``unsupported(**prepared)`` yields the reasons it cannot run a call (besides the backend's
-        device requirements)."""
+        device requirements); ``traced`` replaces ``fn`` under tracing (default: ``fn``)."""
         _check_backend_name(backend_name, "register()'s backend_name")
 
         def decorate(fn: Callable) -> Callable:
             self._implementations[backend_name] = (fn, unsupported)
+            self._traced[backend_name] = fn if traced is None else traced
+            self._decisions.clear()
             return fn
 
         return decorate
+
+    def implementation(self, backend_name: str) -> Callable:
+        """The eager implementation registered for ``backend_name``."""
+        return self._implementations[backend_name][0]
 
     def _reasons(self, device: torch.device, prepared: dict, forced: str | None) -> dict:
         found = {}
@@ -164,8 +205,58 @@ class Op:
         return reasons
 
     def __call__(self, *args, **kwargs):
-        device, prepared = self.prepare(*args, **kwargs)
+        if (  # value checks run at every call; _tracing() inlined: a Python call less
+            kwargs
+            or environment.check_values
+            or torch.compiler.is_compiling()
+            or torch._C._are_functorch_transforms_active()
+        ):
+            return self._call_uncached(args, kwargs)
+        key = [_forced.get(), environment.backend, torch.is_grad_enabled()]
+        for value in args:  # inline: a helper per argument would cost a Python call each
+            if isinstance(value, torch.Tensor):
+                key.append(
+                    (value.shape, value.stride(), value.dtype, value.device, value.requires_grad)
+                )
+            else:  # with its type: 1, 1.0 and True are equal keys, and not all are accepted
+                key.append((type(value), value))
+        if torch._C._is_any_autocast_enabled():
+            device_type = args[0].device.type
+            key.append(
+                (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+            )
+        key = tuple(key)
+        try:
+            decision = self._decisions.get(key)
+        except TypeError:  # an unhashable argument: decide afresh
+            return self._call_uncached(args, kwargs)
+        if decision is None:
+            decision = self._decide(key, args)
+        implementation, constants = decision
+        arguments = dict(zip(self._names, args, strict=False))
+        arguments.update(constants)
+        return implementation(**arguments)
+
+    def _decide(self, key: tuple, args: tuple) -> tuple[Callable, dict]:
+        device, prepared = self.prepare(*args)
         implementation, _ = self._implementations[self._choose(device, prepared)]
+        given = dict(zip(self._names, args, strict=False))
+        constants = {}
+        for name, value in prepared.items():
+            if isinstance(value, torch.Tensor):
+                # The cached path passes the tensors the call gives: prepare may not replace them.
+                assert value is given[name], f"{self.name}: prepare replaced tensor {name}"
+            else:
+                constants[name] = value
+        if len(self._decisions) >= _MAX_DECISIONS:
+            self._decisions.clear()
+        self._decisions[key] = implementation, constants
+        return implementation, constants
+
+    def _call_uncached(self, args: tuple, kwargs: dict):
+        device, prepared = self.prepare(*args, **kwargs)
+        name = self._choose(device, prepared)
+        implementation = self._traced[name] if _tracing() else self._implementations[name][0]
         return implementation(**prepared)
 
 

@@ -24,9 +24,14 @@ if _SHARED_MULTI30K.is_dir():
 
 @pytest.fixture(autouse=True)
 def _seeded_and_auto_backend(monkeypatch):
-    """Fresh seeded randomness per test, and no backend forced from the environment."""
-    monkeypatch.delenv(fastnmt.dispatch.ENV_VAR, raising=False)
+    """Fresh seeded randomness per test, and no backend forced from the environment (which
+    fastnmt reads at import and on ``environment.reload()``: tests that set a variable reload)."""
+    monkeypatch.delenv(fastnmt.environment.BACKEND, raising=False)
+    fastnmt.environment.reload()
     torch.manual_seed(0)
+    yield
+    monkeypatch.undo()
+    fastnmt.environment.reload()
 
 
 @pytest.fixture(params=["triton", "cpp"])

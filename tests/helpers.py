@@ -5,6 +5,7 @@ import os
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 import fastnmt
 
@@ -169,3 +170,47 @@ def count_host_syncs(*, none_allowed: bool = False):
     finally:
         if debug:
             torch.cuda.set_sync_debug_mode("default")
+
+
+class HostOps(TorchDispatchMode):
+    """``with HostOps(module, kernel_names) as host:`` records the aten ops a call dispatches
+    (``host.aten``) and the Triton kernels it launches (``host.launches``, by name), on any device.
+    The kernels run outside the recording: the Triton interpreter moves tensors with aten ops of
+    its own, which a GPU launch does not make."""
+
+    def __init__(self, module, kernel_names):
+        super().__init__()
+        self.aten: list[str] = []
+        self.launches: list[str] = []
+        self._patches = [(name, getattr(module, name)) for name in kernel_names]
+        self._module = module
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.aten.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+    def _counted(self, name, kernel):
+        host = self
+
+        class Counted:
+            def __getitem__(self, grid):
+                host.launches.append(name)
+                launch = kernel[grid]
+
+                def unrecorded(*args, **kwargs):
+                    with _disable_current_modes():
+                        return launch(*args, **kwargs)
+
+                return unrecorded
+
+        return Counted()
+
+    def __enter__(self):
+        for name, kernel in self._patches:
+            setattr(self._module, name, self._counted(name, kernel))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, kernel in self._patches:
+            setattr(self._module, name, kernel)
+        return super().__exit__(*exc)

@@ -309,6 +309,7 @@ BAD_MODULE_INPUTS = [
 @pytest.mark.parametrize(("override", "error", "message"), BAD_MODULE_INPUTS)
 def test_bad_module_inputs_name_the_argument(override, error, message, monkeypatch):
     monkeypatch.setenv("FASTNMT_CHECK_VALUES", "1")  # key_lengths' range is checked too
+    fastnmt.environment.reload()
     _, ours = _pair(batch_first=True)
     x = torch.randn(2, 5, E)
     arguments = dict(query=x, key=x, value=x)

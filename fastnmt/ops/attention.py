@@ -798,7 +798,8 @@ def _launch_forward(
             **_kernel_flags(key_lengths, padding, seed, causal, q.dtype),
             **_launch_options(config, head_dim, value_dim),
         )  # fmt: skip
-    return out.to(q.dtype), lse
+    # The interpreter's fp32 outputs of bf16 inputs go back to bf16; a GPU's need no call at all.
+    return (out if out.dtype == q.dtype else out.to(q.dtype)), lse
 
 
 def _launch_delta(out, grad_out, grad_lse):
@@ -846,6 +847,8 @@ def _launch_backward(
             q, k, v, grad_out, lse, delta, grad_q, *shared,
             **flags, **_launch_options(config, head_dim, value_dim),
         )  # fmt: skip
+    if grad_dtype == q.dtype:  # k and v have q's dtype
+        return grad_q, grad_k, grad_v
     return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype)
 
 
@@ -967,7 +970,6 @@ def _prepare(
     q,
     k,
     v,
-    *,
     key_lengths=None,
     key_padding_mask=None,
     attn_mask=None,
@@ -1065,6 +1067,8 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, key_lengths, key_padding_mask, seed)
     ctx.causal, ctx.dropout_p, ctx.scale = causal, dropout_p, scale
+    # An unused LSE (the usual case) gets no zero-filled gradient to allocate and subtract.
+    ctx.set_materialize_grads(False)
 
 
 def _make_backward(backward_op):
@@ -1072,6 +1076,8 @@ def _make_backward(backward_op):
 
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse, key_lengths, key_padding_mask, seed = ctx.saved_tensors
+        if grad_out is None:  # only the LSE was used
+            grad_out = torch.zeros_like(out)
         grads = backward_op(
             grad_out, grad_lse, q, k, v, out, lse, key_lengths, key_padding_mask, seed,
             ctx.causal, ctx.dropout_p, ctx.scale,
@@ -1081,19 +1087,6 @@ def _make_backward(backward_op):
         return *grads, None, None, None, None, None, None, None
 
     return backward
-
-
-# The Triton ops and the C++ ops (same signatures) share their fakes and autograd. The C++ ops
-# (csrc/attention.cpp, CPU tensors) take ``out`` but ignore it: their backward computes
-# delta_i = sum_j P_ij dP_ij from P, exactly in fp32, rather than from the rounded output.
-registration.register_kernels(
-    (_attention_forward_op, _attention_backward_op),
-    ("attention_cpp", "attention_cpp_backward"),
-    forward_fake=_forward_fake,
-    backward_fake=_backward_fake,
-    setup_context=_setup_context,
-    make_backward=_make_backward,
-)
 
 
 def _triton_unsupported(q, k, v, attn_mask, cache_rows, **_):
@@ -1112,18 +1105,6 @@ def _span(x: torch.Tensor) -> int:
     return 1 + sum((size - 1) * stride for size, stride in zip(x.shape, x.stride(), strict=True))
 
 
-@ATTENTION.register("triton", unsupported=_triton_unsupported)
-def attention_triton(
-    q, k, v, key_lengths, key_padding_mask, attn_mask, causal, dropout_p, scale, return_lse,
-    cache_rows,
-):  # fmt: skip
-    seed = dropout_seed(q.device) if dropout_p > 0.0 else None
-    out, lse = _attention_forward_op(
-        q, k, v, key_lengths, key_padding_mask, seed, causal, dropout_p, scale, cache_rows
-    )
-    return out, (lse if return_lse else None)
-
-
 _CPP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -1134,16 +1115,36 @@ def _cpp_unsupported(q, attn_mask, **_):
         yield f"dtype {q.dtype}: the C++ kernel runs {', '.join(map(str, _CPP_DTYPES))}"
 
 
-@ATTENTION.register("cpp", unsupported=_cpp_unsupported)
-def attention_cpp(
-    q, k, v, key_lengths, key_padding_mask, attn_mask, causal, dropout_p, scale, return_lse,
-    cache_rows,
-):  # fmt: skip
-    seed = dropout_seed(q.device) if dropout_p > 0.0 else None
-    out, lse = torch.ops.fastnmt.attention_cpp(
-        q, k, v, key_lengths, key_padding_mask, seed, causal, dropout_p, scale, cache_rows
-    )
-    return out, (lse if return_lse else None)
+def _running(_backend: str, forward):
+    """The implementation of the op that calls ``forward`` with the forward op's arguments."""
+
+    def implementation(
+        q, k, v, key_lengths, key_padding_mask, attn_mask, causal, dropout_p, scale, return_lse,
+        cache_rows,
+    ):  # fmt: skip
+        seed = dropout_seed(q.device) if dropout_p > 0.0 else None
+        out, lse = forward(
+            q, k, v, key_lengths, key_padding_mask, seed, causal, dropout_p, scale, cache_rows
+        )
+        return out, (lse if return_lse else None)
+
+    return implementation
+
+
+# The Triton ops and the C++ ops (same signatures) share their fakes and autograd. The C++ ops
+# (csrc/attention.cpp, CPU tensors) take ``out`` but ignore it: their backward computes
+# delta_i = sum_j P_ij dP_ij from P, exactly in fp32, rather than from the rounded output.
+registration.register_kernels(
+    ATTENTION,
+    triton=((_attention_forward_op, _attention_backward_op), (_launch_forward, _launch_backward)),
+    cpp=("attention_cpp", "attention_cpp_backward"),
+    unsupported={"triton": _triton_unsupported, "cpp": _cpp_unsupported},
+    running=_running,
+    forward_fake=_forward_fake,
+    backward_fake=_backward_fake,
+    setup_context=_setup_context,
+    make_backward=_make_backward,
+)
 
 
 def attention(
@@ -1186,16 +1187,7 @@ def attention(
         out (B, H, Lq, Dv), or (out, lse) when ``return_lse``. A row that sees no key is 0.
     """
     out, lse = ATTENTION(
-        q,
-        k,
-        v,
-        key_lengths=key_lengths,
-        key_padding_mask=key_padding_mask,
-        attn_mask=attn_mask,
-        causal=causal,
-        dropout_p=dropout_p,
-        scale=scale,
-        return_lse=return_lse,
-        cache_rows=cache_rows,
-    )
+        q, k, v, key_lengths, key_padding_mask, attn_mask, causal, dropout_p, scale, return_lse,
+        cache_rows,
+    )  # fmt: skip
     return (out, lse) if return_lse else out

@@ -433,6 +433,14 @@ def _backward(dy2, x2, w1, w2, z, a, seed, activation, dropout_p, fused_gemm):
 # ---------------------------------------------------------------------------------------------
 
 
+def _launch_forward(x, w1, b1, w2, b2, activation, dropout_p, seed, fused_gemm):
+    """(y, z, a): z and a (GELU and SiLU; empty for ReLU) are kept for the backward."""
+    y, z, a = _forward(
+        x.reshape(-1, x.shape[-1]), w1, b1, w2, b2, activation, dropout_p, seed, fused_gemm
+    )
+    return y.view(*x.shape[:-1], w2.shape[0]), z, a
+
+
 @torch.library.custom_op("fastnmt::feed_forward_triton", mutates_args=())
 def _feed_forward_op(
     x: torch.Tensor,
@@ -445,11 +453,8 @@ def _feed_forward_op(
     seed: torch.Tensor | None,
     fused_gemm: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, z, a): z and a (GELU and SiLU; empty for ReLU) are kept for the backward."""
-    y, z, a = _forward(
-        x.reshape(-1, x.shape[-1]), w1, b1, w2, b2, activation, dropout_p, seed, fused_gemm
-    )
-    return y.view(*x.shape[:-1], w2.shape[0]), z, a
+    """See ``_launch_forward``."""
+    return _launch_forward(x, w1, b1, w2, b2, activation, dropout_p, seed, fused_gemm)
 
 
 def _forward_fake(x, w1, b1, w2, b2, activation, dropout_p, seed, *path):
@@ -458,6 +463,23 @@ def _forward_fake(x, w1, b1, w2, b2, activation, dropout_p, seed, *path):
     keep_a = _saves_preactivation(activation)
     a = x.new_empty(tokens, w1.shape[0]) if keep_a else x.new_empty(0)
     return x.new_empty(*x.shape[:-1], w2.shape[0]), z, a
+
+
+def _launch_backward(dy, x, w1, w2, z, a, seed, activation, dropout_p, fused_gemm):
+    """(dx, dW1, db1, dW2, db2)."""
+    dx, dw1, db1, dw2, db2 = _backward(
+        dy.reshape(-1, dy.shape[-1]),
+        x.reshape(-1, x.shape[-1]),
+        w1,
+        w2,
+        z,
+        a,
+        seed,
+        activation,
+        dropout_p,
+        fused_gemm,
+    )
+    return dx.view(x.shape), dw1, db1, dw2, db2
 
 
 @torch.library.custom_op("fastnmt::feed_forward_triton_backward", mutates_args=())
@@ -473,20 +495,8 @@ def _feed_forward_backward_op(
     dropout_p: float,
     fused_gemm: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dW1, db1, dW2, db2)."""
-    dx, dw1, db1, dw2, db2 = _backward(
-        dy.reshape(-1, dy.shape[-1]),
-        x.reshape(-1, x.shape[-1]),
-        w1,
-        w2,
-        z,
-        a,
-        seed,
-        activation,
-        dropout_p,
-        fused_gemm,
-    )
-    return dx.view(x.shape), dw1, db1, dw2, db2
+    """See ``_launch_backward``."""
+    return _launch_backward(dy, x, w1, w2, z, a, seed, activation, dropout_p, fused_gemm)
 
 
 def _backward_fake(dy, x, w1, w2, z, a, seed, activation, dropout_p, *path):
@@ -524,17 +534,6 @@ def _make_backward(backward_op):
     return backward
 
 
-# The Triton ops and the C++ ops (same signatures) share their fakes and autograd.
-registration.register_kernels(
-    (_feed_forward_op, _feed_forward_backward_op),
-    ("feed_forward_cpp", "feed_forward_cpp_backward"),
-    forward_fake=_forward_fake,
-    backward_fake=_backward_fake,
-    setup_context=_setup_context,
-    make_backward=_make_backward,
-)
-
-
 def _autocast_operands(x, w1, b1, w2, b2):
     """Under autocast, the operands in the autocast dtype, as ``F.linear`` would take them."""
     if not torch.is_autocast_enabled(x.device.type):
@@ -543,14 +542,22 @@ def _autocast_operands(x, w1, b1, w2, b2):
     return tuple(None if t is None else t.to(dtype) for t in (x, w1, b1, w2, b2))
 
 
-def feed_forward_triton(x, w1, b1, w2, b2, activation, dropout_p, fused_gemm=None):
-    """The Triton backend; ``fused_gemm`` picks the path (None: the library GEMMs, unless
+def _running(backend: str, forward):
+    """The implementation of the op that calls ``forward`` with the forward op's arguments; on
+    Triton, ``fused_gemm`` picks the path (None: the library GEMMs, unless
     ``FASTNMT_FFN_FUSED_GEMM=1``)."""
-    x, w1, b1, w2, b2 = _autocast_operands(x, w1, b1, w2, b2)
-    if fused_gemm is None:
-        fused_gemm = fused_gemm_requested()
-    seed = triton_common.dropout_seed(x.device) if dropout_p > 0.0 else None
-    return _feed_forward_op(x, w1, b1, w2, b2, activation, dropout_p, seed, fused_gemm)[0]
+    takes_path = backend == "triton"
+
+    def implementation(x, w1, b1, w2, b2, activation, dropout_p, fused_gemm=None):
+        x, w1, b1, w2, b2 = _autocast_operands(x, w1, b1, w2, b2)
+        seed = triton_common.dropout_seed(x.device) if dropout_p > 0.0 else None
+        if not takes_path:
+            return forward(x, w1, b1, w2, b2, activation, dropout_p, seed)[0]
+        if fused_gemm is None:
+            fused_gemm = fused_gemm_requested()
+        return forward(x, w1, b1, w2, b2, activation, dropout_p, seed, fused_gemm)[0]
+
+    return implementation
 
 
 def _dtype_reasons(kernels: str, x, w1, b1, w2, b2):
@@ -567,13 +574,6 @@ def _triton_unsupported(x, w1, b1, w2, b2, activation, dropout_p):
 
 def _cpp_unsupported(x, w1, b1, w2, b2, activation, dropout_p):
     yield from _dtype_reasons("C++", x, w1, b1, w2, b2)
-
-
-def feed_forward_cpp(x, w1, b1, w2, b2, activation, dropout_p):
-    """The C++ backend: library GEMMs around one fused activation + dropout pass each way."""
-    x, w1, b1, w2, b2 = _autocast_operands(x, w1, b1, w2, b2)
-    seed = triton_common.dropout_seed(x.device) if dropout_p > 0.0 else None
-    return torch.ops.fastnmt.feed_forward_cpp(x, w1, b1, w2, b2, activation, dropout_p, seed)[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -626,9 +626,21 @@ def _prepare(x, w1, b1, w2, b2, activation="relu", dropout_p=0.0):
 
 
 FEED_FORWARD = dispatch.define("feed_forward", _prepare)
-FEED_FORWARD.register("triton", unsupported=_triton_unsupported)(feed_forward_triton)
-FEED_FORWARD.register("cpp", unsupported=_cpp_unsupported)(feed_forward_cpp)
 FEED_FORWARD.register("reference")(feed_forward_reference)
+# The Triton ops and the C++ ops (same signatures but for the Triton ops' trailing GEMM-path
+# flag) share their fakes and autograd.
+registration.register_kernels(
+    FEED_FORWARD,
+    triton=((_feed_forward_op, _feed_forward_backward_op), (_launch_forward, _launch_backward)),
+    cpp=("feed_forward_cpp", "feed_forward_cpp_backward"),
+    unsupported={"triton": _triton_unsupported, "cpp": _cpp_unsupported},
+    running=_running,
+    forward_fake=_forward_fake,
+    backward_fake=_backward_fake,
+    setup_context=_setup_context,
+    make_backward=_make_backward,
+)
+feed_forward_triton = FEED_FORWARD.implementation("triton")  # tests pick the GEMM path with it
 
 
 def feed_forward(x, w1, b1, w2, b2, activation="relu", dropout_p=0.0):

@@ -316,6 +316,19 @@ def _forward_fake(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, s
     return x.new_empty(x.shape), h, statistics, torch.empty_like(statistics)
 
 
+def _backward(dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_residual, has_bias):
+    """(dx, dresidual, dweight, dbias), the sums in fp32; empty where there is no such input."""
+    dx, dh, dweight_partial, dbias_partial = _launch_backward(
+        dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_residual, has_bias
+    )
+    return (
+        dx.to(dy.dtype).view_as(h),
+        h.new_empty(0) if dh is None else dh.to(h.dtype).view_as(h),
+        h.new_empty(0) if weight is None else dweight_partial.sum(0),
+        h.new_empty(0) if not has_bias else dbias_partial.sum(0),
+    )
+
+
 @torch.library.custom_op("fastnmt::add_layer_norm_triton_backward", mutates_args=())
 def _add_layer_norm_backward_op(
     dy: torch.Tensor,
@@ -329,16 +342,8 @@ def _add_layer_norm_backward_op(
     has_residual: bool,
     has_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dresidual, dweight, dbias), the sums in fp32; empty where there is no such input."""
-    dx, dh, dweight_partial, dbias_partial = _launch_backward(
-        dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_residual, has_bias
-    )
-    return (
-        dx.to(dy.dtype).view_as(h),
-        h.new_empty(0) if dh is None else dh.to(h.dtype).view_as(h),
-        h.new_empty(0) if weight is None else dweight_partial.sum(0),
-        h.new_empty(0) if not has_bias else dbias_partial.sum(0),
-    )
+    """See ``_backward``."""
+    return _backward(dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_residual, has_bias)
 
 
 def _backward_fake(dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_residual, has_bias):
@@ -396,17 +401,6 @@ def _make_backward(backward_op):
     return backward
 
 
-# The Triton ops and the C++ ops (same signatures) share their fakes and autograd.
-registration.register_kernels(
-    (_add_layer_norm_op, _add_layer_norm_backward_op),
-    ("add_layer_norm_cpp", "add_layer_norm_cpp_backward"),
-    forward_fake=_forward_fake,
-    backward_fake=_backward_fake,
-    setup_context=_setup_context,
-    make_backward=_make_backward,
-)
-
-
 def _argument_dtype_reasons(kernels: str, **tensors):
     for name, tensor in tensors.items():
         if tensor is not None and tensor.dtype not in _SUPPORTED_DTYPES:
@@ -421,29 +415,19 @@ def _triton_unsupported(x, residual, weight, bias, eps, dropout_p, residual_in_f
         yield "x is empty"
 
 
-def _running(forward_op):
-    """The implementation of the op on ``forward_op`` (a Triton or C++ registered op)."""
+def _running(_backend: str, forward):
+    """The implementation of the op that calls ``forward`` with the forward op's arguments."""
 
     def implementation(x, residual, weight, bias, eps, dropout_p, residual_in_fp32):
         seed = triton_common.dropout_seed(x.device) if dropout_p > 0.0 else None
-        y, h, _, _ = forward_op(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, seed)
+        y, h, _, _ = forward(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, seed)
         return y, h
 
     return implementation
 
 
-add_layer_norm_triton = _running(_add_layer_norm_op)
-
-
 def _cpp_unsupported(x, residual, weight, bias, eps, dropout_p, residual_in_fp32):
     yield from _argument_dtype_reasons("C++", x=x, residual=residual, weight=weight, bias=bias)
-
-
-def _cpp_forward(*args):
-    return torch.ops.fastnmt.add_layer_norm_cpp(*args)  # looked up when called: built or not
-
-
-add_layer_norm_cpp = _running(_cpp_forward)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -486,9 +470,19 @@ def _prepare(
 
 
 ADD_LAYER_NORM = dispatch.define("add_layer_norm", _prepare)
-ADD_LAYER_NORM.register("triton", unsupported=_triton_unsupported)(add_layer_norm_triton)
-ADD_LAYER_NORM.register("cpp", unsupported=_cpp_unsupported)(add_layer_norm_cpp)
 ADD_LAYER_NORM.register("reference")(add_layer_norm_reference)
+# The Triton ops and the C++ ops (same signatures) share their fakes and autograd.
+registration.register_kernels(
+    ADD_LAYER_NORM,
+    triton=((_add_layer_norm_op, _add_layer_norm_backward_op), (_launch_forward, _backward)),
+    cpp=("add_layer_norm_cpp", "add_layer_norm_cpp_backward"),
+    unsupported={"triton": _triton_unsupported, "cpp": _cpp_unsupported},
+    running=_running,
+    forward_fake=_forward_fake,
+    backward_fake=_backward_fake,
+    setup_context=_setup_context,
+    make_backward=_make_backward,
+)
 
 
 def add_layer_norm(

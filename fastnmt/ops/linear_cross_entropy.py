@@ -51,14 +51,17 @@ CUDA does, but the Triton kernel reads no memory outside the row (the C++ kernel
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from fastnmt import _checks, dispatch
+from fastnmt._extension import extension_available
 from fastnmt._triton import tl, triton
-from fastnmt.ops import triton_common
+from fastnmt.ops import registration, triton_common
 
 # ---------------------------------------------------------------------------------------------
 # Triton kernel: one program per row of a chunk of logits.
@@ -136,6 +139,7 @@ class CrossEntropyOutput(NamedTuple):
 def linear_cross_entropy_reference(
     hidden, weight, bias, target, label_smoothing, ignore_index, reduction
 ):
+    hidden, target = _flat(hidden, target)
     logits = F.linear(hidden, weight, bias)  # (N, V)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp64 stays fp64
     log_probs = F.log_softmax(logits, dim=-1)
@@ -154,6 +158,11 @@ def linear_cross_entropy_reference(
     correct = ((logits.argmax(dim=-1) == target) & counted).sum()
     statistics = torch.stack([nll.detach().sum(), correct, tokens]).double()
     return loss, statistics
+
+
+def _flat(hidden, target):
+    """hidden as (N, E) and target as int64 (N,), N tokens."""
+    return hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1).long()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,24 +217,15 @@ def _triton_rows(logits, target, label_smoothing, ignore_index, compute_grad):
 
 
 def _cpp_rows(logits, target, label_smoothing, ignore_index, compute_grad):
-    """The row step on the C++ kernel (csrc/cross_entropy.cpp)."""
+    """The row step on the C++ kernel (csrc/cross_entropy.cpp): the op itself when the extension
+    is built (a Python call less per chunk)."""
     return torch.ops.fastnmt.cross_entropy_rows_cpp(
         logits, target, label_smoothing, ignore_index, compute_grad
     )
 
 
-def _add_product(accumulator, a, b):
-    """accumulator (fp32) += a @ b, for a and b in any dtype."""
-    if a.dtype == accumulator.dtype:
-        accumulator.addmm_(a, b)
-    else:
-        accumulator += torch.mm(a, b)
-
-
-def _loss_scale(tokens: torch.Tensor, mean: bool) -> torch.Tensor:
-    """s of the math: 1 / counted tokens (1 when none count: the loss is then 0) for a mean, else
-    1; computed on the device from the counted tokens, so no host sync."""
-    return 1.0 / tokens.clamp_min(1) if mean else torch.ones_like(tokens)
+if extension_available():
+    _cpp_rows = torch.ops.fastnmt.cross_entropy_rows_cpp.default
 
 
 def _chunked(
@@ -252,14 +252,11 @@ def _chunked(
     tokens, vocab = h.shape[0], w.shape[0]
     counted = (target != ignore_index).sum().double()
     sums = torch.zeros(3, dtype=torch.float64, device=h.device)  # loss, nll, correct
-
-    def accumulator(shape, wanted=compute_grad):  # fp32 sums over the chunks
-        return torch.zeros(shape if wanted else (0,), dtype=torch.float32, device=h.device)
-
-    # Every row of dh is written by one chunk's GEMM: no zeroing.
+    # Every row of dh is written by one chunk's GEMM: no zeroing. dw, db: fp32 sums over chunks.
     dh = torch.empty(h.shape if compute_grad else (0,), dtype=compute_dtype, device=h.device)
-    dw = accumulator(w.shape)
-    db = accumulator((vocab,), wanted=compute_grad and b is not None)
+    dw = torch.zeros(w.shape if compute_grad else (0,), dtype=torch.float32, device=h.device)
+    db_shape = (vocab,) if compute_grad and b is not None else (0,)
+    db = torch.zeros(db_shape, dtype=torch.float32, device=h.device)
     step = chunk_rows(vocab)
     for start in range(0, tokens, step):
         h_chunk = h[start : start + step]
@@ -270,10 +267,14 @@ def _chunked(
         sums += row_stats.sum(0, dtype=torch.float64)
         if compute_grad:  # z now holds g
             torch.mm(z, w, out=dh[start : start + step])
-            _add_product(dw, z.t(), h_chunk)
+            if compute_dtype == torch.float32:
+                dw.addmm_(z.t(), h_chunk)
+            else:  # dw stays fp32: addmm_ takes one dtype
+                dw += torch.mm(z.t(), h_chunk)
             if b is not None:
                 db += z.sum(0, dtype=torch.float32)
-    loss = (sums[0] * _loss_scale(counted, mean)).float()
+    # s of the math: 1 / counted tokens for a mean (the loss is 0 when none count), on the device.
+    loss = (sums[0] / counted.clamp_min(1) if mean else sums[0]).float()
     statistics = torch.stack([sums[1], sums[2], counted])
     return loss, statistics, dh.to(hidden.dtype), dw, db
 
@@ -283,8 +284,10 @@ def _chunked(
 # ---------------------------------------------------------------------------------------------
 
 
-def _define(name: str, rows_step):
-    """The registered fused op ``fastnmt::<name>`` running ``_chunked`` with ``rows_step``."""
+def _define(name: str, rows_step) -> tuple[Callable, Callable]:
+    """The fused op running ``_chunked`` with ``rows_step``: (eager, traced), the traced one
+    registered as ``fastnmt::<name>``; both take the registered op's arguments."""
+    forward = functools.partial(_chunked, rows_step)
 
     @torch.library.custom_op(f"fastnmt::{name}", mutates_args=())
     def fused(
@@ -299,17 +302,8 @@ def _define(name: str, rows_step):
         dtype: torch.dtype | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(loss, [nll, correct, tokens], dhidden, dweight, dbias): see ``_chunked``."""
-        return _chunked(
-            rows_step,
-            hidden,
-            weight,
-            bias,
-            target,
-            label_smoothing,
-            ignore_index,
-            mean,
-            compute_grad,
-            dtype,
+        return forward(
+            hidden, weight, bias, target, label_smoothing, ignore_index, mean, compute_grad, dtype
         )
 
     @fused.register_fake
@@ -336,19 +330,17 @@ def _define(name: str, rows_step):
             raise RuntimeError(f"fastnmt::{name} ran with compute_grad=False: no gradient kept")
         statistics, *summed_grads = ctx.saved_tensors
         # (dloss s) in fp32 before the cast: s g in fp16 would underflow (module docstring).
-        factor = dloss.float() * _loss_scale(statistics[2], ctx.mean).float()
-        grads = [
-            None if dtype is None else (grad.float() * factor).to(dtype)
-            for grad, dtype in zip(summed_grads, ctx.grad_dtypes, strict=True)
-        ]
-        return (*grads, *[None] * 6)
+        factor = dloss.float()
+        if ctx.mean:
+            factor = factor / statistics[2].clamp_min(1).float()
+        grads = [None] * 9  # a loop, not a comprehension: a Python call less (3.11)
+        for i, (grad, dtype) in enumerate(zip(summed_grads, ctx.grad_dtypes, strict=True)):
+            if dtype is not None:
+                grads[i] = (grad.float() * factor).to(dtype)
+        return tuple(grads)
 
     fused.register_autograd(backward, setup_context=setup_context)
-    return fused
-
-
-_triton_op = _define("linear_cross_entropy_triton", _triton_rows)
-_cpp_op = _define("linear_cross_entropy_cpp", _cpp_rows)
+    return registration.eager_function(name, forward, setup_context, backward), fused
 
 
 def _autocast_dtype(device: torch.device) -> torch.dtype | None:
@@ -360,10 +352,15 @@ def _running(fused_op):
     """The implementation of the op on a fused registered op."""
 
     def implementation(hidden, weight, bias, target, label_smoothing, ignore_index, reduction):
-        needs_grad = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (hidden, weight, bias)
+        # Inline rather than helpers (_flat, _autocast_dtype): each is a Python call per op call.
+        hidden, target = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1).long()
+        trained = hidden.requires_grad or weight.requires_grad
+        needs_grad = torch.is_grad_enabled() and (
+            trained or (bias is not None and bias.requires_grad)
         )
-        autocast_dtype = _autocast_dtype(hidden.device)
+        device_type = hidden.device.type
+        autocasting = torch.is_autocast_enabled(device_type)
+        autocast_dtype = torch.get_autocast_dtype(device_type) if autocasting else None
         loss, statistics, *_ = fused_op(
             hidden,
             weight,
@@ -420,10 +417,9 @@ def _prepare(
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-    target = target.reshape(-1).long()
-    _check_target_range(target, weight.shape[0], ignore_index)
+    _check_target_range(target.reshape(-1), weight.shape[0], ignore_index)
     prepared = dict(
-        hidden=hidden.reshape(-1, hidden.shape[-1]),
+        hidden=hidden,
         weight=weight,
         bias=bias,
         target=target,
@@ -449,11 +445,12 @@ def _check_target_range(target, vocab: int, ignore_index: int) -> None:
 
 
 LINEAR_CROSS_ENTROPY = dispatch.define("linear_cross_entropy", _prepare)
-LINEAR_CROSS_ENTROPY.register("triton", unsupported=_fused_unsupported("Triton"))(
-    _running(_triton_op)
-)
-LINEAR_CROSS_ENTROPY.register("cpp", unsupported=_fused_unsupported("C++"))(_running(_cpp_op))
 LINEAR_CROSS_ENTROPY.register("reference")(linear_cross_entropy_reference)
+for _backend, _kernels, _rows in (("triton", "Triton", _triton_rows), ("cpp", "C++", _cpp_rows)):
+    _eager, _traced = _define(f"linear_cross_entropy_{_backend}", _rows)
+    LINEAR_CROSS_ENTROPY.register(_backend, _fused_unsupported(_kernels), traced=_running(_traced))(
+        _running(_eager)
+    )
 
 
 def linear_cross_entropy(

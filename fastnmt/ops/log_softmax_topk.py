@@ -49,7 +49,8 @@ _CPP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def log_softmax_topk_reference(logits, k, banned):
     z = logits.float()  # (N, V)
     lse = torch.logsumexp(z, dim=-1, keepdim=True)  # (N, 1), banned columns included
-    z = z.index_fill(1, banned, float("-inf"))  # out of the choice only
+    if banned is not None:
+        z = z.index_fill(1, banned.long(), float("-inf"))  # out of the choice only
     values, indices = z.topk(k, dim=-1)  # ties in torch.topk's order (a full sort: 20x slower)
     return torch.where(lse > float("-inf"), values - lse, float("-inf")), indices
 
@@ -60,6 +61,7 @@ def log_softmax_topk_reference(logits, k, banned):
 
 
 def log_softmax_topk_cpp(logits, k, banned):
+    banned = logits.new_empty(0, dtype=torch.int64) if banned is None else banned.long()
     return torch.ops.fastnmt.log_softmax_topk_cpp(logits, k, banned)
 
 
@@ -81,14 +83,13 @@ def _prepare(logits, k, banned=None):
     vocab = logits.shape[1]
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= vocab:
         raise ValueError(f"k must be an int in [1, {vocab}] (logits.shape[1]), got {k!r}")
-    if banned is None:
-        banned = torch.empty(0, dtype=torch.int64, device=logits.device)
-    _checks.tensor("banned", banned, ndim=1)
-    if banned.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"banned must hold int64 or int32 token ids, got {banned.dtype}")
-    _checks.same_device("banned", banned, "logits", logits)
-    _check_banned_range(banned, vocab)
-    return logits.device, dict(logits=logits, k=k, banned=banned.long())
+    if banned is not None:
+        _checks.tensor("banned", banned, ndim=1)
+        if banned.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"banned must hold int64 or int32 token ids, got {banned.dtype}")
+        _checks.same_device("banned", banned, "logits", logits)
+        _check_banned_range(banned, vocab)
+    return logits.device, dict(logits=logits, k=k, banned=banned)
 
 
 def _check_banned_range(banned, vocab: int) -> None:

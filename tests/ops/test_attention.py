@@ -8,11 +8,12 @@ import importlib
 import pytest
 import torch
 
-from fastnmt import dispatch
+from fastnmt import dispatch, environment
 from fastnmt.ops import attention, attention_probabilities
 from fastnmt.ops.triton_common import LaunchConfig, dropout_seed, gpu_tiles, use_gpu_tiles
 from tests.helpers import (
     TRITON_DEVICE,
+    HostOps,
     assert_error_within,
     attention_oracle,
     device_of,
@@ -184,6 +185,7 @@ BAD_INPUTS = [
 @pytest.mark.parametrize(("override", "error", "message"), BAD_INPUTS)
 def test_bad_inputs_name_the_argument(override, error, message, monkeypatch):
     monkeypatch.setenv("FASTNMT_CHECK_VALUES", "1")  # key_lengths' range is checked too
+    environment.reload()
     arguments = dict(
         q=torch.randn(1, 2, 3, 8), k=torch.randn(1, 2, 5, 8), v=torch.randn(1, 2, 5, 8)
     )
@@ -195,6 +197,7 @@ def test_bad_inputs_name_the_argument(override, error, message, monkeypatch):
 
 def test_out_of_range_key_lengths_raise_one_line_under_value_checks(monkeypatch):
     monkeypatch.setenv("FASTNMT_CHECK_VALUES", "1")
+    environment.reload()
     q, k, v = _qkv(2, 1, 3, 5, 8)
     with pytest.raises(ValueError) as raised:
         attention(q, k, v, key_lengths=torch.tensor([-1, 8]))
@@ -214,6 +217,7 @@ def test_key_lengths_are_not_read_without_value_checks(monkeypatch):
     q, k, v = _qkv(2, 1, 3, 5, 8)
     attention(q, k, v, key_lengths=torch.tensor([2, 5]))
     monkeypatch.setenv("FASTNMT_CHECK_VALUES", "1")
+    environment.reload()
     with pytest.raises(AssertionError, match="read on the host"):
         attention(q, k, v, key_lengths=torch.tensor([2, 5]))
 
@@ -445,6 +449,33 @@ def test_triton_launches_under_a_guard_for_the_inputs_device(monkeypatch):
     attention_module.dropout_keep_mask(dropout_seed(q.device), (1, 1, 3, 5), 0.3)
     launchers = ["forward", "delta", "dK/dV and dQ", "dropout mask"]
     assert guarded == [q.device] * len(launchers)
+
+
+TRITON_KERNELS = (
+    "_attention_forward_kernel",
+    "_attention_backward_delta_kernel",
+    "_attention_backward_dkdv_kernel",
+    "_attention_backward_dq_kernel",
+)
+
+
+def test_triton_forward_and_backward_are_four_launches_and_their_outputs():
+    """On a GPU a call's wall time is its host work: with inputs the kernels take as they are,
+    forward + backward launch four kernels, and the only aten ops allocate their outputs (no
+    copies, casts, or a zero-filled gradient for the unused LSE)."""
+    q, k, v = _qkv(2, 2, 5, 7, 16, requires_grad=True, device=TRITON_DEVICE)
+    lengths = torch.tensor([7, 3], device=TRITON_DEVICE)
+    with dispatch.backend("triton"):
+        grad = torch.randn_like(attention(q, k, v, key_lengths=lengths))  # the choice is cached
+        with HostOps(attention_module, TRITON_KERNELS) as host:
+            attention(q, k, v, key_lengths=lengths).backward(grad)
+    assert host.launches == list(TRITON_KERNELS)
+    # full: the interpreter's outputs start as NaN; detach: autograd's own bookkeeping of saved
+    # and accumulated tensors, which SDPA's calls show too.
+    assert set(host.aten) <= {"empty", "full", "detach"}, host.aten
+    assert (
+        sum(name in ("empty", "full") for name in host.aten) == 2 + 4
+    )  # (out, lse), (delta, dq, dk, dv)
 
 
 def test_opcheck_forward_and_backward_ops():
@@ -828,6 +859,7 @@ def test_cache_rows_out_of_range_raise(backend, monkeypatch):
     require_backend(backend)
     if backend == "reference":
         monkeypatch.setenv("FASTNMT_CHECK_VALUES", "1")
+        environment.reload()
     q, k, v, rows, _ = _cache_rows_inputs(CACHE_ROWS_CASES[0], "cpu")
     rows[1, 2] = k.shape[0]
     with dispatch.backend(backend), pytest.raises((ValueError, RuntimeError)) as raised:

@@ -301,6 +301,7 @@ def test_bad_inputs_name_the_argument(override, error, message):
 def test_target_range_checked_under_fastnmt_check_values(monkeypatch, backend, target, message):
     require_backend(backend)
     monkeypatch.setenv("FASTNMT_CHECK_VALUES", "1")
+    fastnmt.environment.reload()
     hidden, weight, bias, _ = _inputs(4, 8, 11, device=device_of(backend))
     target = target.to(hidden.device)
     with fastnmt.backend(backend), pytest.raises(ValueError, match=message) as raised:

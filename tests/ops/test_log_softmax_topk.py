@@ -127,6 +127,7 @@ def test_bad_arguments_are_named(args, error, match):
 def test_banned_range_checked_under_fastnmt_check_values(monkeypatch, backend, banned):
     require_backend(backend)
     monkeypatch.setenv("FASTNMT_CHECK_VALUES", "1")
+    fastnmt.environment.reload()
     message = r"banned must hold token ids in \[0, 5\), got " + re.escape(str(banned))
     with fastnmt.backend(backend), pytest.raises(ValueError, match=message) as raised:
         log_softmax_topk(torch.randn(2, 5), 2, torch.tensor(banned))
