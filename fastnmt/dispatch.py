@@ -135,18 +135,20 @@ class Op:
 
     ``prepare`` takes the op's public arguments, validates them (raising ValueError/TypeError that
     name the argument) and returns the device and the keyword arguments every implementation takes:
-    the tensors as given, the other arguments normalized (defaults filled in). The public function
-    calls the op with every argument positionally, in ``prepare``'s order: the cached path.
+    the tensors as given, the other arguments normalized (defaults filled in), in ``prepare``'s
+    parameter order. The implementations take them positionally in that order, as keywords too.
+    The public function calls the op with every argument positionally: the cached path.
     """
 
     def __init__(self, name: str, prepare: PrepareFn):
         self.name = name
         self.prepare = prepare
         self._names = tuple(inspect.signature(prepare).parameters)
+        self._arity = len(self._names)
         self._implementations: dict[str, tuple[Callable, UnsupportedFn | None]] = {}
         self._traced: dict[str, Callable] = {}
-        # call signature -> (implementation, the normalized non-tensor arguments)
-        self._decisions: dict[tuple, tuple[Callable, dict]] = {}
+        # call signature -> (implementation, (position, value) of the arguments prepare normalized)
+        self._decisions: dict[tuple, tuple[Callable, tuple]] = {}
 
     def register(
         self,
@@ -207,24 +209,28 @@ class Op:
     def __call__(self, *args, **kwargs):
         if (  # value checks run at every call; _tracing() inlined: a Python call less
             kwargs
+            or len(args) != self._arity
             or environment.check_values
             or torch.compiler.is_compiling()
             or torch._C._are_functorch_transforms_active()
         ):
             return self._call_uncached(args, kwargs)
         key = [_forced.get(), environment.backend, torch.is_grad_enabled()]
+        append, tensor = key.append, torch.Tensor
         for value in args:  # inline: a helper per argument would cost a Python call each
-            if isinstance(value, torch.Tensor):
-                key.append(
-                    (value.shape, value.stride(), value.dtype, value.device, value.requires_grad)
-                )
+            if isinstance(value, tensor):
+                append(value.shape)
+                append(value.stride())
+                append(value.dtype)
+                append(value.device)
+                append(value.requires_grad)
             else:  # with its type: 1, 1.0 and True are equal keys, and not all are accepted
-                key.append((type(value), value))
+                append(type(value))
+                append(value)
         if torch._C._is_any_autocast_enabled():
             device_type = args[0].device.type
-            key.append(
-                (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
-            )
+            append(torch.is_autocast_enabled(device_type))
+            append(torch.get_autocast_dtype(device_type))
         key = tuple(key)
         try:
             decision = self._decisions.get(key)
@@ -232,26 +238,28 @@ class Op:
             return self._call_uncached(args, kwargs)
         if decision is None:
             decision = self._decide(key, args)
-        implementation, constants = decision
-        arguments = dict(zip(self._names, args, strict=False))
-        arguments.update(constants)
-        return implementation(**arguments)
+        implementation, normalized = decision
+        if normalized:  # the arguments prepare() replaced (e.g. scale=None by its value)
+            args = list(args)
+            for position, value in normalized:
+                args[position] = value
+        return implementation(*args)
 
-    def _decide(self, key: tuple, args: tuple) -> tuple[Callable, dict]:
+    def _decide(self, key: tuple, args: tuple) -> tuple[Callable, tuple]:
         device, prepared = self.prepare(*args)
         implementation, _ = self._implementations[self._choose(device, prepared)]
-        given = dict(zip(self._names, args, strict=False))
-        constants = {}
-        for name, value in prepared.items():
-            if isinstance(value, torch.Tensor):
-                # The cached path passes the tensors the call gives: prepare may not replace them.
-                assert value is given[name], f"{self.name}: prepare replaced tensor {name}"
-            else:
-                constants[name] = value
+        normalized = []
+        for position, (name, value) in enumerate(prepared.items()):
+            assert name == self._names[position], f"{self.name}: prepare's keys in its order"
+            if value is args[position]:
+                continue
+            # The cached path passes the tensors the call gives: prepare may not replace them.
+            assert not isinstance(value, torch.Tensor), f"{self.name}: prepare replaced {name}"
+            normalized.append((position, value))
         if len(self._decisions) >= _MAX_DECISIONS:
             self._decisions.clear()
-        self._decisions[key] = implementation, constants
-        return implementation, constants
+        self._decisions[key] = implementation, tuple(normalized)
+        return self._decisions[key]
 
     def _call_uncached(self, args: tuple, kwargs: dict):
         device, prepared = self.prepare(*args, **kwargs)
