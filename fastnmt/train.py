@@ -77,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument(
         "--data-workers", type=int, default=1, help="batch-collating processes (0: in this one)"
     )
+    data.add_argument(
+        "--shape-buckets",
+        type=int,
+        default=0,
+        help="pad batches to this many fixed shapes, split into micro-batches (0: off); for "
+        "CUDA graphs and torch.compile, which specialize on shapes",
+    )
     model = p.add_argument_group("model")
     model.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     model.add_argument("--postnorm", action="store_true", help="post-norm instead of pre-norm")
@@ -140,6 +147,8 @@ def check_arguments(args) -> None:
         raise UsageError("own training data needs --valid (or --valid-tsv) for validation")
     if args.data_workers < 0:
         raise UsageError(f"--data-workers must be >= 0, got {args.data_workers}")
+    if args.shape_buckets < 0:
+        raise UsageError(f"--shape-buckets must be >= 0, got {args.shape_buckets}")
     if args.tensorboard:
         require_tensorboard()
     for flag, value in (

@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from fastnmt import checkpoint, metrics
+from fastnmt.buckets import ShapeBuckets
 from fastnmt.data import EncodedCorpus, ParallelCorpus, TokenBatches, Vocabulary, encode_corpus
 from fastnmt.distributed import Distributed
 from fastnmt.model import ModelConfig, Transformer
@@ -63,7 +64,13 @@ def label_smoothed_loss(model: Transformer, states, targets, positions, smoothin
     states = states.reshape(-1, states.shape[-1]).index_select(0, positions)  # (tokens, E)
     targets = targets.reshape(-1).index_select(0, positions)  # (tokens,)
     out = linear_cross_entropy(
-        states, model.embedding.weight, model.output_bias, targets, smoothing, reduction="sum"
+        states,
+        model.embedding.weight,
+        model.output_bias,
+        targets,
+        smoothing,
+        ignore_index=model.cfg.pad_id,  # the padded cells of shape-bucketed batches
+        reduction="sum",
     )
     return out.loss, out.nll, out.correct
 
@@ -230,6 +237,11 @@ class Trainer:
             workers=args.data_workers,
             pin_memory=device.type == "cuda",
         )
+        self.buckets = (
+            ShapeBuckets(args.max_tokens, args.max_len, args.shape_buckets, vocab.pad_id)
+            if args.shape_buckets
+            else None
+        )
         self.progress = Progress()
         self.window = Window()
         self.log = Log(self.output_dir, world.main, not args.no_progress, args.tensorboard)
@@ -301,6 +313,8 @@ class Trainer:
         self._rng_before_update = self.rng_states()
         local_tokens = sum(b.num_tgt_tokens for b in batches)
         total_tokens, stop_votes = self.world.sum([local_tokens, float(self.out_of_time())])
+        if self.buckets is not None:  # the same sentences, in pieces of fixed shapes
+            batches = [piece for batch in batches for piece in self.buckets.split(batch)]
         model = self.ddp or self.model
         self.model.train()
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss, nll, correct
