@@ -246,6 +246,81 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_backwa
           sum_or_empty(has_bias, bias_partials)};
 }
 
+namespace {
+
+// Autograd in C++, so that the CPU path of a training step never enters Python: forward and
+// backward call the registered ops below autograd (under torch.compile they are traced through
+// their fake implementations, fastnmt/ops/layer_norm.py). The gradients are those of the Python
+// autograd of the Triton ops (layer_norm.py's _make_backward).
+class AddLayerNormFunction : public torch::autograd::Function<AddLayerNormFunction> {
+ public:
+  static torch::autograd::variable_list forward(
+      torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+      const c10::optional<at::Tensor>& residual, const c10::optional<at::Tensor>& weight,
+      const c10::optional<at::Tensor>& bias, double eps, double dropout_p, bool residual_in_fp32,
+      const c10::optional<at::Tensor>& seed) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static const auto op =
+        registered_op<decltype(add_layer_norm_forward)>("fastnmt::add_layer_norm_cpp");
+    auto [y, h, mean, rstd] =
+        op.call(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, seed);
+    ctx->save_for_backward({h, weight.value_or(at::Tensor()), mean, rstd,
+                            seed.value_or(at::Tensor())});
+    ctx->saved_data["dropout_p"] = dropout_p;
+    ctx->saved_data["x_dtype"] = x.scalar_type();
+    ctx->saved_data["has_residual"] = residual.has_value();
+    ctx->saved_data["bias_dtype"] =
+        bias.has_value() ? c10::IValue(bias->scalar_type()) : c10::IValue();
+    ctx->mark_non_differentiable({mean, rstd});
+    ctx->set_materialize_grads(false);  // post-norm stacks drop h: no zero-filled gradient
+    return {y, h, mean, rstd};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    static const auto op =
+        registered_op<decltype(add_layer_norm_backward)>("fastnmt::add_layer_norm_cpp_backward");
+    const auto saved = ctx->get_saved_variables();
+    const auto &h = saved[0], &weight = saved[1], &mean = saved[2], &rstd = saved[3];
+    const auto& seed = saved[4];
+    const bool has_residual = ctx->saved_data["has_residual"].toBool();
+    const auto bias_dtype = ctx->saved_data["bias_dtype"];
+    auto dy = grads[0];
+    if (!dy.defined()) {
+      dy = at::zeros_like(h, h.options().dtype(ctx->saved_data["x_dtype"].toScalarType()));
+    }
+    auto [dx, dh, dweight, dbias] =
+        op.call(dy, present(grads[1]), h, present(weight), mean, rstd, present(seed),
+                ctx->saved_data["dropout_p"].toDouble(), has_residual, !bias_dtype.isNone());
+    return {dx,
+            has_residual ? dh : at::Tensor(),
+            weight.defined() ? dweight.to(weight.scalar_type()) : at::Tensor(),
+            bias_dtype.isNone() ? at::Tensor() : dbias.to(bias_dtype.toScalarType()),
+            at::Tensor(),
+            at::Tensor(),
+            at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_autograd(
+    const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+    const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias, double eps,
+    double dropout_p, bool residual_in_fp32, const c10::optional<at::Tensor>& seed) {
+  if (!needs_grad({x, residual.value_or(at::Tensor()), weight.value_or(at::Tensor()),
+                   bias.value_or(at::Tensor())})) {
+    static const auto op =
+        registered_op<decltype(add_layer_norm_forward)>("fastnmt::add_layer_norm_cpp");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return op.call(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, seed);
+  }
+  auto out = AddLayerNormFunction::apply(x, residual, weight, bias, eps, dropout_p,
+                                         residual_in_fp32, seed);
+  return {out[0], out[1], out[2], out[3]};
+}
+
+}  // namespace
+
 TORCH_LIBRARY_FRAGMENT(fastnmt, m) {
   m.def(
       "add_layer_norm_cpp(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, float eps, "
@@ -259,6 +334,10 @@ TORCH_LIBRARY_FRAGMENT(fastnmt, m) {
 TORCH_LIBRARY_IMPL(fastnmt, CPU, m) {
   m.impl("add_layer_norm_cpp", &add_layer_norm_forward);
   m.impl("add_layer_norm_cpp_backward", &add_layer_norm_backward);
+}
+
+TORCH_LIBRARY_IMPL(fastnmt, Autograd, m) {
+  m.impl("add_layer_norm_cpp", &add_layer_norm_autograd);
 }
 
 }  // namespace fastnmt

@@ -658,6 +658,66 @@ at::Tensor attention_cpp_dropout_mask(const at::Tensor& seed, int64_t batch, int
   return keep;
 }
 
+namespace {
+
+// Autograd in C++ (see add_layer_norm.cpp): the gradients of attention.py's _make_backward.
+class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
+ public:
+  static torch::autograd::variable_list forward(
+      torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+      const at::Tensor& v, const c10::optional<at::Tensor>& key_lengths,
+      const c10::optional<at::Tensor>& key_padding_mask, const c10::optional<at::Tensor>& seed,
+      bool causal, double dropout_p, double scale, const c10::optional<at::Tensor>& cache_rows) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static const auto op = registered_op<decltype(attention_cpp)>("fastnmt::attention_cpp");
+    auto [out, lse] = op.call(q, k, v, key_lengths, key_padding_mask, seed, causal, dropout_p,
+                              scale, cache_rows);
+    ctx->save_for_backward({q, k, v, out, lse, key_lengths.value_or(at::Tensor()),
+                            key_padding_mask.value_or(at::Tensor()), seed.value_or(at::Tensor())});
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["dropout_p"] = dropout_p;
+    ctx->saved_data["scale"] = scale;
+    ctx->set_materialize_grads(false);  // an unused LSE gets no zero-filled gradient
+    return {out, lse};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    static const auto op =
+        registered_op<decltype(attention_cpp_backward)>("fastnmt::attention_cpp_backward");
+    const auto saved = ctx->get_saved_variables();
+    const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
+    const auto grad_out = grads[0].defined() ? grads[0] : at::zeros_like(out);  // LSE only
+    auto [dq, dk, dv] =
+        op.call(grad_out, present(grads[1]), q, k, v, out, lse, present(saved[5]),
+                present(saved[6]), present(saved[7]), ctx->saved_data["causal"].toBool(),
+                ctx->saved_data["dropout_p"].toDouble(), ctx->saved_data["scale"].toDouble());
+    torch::autograd::variable_list result(10);  // key_lengths ... cache_rows: no gradient
+    result[0] = dq;
+    result[1] = dk;
+    result[2] = dv;
+    return result;
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> attention_autograd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const c10::optional<at::Tensor>& key_lengths,
+    const c10::optional<at::Tensor>& key_padding_mask, const c10::optional<at::Tensor>& seed,
+    bool causal, double dropout_p, double scale, const c10::optional<at::Tensor>& cache_rows) {
+  if (!needs_grad({q, k, v})) {  // decoding
+    static const auto op = registered_op<decltype(attention_cpp)>("fastnmt::attention_cpp");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return op.call(q, k, v, key_lengths, key_padding_mask, seed, causal, dropout_p, scale,
+                   cache_rows);
+  }
+  auto result = AttentionFunction::apply(q, k, v, key_lengths, key_padding_mask, seed, causal,
+                                         dropout_p, scale, cache_rows);
+  return {result[0], result[1]};
+}
+
+}  // namespace
+
 TORCH_LIBRARY_FRAGMENT(fastnmt, m) {
   m.def(
       "attention_cpp(Tensor q, Tensor k, Tensor v, Tensor? key_lengths, "
@@ -677,5 +737,7 @@ TORCH_LIBRARY_IMPL(fastnmt, CPU, m) {
   m.impl("attention_cpp_backward", &attention_cpp_backward);
   m.impl("attention_cpp_dropout_mask", &attention_cpp_dropout_mask);
 }
+
+TORCH_LIBRARY_IMPL(fastnmt, Autograd, m) { m.impl("attention_cpp", &attention_autograd); }
 
 }  // namespace fastnmt

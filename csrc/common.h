@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/autograd.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -83,6 +84,29 @@ void dispatch_float(at::ScalarType type, const char* op, Body body) {
     case at::kHalf: return body(Type<c10::Half>{});
     default: TORCH_CHECK(false, op, ": unsupported dtype ", type);
   }
+}
+
+// The registered op `name` ("fastnmt::..."), called through the dispatcher: the C++ autograd
+// functions call their ops so, below autograd, which torch.compile then traces through the ops'
+// fake implementations.
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> registered_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+// An optional argument from a saved or incoming gradient tensor (undefined: absent).
+inline c10::optional<at::Tensor> present(const at::Tensor& t) {
+  return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt;
+}
+
+// Whether autograd must record a call with these inputs (undefined tensors: absent ones); when
+// not (decoding, no_grad), the C++ autograd functions call their op directly.
+inline bool needs_grad(std::initializer_list<at::Tensor> inputs) {
+  if (!at::GradMode::is_enabled()) return false;
+  for (const auto& t : inputs) {
+    if (t.defined() && t.requires_grad()) return true;
+  }
+  return false;
 }
 
 inline void check_cpu(const at::Tensor& t, const char* name) {

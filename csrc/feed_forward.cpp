@@ -154,6 +154,65 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feed_forw
   return {dx, dw1, db1, dw2, db2};
 }
 
+namespace {
+
+// Autograd in C++ (see add_layer_norm.cpp): the gradients of feed_forward.py's _make_backward.
+class FeedForwardFunction : public torch::autograd::Function<FeedForwardFunction> {
+ public:
+  static torch::autograd::variable_list forward(
+      torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w1,
+      const c10::optional<at::Tensor>& b1, const at::Tensor& w2,
+      const c10::optional<at::Tensor>& b2, c10::string_view activation, double dropout_p,
+      const c10::optional<at::Tensor>& seed) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static const auto op =
+        registered_op<decltype(feed_forward_forward)>("fastnmt::feed_forward_cpp");
+    auto [y, z, a] = op.call(x, w1, b1, w2, b2, activation, dropout_p, seed);
+    ctx->save_for_backward({x, w1, w2, z, a, seed.value_or(at::Tensor())});
+    ctx->saved_data["activation"] = std::string(activation);
+    ctx->saved_data["dropout_p"] = dropout_p;
+    ctx->saved_data["has_b1"] = b1.has_value();
+    ctx->saved_data["has_b2"] = b2.has_value();
+    ctx->mark_non_differentiable({z, a});
+    return {y, z, a};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    static const auto op =
+        registered_op<decltype(feed_forward_backward)>("fastnmt::feed_forward_cpp_backward");
+    const auto saved = ctx->get_saved_variables();
+    auto [dx, dw1, db1, dw2, db2] =
+        op.call(grads[0], saved[0], saved[1], saved[2], saved[3], saved[4], present(saved[5]),
+                ctx->saved_data["activation"].toStringRef(),
+                ctx->saved_data["dropout_p"].toDouble());
+    return {dx,
+            dw1,
+            ctx->saved_data["has_b1"].toBool() ? db1 : at::Tensor(),
+            dw2,
+            ctx->saved_data["has_b2"].toBool() ? db2 : at::Tensor(),
+            at::Tensor(),
+            at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> feed_forward_autograd(
+    const at::Tensor& x, const at::Tensor& w1, const c10::optional<at::Tensor>& b1,
+    const at::Tensor& w2, const c10::optional<at::Tensor>& b2, c10::string_view activation,
+    double dropout_p, const c10::optional<at::Tensor>& seed) {
+  if (!needs_grad({x, w1, b1.value_or(at::Tensor()), w2, b2.value_or(at::Tensor())})) {
+    static const auto op =
+        registered_op<decltype(feed_forward_forward)>("fastnmt::feed_forward_cpp");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return op.call(x, w1, b1, w2, b2, activation, dropout_p, seed);
+  }
+  auto out = FeedForwardFunction::apply(x, w1, b1, w2, b2, activation, dropout_p, seed);
+  return {out[0], out[1], out[2]};
+}
+
+}  // namespace
+
 TORCH_LIBRARY_FRAGMENT(fastnmt, m) {
   m.def(
       "feed_forward_cpp(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, str activation, "
@@ -167,5 +226,7 @@ TORCH_LIBRARY_IMPL(fastnmt, CPU, m) {
   m.impl("feed_forward_cpp", &feed_forward_forward);
   m.impl("feed_forward_cpp_backward", &feed_forward_backward);
 }
+
+TORCH_LIBRARY_IMPL(fastnmt, Autograd, m) { m.impl("feed_forward_cpp", &feed_forward_autograd); }
 
 }  // namespace fastnmt

@@ -1144,6 +1144,7 @@ registration.register_kernels(
     backward_fake=_backward_fake,
     setup_context=_setup_context,
     make_backward=_make_backward,
+    cpp_autograd_in_cpp=True,  # csrc/attention.cpp
 )
 
 

@@ -639,6 +639,7 @@ registration.register_kernels(
     backward_fake=_backward_fake,
     setup_context=_setup_context,
     make_backward=_make_backward,
+    cpp_autograd_in_cpp=True,  # csrc/feed_forward.cpp
 )
 feed_forward_triton = FEED_FORWARD.implementation("triton")  # tests pick the GEMM path with it
 

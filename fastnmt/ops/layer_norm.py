@@ -482,6 +482,7 @@ registration.register_kernels(
     backward_fake=_backward_fake,
     setup_context=_setup_context,
     make_backward=_make_backward,
+    cpp_autograd_in_cpp=True,  # csrc/add_layer_norm.cpp
 )
 
 

@@ -53,6 +53,7 @@ def register_kernels(
     backward_fake: Callable,
     setup_context: Callable,
     make_backward: Callable,
+    cpp_autograd_in_cpp: bool = False,
 ) -> None:
     """Registers ``op``'s Triton and C++ backends.
 
@@ -62,12 +63,21 @@ def register_kernels(
     Each pair of ops gets the fakes, and autograd from ``setup_context`` and
     ``make_backward(backward op)``. ``running(backend, forward)`` is the implementation of the op
     (its prepared arguments) that calls ``forward`` with the forward op's arguments;
-    ``unsupported[backend]`` its reasons."""
+    ``unsupported[backend]`` its reasons. With ``cpp_autograd_in_cpp`` the C++ forward op
+    registers its autograd in C++ (csrc/): it is then the eager and the traced path at once, and
+    a CPU step never enters Python below the op call."""
     (triton_ops, triton_launchers) = triton
     kernels = {"triton": (triton_ops, triton_launchers)}
     if extension_available():
         cpp_ops = tuple(getattr(torch.ops.fastnmt, name).default for name in cpp)
-        kernels["cpp"] = (cpp_ops, cpp_ops)
+        if cpp_autograd_in_cpp:
+            for cpp_op, fake in zip(cpp_ops, (forward_fake, backward_fake), strict=True):
+                torch.library.register_fake(cpp_op)(fake)
+            op.register("cpp", unsupported["cpp"], traced=running("cpp", cpp_ops[0]))(
+                running("cpp", cpp_ops[0])
+            )
+        else:
+            kernels["cpp"] = (cpp_ops, cpp_ops)
     else:  # never chosen (the reason: extension_status()), but explained
         op.register("cpp", unsupported["cpp"])(_extension_missing)
     for backend, ((forward_op, backward_op), (forward, backward)) in kernels.items():
