@@ -141,14 +141,140 @@ at::Tensor cross_entropy_rows(at::Tensor logits, const at::Tensor& target, doubl
   return stats;
 }
 
+constexpr int64_t kChunkElements = int64_t{1} << 23;  // as fastnmt/ops/linear_cross_entropy.py
+
+// (loss, [nll, correct, tokens], dhidden, dweight, dbias): linear_cross_entropy.py's _chunked
+// (its math and its chunking), here so that a CPU step does not issue its ~50 small ops from
+// Python. dweight and dbias stay fp32; each gradient is empty unless compute_grad.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy(
+    const at::Tensor& hidden, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+    const at::Tensor& target, double label_smoothing, int64_t ignore_index, bool mean,
+    bool compute_grad, c10::optional<at::ScalarType> dtype) {
+  check_cpu(hidden, "hidden");
+  const auto compute_dtype = dtype.value_or(hidden.scalar_type());
+  const auto h = hidden.to(compute_dtype).contiguous();  // (N, E)
+  const auto w = weight.to(compute_dtype).contiguous();  // (V, E)
+  const auto w_t = w.t().contiguous();  // (E, V): CPU GEMMs take a transposed view slower
+  c10::optional<at::Tensor> b;
+  if (bias.has_value()) b = bias->to(compute_dtype);
+  const int64_t tokens = h.size(0), vocab = w.size(0);
+  const auto targets = target.to(at::kLong).contiguous();
+  const auto counted = targets.ne(ignore_index).sum().to(at::kDouble);
+  const auto fp32 = h.options().dtype(at::kFloat);
+  auto dh = at::empty(compute_grad ? h.sizes() : at::IntArrayRef{0}, h.options());
+  auto dw = at::zeros(compute_grad ? w.sizes() : at::IntArrayRef{0}, fp32);
+  auto db = at::zeros({compute_grad && b ? vocab : 0}, fp32);
+  const int64_t step =
+      std::max<int64_t>(16, kChunkElements / std::max<int64_t>(vocab, 1) / 16 * 16);
+  at::Tensor sums;  // (3,) fp64: loss, nll, correct
+  for (int64_t start = 0; start < tokens; start += step) {
+    const int64_t rows = std::min(step, tokens - start);
+    const auto h_chunk = h.narrow(0, start, rows);
+    auto z = b ? at::addmm(*b, h_chunk, w_t) : at::mm(h_chunk, w_t);  // (C, V), becomes g
+    const auto chunk_sums =
+        cross_entropy_rows(z, targets.narrow(0, start, rows), label_smoothing, ignore_index,
+                           compute_grad)
+            .sum(0, /*keepdim=*/false, at::kDouble);
+    sums = sums.defined() ? sums + chunk_sums : chunk_sums;
+    if (!compute_grad) continue;
+    auto dh_chunk = dh.narrow(0, start, rows);
+    at::mm_out(dh_chunk, z, w);
+    if (compute_dtype == at::kFloat) {
+      dw.addmm_(z.t(), h_chunk);
+    } else {  // dw stays fp32: addmm_ takes one dtype
+      dw += at::mm(z.t(), h_chunk);
+    }
+    if (b) db += z.sum(0, /*keepdim=*/false, at::kFloat);
+  }
+  if (!sums.defined()) sums = at::zeros({3}, h.options().dtype(at::kDouble));
+  // s of the math: 1 / counted tokens for a mean (the loss is 0 when none count).
+  const auto loss = (mean ? sums[0] / counted.clamp_min(1) : sums[0]).to(at::kFloat);
+  const auto statistics = at::stack({sums[1], sums[2], counted});
+  return {loss, statistics, dh.to(hidden.scalar_type()), dw, db};
+}
+
+// Autograd in C++ (see add_layer_norm.cpp): the backward of linear_cross_entropy.py's _define.
+class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossEntropyFunction> {
+ public:
+  static torch::autograd::variable_list forward(
+      torch::autograd::AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
+      const c10::optional<at::Tensor>& bias, const at::Tensor& target, double label_smoothing,
+      int64_t ignore_index, bool mean, bool compute_grad, c10::optional<at::ScalarType> dtype) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static const auto op =
+        registered_op<decltype(linear_cross_entropy)>("fastnmt::linear_cross_entropy_cpp");
+    auto [loss, statistics, dh, dw, db] = op.call(hidden, weight, bias, target, label_smoothing,
+                                                  ignore_index, mean, compute_grad, dtype);
+    ctx->save_for_backward({statistics, dh, dw, db});
+    ctx->saved_data["mean"] = mean;
+    ctx->saved_data["compute_grad"] = compute_grad;
+    ctx->saved_data["hidden_dtype"] = hidden.scalar_type();
+    ctx->saved_data["weight_dtype"] = weight.scalar_type();
+    ctx->saved_data["bias_dtype"] =
+        bias.has_value() ? c10::IValue(bias->scalar_type()) : c10::IValue();
+    ctx->mark_non_differentiable({statistics, dh, dw, db});
+    return {loss, statistics, dh, dw, db};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    TORCH_CHECK(ctx->saved_data["compute_grad"].toBool(),
+                "fastnmt::linear_cross_entropy_cpp ran with compute_grad=False: no gradient kept");
+    const auto saved = ctx->get_saved_variables();
+    // (dloss s) in fp32 before the cast: s g in fp16 would underflow.
+    auto factor = grads[0].to(at::kFloat);
+    if (ctx->saved_data["mean"].toBool()) {
+      factor = factor / saved[0][2].clamp_min(1).to(at::kFloat);
+    }
+    const auto scaled = [&](const at::Tensor& grad, const c10::IValue& dtype) {
+      if (dtype.isNone()) return at::Tensor();
+      return (grad.to(at::kFloat) * factor).to(dtype.toScalarType());
+    };
+    torch::autograd::variable_list result(9);  // target ... dtype: no gradient
+    result[0] = scaled(saved[1], ctx->saved_data["hidden_dtype"]);
+    result[1] = scaled(saved[2], ctx->saved_data["weight_dtype"]);
+    result[2] = scaled(saved[3], ctx->saved_data["bias_dtype"]);
+    return result;
+  }
+};
+
+using LossAndGradients = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+LossAndGradients linear_cross_entropy_autograd(
+    const at::Tensor& hidden, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+    const at::Tensor& target, double label_smoothing, int64_t ignore_index, bool mean,
+    bool compute_grad, c10::optional<at::ScalarType> dtype) {
+  if (!needs_grad({hidden, weight, bias.value_or(at::Tensor())})) {
+    static const auto op =
+        registered_op<decltype(linear_cross_entropy)>("fastnmt::linear_cross_entropy_cpp");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return op.call(hidden, weight, bias, target, label_smoothing, ignore_index, mean,
+                   compute_grad, dtype);
+  }
+  auto out = LinearCrossEntropyFunction::apply(hidden, weight, bias, target, label_smoothing,
+                                               ignore_index, mean, compute_grad, dtype);
+  return {out[0], out[1], out[2], out[3], out[4]};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fastnmt, m) {
   m.def(
       "cross_entropy_rows_cpp(Tensor(a!) logits, Tensor target, float label_smoothing, "
       "int ignore_index, bool compute_grad) -> Tensor");
+  m.def(
+      "linear_cross_entropy_cpp(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
+      "float label_smoothing, int ignore_index, bool mean, bool compute_grad, "
+      "ScalarType? dtype) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(fastnmt, CPU, m) { m.impl("cross_entropy_rows_cpp", cross_entropy_rows); }
+TORCH_LIBRARY_IMPL(fastnmt, CPU, m) {
+  m.impl("cross_entropy_rows_cpp", cross_entropy_rows);
+  m.impl("linear_cross_entropy_cpp", linear_cross_entropy);
+}
+
+TORCH_LIBRARY_IMPL(fastnmt, Autograd, m) {
+  m.impl("linear_cross_entropy_cpp", &linear_cross_entropy_autograd);
+}
 
 }  // namespace fastnmt

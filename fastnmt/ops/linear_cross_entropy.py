@@ -52,7 +52,6 @@ CUDA does, but the Triton kernel reads no memory outside the row (the C++ kernel
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -216,18 +215,6 @@ def _triton_rows(logits, target, label_smoothing, ignore_index, compute_grad):
     return stats
 
 
-def _cpp_rows(logits, target, label_smoothing, ignore_index, compute_grad):
-    """The row step on the C++ kernel (csrc/cross_entropy.cpp): the op itself when the extension
-    is built (a Python call less per chunk)."""
-    return torch.ops.fastnmt.cross_entropy_rows_cpp(
-        logits, target, label_smoothing, ignore_index, compute_grad
-    )
-
-
-if extension_available():
-    _cpp_rows = torch.ops.fastnmt.cross_entropy_rows_cpp.default
-
-
 def _chunked(
     rows_step,
     hidden,
@@ -284,63 +271,81 @@ def _chunked(
 # ---------------------------------------------------------------------------------------------
 
 
-def _define(name: str, rows_step) -> tuple[Callable, Callable]:
-    """The fused op running ``_chunked`` with ``rows_step``: (eager, traced), the traced one
-    registered as ``fastnmt::<name>``; both take the registered op's arguments."""
-    forward = functools.partial(_chunked, rows_step)
+@torch.library.custom_op("fastnmt::linear_cross_entropy_triton", mutates_args=())
+def _triton_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+    mean: bool,
+    compute_grad: bool,
+    dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, [nll, correct, tokens], dhidden, dweight, dbias): see ``_chunked``."""
+    return _chunked(
+        _triton_rows,
+        hidden,
+        weight,
+        bias,
+        target,
+        label_smoothing,
+        ignore_index,
+        mean,
+        compute_grad,
+        dtype,
+    )
 
-    @torch.library.custom_op(f"fastnmt::{name}", mutates_args=())
-    def fused(
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        target: torch.Tensor,
-        label_smoothing: float,
-        ignore_index: int,
-        mean: bool,
-        compute_grad: bool,
-        dtype: torch.dtype | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(loss, [nll, correct, tokens], dhidden, dweight, dbias): see ``_chunked``."""
-        return forward(
-            hidden, weight, bias, target, label_smoothing, ignore_index, mean, compute_grad, dtype
-        )
 
-    @fused.register_fake
-    def _(hidden, weight, bias, target, label_smoothing, ignore_index, mean, compute_grad, dtype):
-        def gradient_of(shape, dtype=torch.float32, wanted=compute_grad):
-            return hidden.new_empty(shape if wanted else (0,), dtype=dtype)
+def _fake(hidden, weight, bias, target, label_smoothing, ignore_index, mean, compute_grad, dtype):
+    def gradient_of(shape, dtype=torch.float32, wanted=compute_grad):
+        return hidden.new_empty(shape if wanted else (0,), dtype=dtype)
 
-        return (
-            hidden.new_empty((), dtype=torch.float32),
-            hidden.new_empty(3, dtype=torch.float64),
-            gradient_of(hidden.shape, hidden.dtype),
-            gradient_of(weight.shape),
-            gradient_of((weight.shape[0],), wanted=compute_grad and bias is not None),
-        )
+    return (
+        hidden.new_empty((), dtype=torch.float32),
+        hidden.new_empty(3, dtype=torch.float64),
+        gradient_of(hidden.shape, hidden.dtype),
+        gradient_of(weight.shape),
+        gradient_of((weight.shape[0],), wanted=compute_grad and bias is not None),
+    )
 
-    def setup_context(ctx, inputs, output):
-        hidden, weight, bias = inputs[:3]
-        ctx.mean, ctx.compute_grad = inputs[6], inputs[7]
-        ctx.grad_dtypes = [hidden.dtype, weight.dtype, None if bias is None else bias.dtype]
-        ctx.save_for_backward(*output[1:])
 
-    def backward(ctx, dloss, _dstatistics, _dh, _dw, _db):
-        if not ctx.compute_grad:
-            raise RuntimeError(f"fastnmt::{name} ran with compute_grad=False: no gradient kept")
-        statistics, *summed_grads = ctx.saved_tensors
-        # (dloss s) in fp32 before the cast: s g in fp16 would underflow (module docstring).
-        factor = dloss.float()
-        if ctx.mean:
-            factor = factor / statistics[2].clamp_min(1).float()
-        grads = [None] * 9  # a loop, not a comprehension: a Python call less (3.11)
-        for i, (grad, dtype) in enumerate(zip(summed_grads, ctx.grad_dtypes, strict=True)):
-            if dtype is not None:
-                grads[i] = (grad.float() * factor).to(dtype)
-        return tuple(grads)
+def _setup_context(ctx, inputs, output):
+    hidden, weight, bias = inputs[:3]
+    ctx.mean, ctx.compute_grad = inputs[6], inputs[7]
+    ctx.grad_dtypes = [hidden.dtype, weight.dtype, None if bias is None else bias.dtype]
+    ctx.save_for_backward(*output[1:])
 
-    fused.register_autograd(backward, setup_context=setup_context)
-    return registration.eager_function(name, forward, setup_context, backward), fused
+
+def _backward(ctx, dloss, _dstatistics, _dh, _dw, _db):
+    if not ctx.compute_grad:
+        raise RuntimeError("linear_cross_entropy ran with compute_grad=False: no gradient kept")
+    statistics, *summed_grads = ctx.saved_tensors
+    # (dloss s) in fp32 before the cast: s g in fp16 would underflow (module docstring).
+    factor = dloss.float()
+    if ctx.mean:
+        factor = factor / statistics[2].clamp_min(1).float()
+    grads = [None] * 9  # a loop, not a comprehension: a Python call less (3.11)
+    for i, (grad, dtype) in enumerate(zip(summed_grads, ctx.grad_dtypes, strict=True)):
+        if dtype is not None:
+            grads[i] = (grad.float() * factor).to(dtype)
+    return tuple(grads)
+
+
+# The Triton op's autograd in Python; the C++ op (csrc/cross_entropy.cpp: the same driver and the
+# same backward, in C++) registers its own, so a CPU step never enters Python below the op call.
+torch.library.register_fake(_triton_op)(_fake)
+_triton_op.register_autograd(_backward, setup_context=_setup_context)
+_triton_eager = registration.eager_function(
+    "linear_cross_entropy_triton", functools.partial(_chunked, _triton_rows), _setup_context,
+    _backward,
+)  # fmt: skip
+if extension_available():
+    _cpp_op = torch.ops.fastnmt.linear_cross_entropy_cpp.default
+    torch.library.register_fake(_cpp_op)(_fake)
+else:
+    _cpp_op = registration.extension_missing
 
 
 def _autocast_dtype(device: torch.device) -> torch.dtype | None:
@@ -446,11 +451,10 @@ def _check_target_range(target, vocab: int, ignore_index: int) -> None:
 
 LINEAR_CROSS_ENTROPY = dispatch.define("linear_cross_entropy", _prepare)
 LINEAR_CROSS_ENTROPY.register("reference")(linear_cross_entropy_reference)
-for _backend, _kernels, _rows in (("triton", "Triton", _triton_rows), ("cpp", "C++", _cpp_rows)):
-    _eager, _traced = _define(f"linear_cross_entropy_{_backend}", _rows)
-    LINEAR_CROSS_ENTROPY.register(_backend, _fused_unsupported(_kernels), traced=_running(_traced))(
-        _running(_eager)
-    )
+LINEAR_CROSS_ENTROPY.register("triton", _fused_unsupported("Triton"), traced=_running(_triton_op))(
+    _running(_triton_eager)
+)
+LINEAR_CROSS_ENTROPY.register("cpp", _fused_unsupported("C++"))(_running(_cpp_op))
 
 
 def linear_cross_entropy(

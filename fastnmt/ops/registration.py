@@ -79,7 +79,7 @@ def register_kernels(
         else:
             kernels["cpp"] = (cpp_ops, cpp_ops)
     else:  # never chosen (the reason: extension_status()), but explained
-        op.register("cpp", unsupported["cpp"])(_extension_missing)
+        op.register("cpp", unsupported["cpp"])(extension_missing)
     for backend, ((forward_op, backward_op), (forward, backward)) in kernels.items():
         torch.library.register_fake(forward_op)(forward_fake)
         torch.library.register_fake(backward_op)(backward_fake)
@@ -94,5 +94,7 @@ def register_kernels(
         )
 
 
-def _extension_missing(**_):
+def extension_missing(*_, **__):
+    """The C++ implementation where the extension is not built: never chosen (the dispatcher
+    gives the reason), never run."""
     raise RuntimeError(extension_status())
