@@ -180,7 +180,7 @@ at::ScalarType h_dtype_of(const at::Tensor& x, const c10::optional<at::Tensor>& 
 }
 
 // Returns (y, h, mean, rstd): y has x's dtype, h h_dtype_of(...), the statistics float32.
-// The signature is that of fastnmt::add_layer_norm_triton, so both share their Python autograd.
+// The signature is that of fastnmt::add_layer_norm_triton, so both share their fakes.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_forward(
     const at::Tensor& x_in, const c10::optional<at::Tensor>& residual_in,
     const c10::optional<at::Tensor>& weight_in, const c10::optional<at::Tensor>& bias_in,

@@ -108,7 +108,7 @@ Activation parse_activation(c10::string_view name) {
 }
 
 // Returns (y (..., N), z (M, F), a (M, F) for GELU and SiLU, else empty): the signature of
-// fastnmt::feed_forward_triton without its GEMM-path flag, so both share their Python autograd.
+// fastnmt::feed_forward_triton without its GEMM-path flag, so both share their fakes.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> feed_forward_forward(
     const at::Tensor& x_in, const at::Tensor& w1, const c10::optional<at::Tensor>& b1,
     const at::Tensor& w2, const c10::optional<at::Tensor>& b2, c10::string_view activation,

@@ -1007,10 +1007,9 @@ ATTENTION.register("reference")(attention_reference)
 
 
 # Each fused backend is two torch.library ops (forward, backward), opaque to torch.compile, tied
-# together by autograd. The Triton ops and the C++ ops (csrc/attention.cpp) take the same
-# arguments in the same order, so one setup_context / backward pair serves both. The forward
-# saves its inputs, output, LSE and the dropout seed; the backward recomputes P from the LSE and
-# regenerates the dropout mask from the seed.
+# together by autograd: the Triton ops' below, the C++ ops' (csrc/attention.cpp, the same
+# arguments in the same order) in C++. The forward saves its inputs, output, LSE and the dropout
+# seed; the backward recomputes P from the LSE and regenerates the dropout mask from the seed.
 
 
 @torch.library.custom_op("fastnmt::attention_forward", mutates_args=())
@@ -1131,7 +1130,7 @@ def _running(_backend: str, forward):
     return implementation
 
 
-# The Triton ops and the C++ ops (same signatures) share their fakes and autograd. The C++ ops
+# The Triton ops and the C++ ops (same signatures) share their fakes. The C++ ops
 # (csrc/attention.cpp, CPU tensors) take ``out`` but ignore it: their backward computes
 # delta_i = sum_j P_ij dP_ij from P, exactly in fp32, rather than from the rounded output.
 registration.register_kernels(
@@ -1144,7 +1143,6 @@ registration.register_kernels(
     backward_fake=_backward_fake,
     setup_context=_setup_context,
     make_backward=_make_backward,
-    cpp_autograd_in_cpp=True,  # csrc/attention.cpp
 )
 
 

@@ -628,7 +628,7 @@ def _prepare(x, w1, b1, w2, b2, activation="relu", dropout_p=0.0):
 FEED_FORWARD = dispatch.define("feed_forward", _prepare)
 FEED_FORWARD.register("reference")(feed_forward_reference)
 # The Triton ops and the C++ ops (same signatures but for the Triton ops' trailing GEMM-path
-# flag) share their fakes and autograd.
+# flag) share their fakes; the C++ ops' autograd is in C++ (csrc/feed_forward.cpp).
 registration.register_kernels(
     FEED_FORWARD,
     triton=((_feed_forward_op, _feed_forward_backward_op), (_launch_forward, _launch_backward)),
@@ -639,7 +639,6 @@ registration.register_kernels(
     backward_fake=_backward_fake,
     setup_context=_setup_context,
     make_backward=_make_backward,
-    cpp_autograd_in_cpp=True,  # csrc/feed_forward.cpp
 )
 feed_forward_triton = FEED_FORWARD.implementation("triton")  # tests pick the GEMM path with it
 

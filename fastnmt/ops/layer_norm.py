@@ -471,7 +471,8 @@ def _prepare(
 
 ADD_LAYER_NORM = dispatch.define("add_layer_norm", _prepare)
 ADD_LAYER_NORM.register("reference")(add_layer_norm_reference)
-# The Triton ops and the C++ ops (same signatures) share their fakes and autograd.
+# The Triton ops and the C++ ops (same signatures) share their fakes; the C++ ops' autograd is in
+# C++ (csrc/add_layer_norm.cpp).
 registration.register_kernels(
     ADD_LAYER_NORM,
     triton=((_add_layer_norm_op, _add_layer_norm_backward_op), (_launch_forward, _backward)),
@@ -482,7 +483,6 @@ registration.register_kernels(
     backward_fake=_backward_fake,
     setup_context=_setup_context,
     make_backward=_make_backward,
-    cpp_autograd_in_cpp=True,  # csrc/add_layer_norm.cpp
 )
 
 

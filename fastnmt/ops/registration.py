@@ -1,14 +1,17 @@
-"""How an op's kernels join PyTorch: a forward and a backward kernel, tied by autograd twice.
+"""How an op's kernels join PyTorch: a forward and a backward kernel, tied by autograd.
 
-- Traced (``torch.compile``, ``torch.func``, export): torch.library ops, with the fake
-  implementations ``torch.compile`` traces and ``register_autograd``; graphs keep them opaque.
-- Eager: a plain ``torch.autograd.Function`` calling the same kernels. torch.library's Python
+Triton kernels, twice:
+- traced (``torch.compile``, ``torch.func``, export): torch.library ops, with the fake
+  implementations ``torch.compile`` traces and ``register_autograd``; graphs keep them opaque;
+- eager: a plain ``torch.autograd.Function`` calling the same launchers. torch.library's Python
   layers (the autograd kernel, pytree walks over the arguments, the dispatcher's Python
   implementation of a ``custom_op``) cost far more per call than a small kernel takes on a GPU;
   this path costs two Python calls each way.
+Both share one ``setup_context`` and one backward, so they compute the same gradients.
 
-Both share one ``setup_context`` and one backward, so they compute the same gradients. An op's
-Triton ops and its C++ ops (csrc/) take the same arguments, so one set of functions serves both.
+C++ kernels: ops registered in csrc/ with their autograd in C++ (the same gradients), so one op
+call serves eager and traced use, and a CPU step never enters Python below it. An op's Triton
+ops and its C++ ops take the same arguments, so one set of fakes serves both.
 """
 
 from __future__ import annotations
@@ -53,45 +56,36 @@ def register_kernels(
     backward_fake: Callable,
     setup_context: Callable,
     make_backward: Callable,
-    cpp_autograd_in_cpp: bool = False,
 ) -> None:
     """Registers ``op``'s Triton and C++ backends.
 
     ``triton`` is ((forward op, backward op), (forward launcher, backward launcher)): the
     torch.library ops call the launchers, the eager path calls them directly. ``cpp`` names the
     C++ ops ``fastnmt::<name>`` (forward, backward), registered when the extension is built.
-    Each pair of ops gets the fakes, and autograd from ``setup_context`` and
-    ``make_backward(backward op)``. ``running(backend, forward)`` is the implementation of the op
-    (its prepared arguments) that calls ``forward`` with the forward op's arguments;
-    ``unsupported[backend]`` its reasons. With ``cpp_autograd_in_cpp`` the C++ forward op
-    registers its autograd in C++ (csrc/): it is then the eager and the traced path at once, and
-    a CPU step never enters Python below the op call."""
-    (triton_ops, triton_launchers) = triton
-    kernels = {"triton": (triton_ops, triton_launchers)}
-    if extension_available():
-        cpp_ops = tuple(getattr(torch.ops.fastnmt, name).default for name in cpp)
-        if cpp_autograd_in_cpp:
-            for cpp_op, fake in zip(cpp_ops, (forward_fake, backward_fake), strict=True):
-                torch.library.register_fake(cpp_op)(fake)
-            op.register("cpp", unsupported["cpp"], traced=running("cpp", cpp_ops[0]))(
-                running("cpp", cpp_ops[0])
-            )
-        else:
-            kernels["cpp"] = (cpp_ops, cpp_ops)
-    else:  # never chosen (the reason: extension_status()), but explained
+    Both pairs get the fakes; the Triton ops get autograd from ``setup_context`` and
+    ``make_backward(backward op)``, the C++ forward op has its own, in C++ (csrc/: the same
+    gradients), and is the eager and the traced path at once: a CPU step never enters Python
+    below the op call. ``running(backend, forward)`` is the implementation of the op (its
+    prepared arguments) that calls ``forward`` with the forward op's arguments;
+    ``unsupported[backend]`` its reasons."""
+    (forward_op, backward_op), (forward, backward) = triton
+    torch.library.register_fake(forward_op)(forward_fake)
+    torch.library.register_fake(backward_op)(backward_fake)
+    torch.library.register_autograd(
+        forward_op, make_backward(backward_op), setup_context=setup_context
+    )
+    eager = eager_function(f"{op.name}_triton", forward, setup_context, make_backward(backward))
+    op.register("triton", unsupported["triton"], traced=running("triton", forward_op))(
+        running("triton", eager)
+    )
+    if not extension_available():  # never chosen (the reason: extension_status()), but explained
         op.register("cpp", unsupported["cpp"])(extension_missing)
-    for backend, ((forward_op, backward_op), (forward, backward)) in kernels.items():
-        torch.library.register_fake(forward_op)(forward_fake)
-        torch.library.register_fake(backward_op)(backward_fake)
-        torch.library.register_autograd(
-            forward_op, make_backward(backward_op), setup_context=setup_context
-        )
-        eager = eager_function(
-            f"{op.name}_{backend}", forward, setup_context, make_backward(backward)
-        )
-        op.register(backend, unsupported[backend], traced=running(backend, forward_op))(
-            running(backend, eager)
-        )
+        return
+    cpp_forward, cpp_backward = (getattr(torch.ops.fastnmt, name).default for name in cpp)
+    torch.library.register_fake(cpp_forward)(forward_fake)
+    torch.library.register_fake(cpp_backward)(backward_fake)
+    implementation = running("cpp", cpp_forward)
+    op.register("cpp", unsupported["cpp"], traced=implementation)(implementation)
 
 
 def extension_missing(*_, **__):
