@@ -21,9 +21,11 @@ anything else by value). A call whose signature was seen skips the argument chec
 reasons: a dict lookup, then the implementation. Reasons and checks read nothing else, so a cached
 choice is the one ``explain()`` gives.
 
-Each backend may register two implementations: the eager one (kernels called through a plain
-``torch.autograd.Function``, the leanest path into them) and a traced one for ``torch.compile``,
-``torch.func`` transforms and export (the torch.library ops, with fakes, that graphs keep opaque).
+Each backend may register two implementations: the eager one and a traced one for
+``torch.compile``, ``torch.func`` transforms and export. Triton's eager one calls its kernels
+through a plain ``torch.autograd.Function``, the leanest path into them, and its traced one the
+torch.library ops, with fakes, that graphs keep opaque; the C++ ops carry their autograd in C++
+and serve both (``ops/registration.py``).
 """
 
 from __future__ import annotations
