@@ -154,19 +154,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
   const auto compute_dtype = dtype.value_or(hidden.scalar_type());
   const auto h = hidden.to(compute_dtype).contiguous();  // (N, E)
   const auto w = weight.to(compute_dtype).contiguous();  // (V, E)
-  const auto w_t = w.t().contiguous();  // (E, V): CPU GEMMs take a transposed view slower
   c10::optional<at::Tensor> b;
   if (bias.has_value()) b = bias->to(compute_dtype);
   const int64_t tokens = h.size(0), vocab = w.size(0);
-  const auto targets = target.to(at::kLong).contiguous();
-  const auto counted = targets.ne(ignore_index).sum().to(at::kDouble);
-  const auto fp32 = h.options().dtype(at::kFloat);
-  auto dh = at::empty(compute_grad ? h.sizes() : at::IntArrayRef{0}, h.options());
-  auto dw = at::zeros(compute_grad ? w.sizes() : at::IntArrayRef{0}, fp32);
-  auto db = at::zeros({compute_grad && b ? vocab : 0}, fp32);
   const int64_t step =
       std::max<int64_t>(16, kChunkElements / std::max<int64_t>(vocab, 1) / 16 * 16);
-  at::Tensor sums;  // (3,) fp64: loss, nll, correct
+  const bool one_chunk = tokens <= step;
+  // (E, V): CPU GEMMs take a transposed view slower, chunk after chunk; one chunk takes the view.
+  const auto w_t = one_chunk ? w.t() : w.t().contiguous();
+  const auto targets = target.to(at::kLong).contiguous();
+  const auto* ids = targets.data_ptr<int64_t>();
+  int64_t counted = 0;  // on the CPU the targets are at hand: no ops to count them
+  for (int64_t i = 0; i < tokens; ++i) counted += ids[i] != ignore_index;
+  const auto fp32 = h.options().dtype(at::kFloat);
+  at::Tensor sums, dh, dw, db;  // sums: (3,) fp64 loss, nll, correct; the rest: see above
+  if (compute_grad && !one_chunk) dh = at::empty(h.sizes(), h.options());
   for (int64_t start = 0; start < tokens; start += step) {
     const int64_t rows = std::min(step, tokens - start);
     const auto h_chunk = h.narrow(0, start, rows);
@@ -177,19 +179,45 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
             .sum(0, /*keepdim=*/false, at::kDouble);
     sums = sums.defined() ? sums + chunk_sums : chunk_sums;
     if (!compute_grad) continue;
-    auto dh_chunk = dh.narrow(0, start, rows);
-    at::mm_out(dh_chunk, z, w);
-    if (compute_dtype == at::kFloat) {
+    if (one_chunk) {
+      dh = at::mm(z, w);
+    } else {
+      auto dh_chunk = dh.narrow(0, start, rows);
+      at::mm_out(dh_chunk, z, w);
+    }
+    if (!dw.defined()) {
+      dw = at::mm(z.t(), h_chunk).to(at::kFloat);
+    } else if (compute_dtype == at::kFloat) {
       dw.addmm_(z.t(), h_chunk);
     } else {  // dw stays fp32: addmm_ takes one dtype
       dw += at::mm(z.t(), h_chunk);
     }
-    if (b) db += z.sum(0, /*keepdim=*/false, at::kFloat);
+    if (b) {
+      auto db_chunk = z.sum(0, /*keepdim=*/false, at::kFloat);
+      db = db.defined() ? db.add_(db_chunk) : db_chunk;
+    }
   }
-  if (!sums.defined()) sums = at::zeros({3}, h.options().dtype(at::kDouble));
+  if (!sums.defined()) sums = at::zeros({3}, h.options().dtype(at::kDouble));  // no tokens
+  if (!compute_grad) {
+    dh = at::empty({0}, h.options());
+    dw = at::empty({0}, fp32);
+  } else if (!dw.defined()) {  // no tokens
+    dh = at::empty(h.sizes(), h.options());
+    dw = at::zeros(w.sizes(), fp32);
+  }
+  if (!(compute_grad && b)) {
+    db = at::empty({0}, fp32);
+  } else if (!db.defined()) {
+    db = at::zeros({vocab}, fp32);
+  }
   // s of the math: 1 / counted tokens for a mean (the loss is 0 when none count).
-  const auto loss = (mean ? sums[0] / counted.clamp_min(1) : sums[0]).to(at::kFloat);
-  const auto statistics = at::stack({sums[1], sums[2], counted});
+  const auto loss_sum = sums.select(0, 0);
+  const auto loss =
+      (mean ? loss_sum / static_cast<double>(std::max<int64_t>(counted, 1)) : loss_sum)
+          .to(at::kFloat);
+  const auto statistics = at::empty({3}, sums.options());
+  statistics.narrow(0, 0, 2).copy_(sums.narrow(0, 1, 2));
+  statistics.select(0, 2).fill_(static_cast<double>(counted));
   return {loss, statistics, dh.to(hidden.scalar_type()), dw, db};
 }
 
