@@ -25,13 +25,11 @@ from fastnmt._extension import extension_available, extension_status
 
 
 def eager_function(name: str, forward: Callable, setup_context: Callable, backward: Callable):
-    """``apply(*inputs)``: ``forward(*inputs)`` under autograd, with the op's ``setup_context``
-    and ``backward`` (as given to ``register_autograd``). ``forward`` runs below the autograd
-    dispatch key: a C++ op then skips its registered (Python) autograd kernel."""
+    """``apply(*inputs)``: ``forward(*inputs)`` (Python launchers) under autograd, with the op's
+    ``setup_context`` and ``backward`` (as given to ``register_autograd``)."""
 
     def run_forward(ctx, *inputs):
-        with torch._C._AutoDispatchBelowAutograd():
-            output = forward(*inputs)
+        output = forward(*inputs)
         setup_context(ctx, inputs, output)
         return output
 
