@@ -68,7 +68,8 @@ class ShapeBuckets:
     def _padded(self, batch: Batch, start: int, end: int, shape: BatchShape) -> Batch:
         def pad(tensor: torch.Tensor, fill: int) -> torch.Tensor:
             part = tensor[start:end]
-            out = torch.full((shape.rows, *[shape.length] * (part.dim() - 1)), fill)
+            size = (shape.rows, *[shape.length] * (part.dim() - 1))
+            out = torch.full(size, fill, dtype=part.dtype, device=part.device)
             out[tuple(slice(0, size) for size in part.shape)] = part
             return out
 
@@ -79,5 +80,5 @@ class ShapeBuckets:
             tgt_out=pad(batch.tgt_out, self.pad_id),
             tgt_lengths=pad(batch.tgt_lengths, 0),
             indices=pad(batch.indices, -1),
-            tgt_positions=torch.arange(shape.rows * shape.length),
+            tgt_positions=torch.arange(shape.rows * shape.length, device=batch.src.device),
         )

@@ -90,6 +90,12 @@ class Distributed:
             dist.all_reduce(tensor)
         return tensor
 
+    def broadcast_parameters(self, module: torch.nn.Module) -> None:
+        """Rank 0's parameters and buffers on every rank (what DDP does when it wraps one)."""
+        if self.world_size > 1:
+            for tensor in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(tensor.detach(), src=0)
+
     def broadcast(self, value):
         """Rank 0's ``value`` (any picklable object) on every rank."""
         if self.world_size == 1:

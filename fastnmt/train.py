@@ -24,7 +24,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import fastnmt
-from fastnmt import checkpoint, preprocess
+from fastnmt import checkpoint, graphs, preprocess
 from fastnmt.checkpoint import CheckpointError
 from fastnmt.data import DataError, Vocabulary, load_multi30k, read_parallel_prefix, read_tsv
 from fastnmt.distributed import Distributed, resolve_device
@@ -35,6 +35,8 @@ from fastnmt.trainer import PRECISIONS, RESUME_KEYS, Corpora, Trainer
 from fastnmt.translator import fastest_dtype
 
 # Arguments that must match an existing checkpoint for training to continue from it.
+# Shape buckets of CUDA-graph training when --shape-buckets does not say: one graph each.
+GRAPH_BUCKETS = 8
 MODEL_OVERRIDES = (
     "encoder_layers",
     "decoder_layers",
@@ -81,8 +83,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--shape-buckets",
         type=int,
         default=0,
-        help="pad batches to this many fixed shapes, split into micro-batches (0: off); for "
-        "CUDA graphs and torch.compile, which specialize on shapes",
+        help="pad batches to this many fixed shapes, split into micro-batches (0: off; "
+        f"{GRAPH_BUCKETS} with CUDA graphs); for CUDA graphs and torch.compile, which "
+        "specialize on shapes",
+    )
+    data.add_argument(
+        "--cuda-graphs",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="replay each update as CUDA graphs (auto: on a GPU, unless --precision fp16)",
     )
     model = p.add_argument_group("model")
     model.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
@@ -251,6 +260,17 @@ def resolve_precision(requested: str, device: torch.device) -> str:
     return requested
 
 
+def resolve_cuda_graphs(args, device: torch.device) -> None:
+    """``--cuda-graphs`` as "on" or "off" for this device and precision; graphs replay fixed
+    shapes, so "on" implies shape buckets."""
+    reasons = graphs.capture_reasons(device, loss_scaling=args.precision == "fp16")
+    if args.cuda_graphs == "on" and reasons:
+        raise UsageError(f"--cuda-graphs on: {'; '.join(reasons)}")
+    args.cuda_graphs = "off" if reasons or args.cuda_graphs == "off" else "on"
+    if args.cuda_graphs == "on" and not args.shape_buckets:
+        args.shape_buckets = GRAPH_BUCKETS
+
+
 def model_config(args, vocab: Vocabulary) -> ModelConfig:
     overrides = dict(
         vocab_size=len(vocab),
@@ -301,6 +321,7 @@ def prepare(args) -> Trainer:
     except ValueError as error:
         raise UsageError(str(error)) from None
     args.precision = resolve_precision(args.precision, device)
+    resolve_cuda_graphs(args, device)
     world = Distributed.from_environment(device)
     torch.manual_seed(args.seed)
     random.seed(args.seed)

@@ -29,6 +29,7 @@ from fastnmt import checkpoint, metrics
 from fastnmt.buckets import ShapeBuckets
 from fastnmt.data import EncodedCorpus, ParallelCorpus, TokenBatches, Vocabulary, encode_corpus
 from fastnmt.distributed import Distributed
+from fastnmt.graphs import BucketedUpdates
 from fastnmt.model import ModelConfig, Transformer
 from fastnmt.ops import linear_cross_entropy
 from fastnmt.translator import Translator, autocast
@@ -50,10 +51,13 @@ class Corpora:
     test: ParallelCorpus | None
 
 
-def inverse_sqrt_lr(step: int, peak: float, warmup: int) -> float:
-    """Linear warmup to ``peak`` over ``warmup`` steps, then peak * sqrt(warmup / step)."""
-    step = max(step, 1)
-    return peak * min(step / warmup, math.sqrt(warmup / step)) if warmup else peak
+def inverse_sqrt_lr(step: torch.Tensor, peak: float, warmup: int) -> torch.Tensor:
+    """Linear warmup to ``peak`` over ``warmup`` steps, then peak * sqrt(warmup / step), of a
+    device step count (computed on the device: a captured update reads no host value)."""
+    if not warmup:
+        return torch.full_like(step, peak)
+    ratio = step.clamp(min=1) / warmup
+    return peak * torch.minimum(ratio, ratio.rsqrt())
 
 
 def label_smoothed_loss(model: Transformer, states, targets, positions, smoothing: float):
@@ -77,8 +81,8 @@ def label_smoothed_loss(model: Transformer, states, targets, positions, smoothin
 
 class Window:
     """The updates since the last log line. Each update's statistics (a float64 device tensor:
-    loss sum, nll sum, correct predictions, gradient norm) stay on the device until ``values()``
-    copies the pending ones to the host in one sync."""
+    loss sum, nll sum, correct predictions, gradient norm, learning rate) stay on the device
+    until ``values()`` copies the pending ones to the host in one sync."""
 
     def __init__(self):
         self.started = time.monotonic()
@@ -93,7 +97,7 @@ class Window:
         self.tokens += tokens
 
     def values(self) -> list[list[float]]:
-        """[loss, nll, correct, grad_norm] of every update in the window, on the host."""
+        """[loss, nll, correct, grad_norm, lr] of every update in the window, on the host."""
         if self._pending:
             self._host += torch.stack(self._pending).tolist()
             self._pending = []
@@ -101,7 +105,7 @@ class Window:
 
     def first_non_finite(self) -> tuple[int, float] | None:
         """(step, value) of the first update whose loss (else gradient norm) was not finite."""
-        for step, (loss, _, _, grad_norm) in zip(self.steps, self.values(), strict=True):
+        for step, (loss, _, _, grad_norm, _) in zip(self.steps, self.values(), strict=True):
             for value in (loss, grad_norm):
                 if not math.isfinite(value):
                     return step, value
@@ -218,11 +222,22 @@ class Trainer:
         self.output_dir = Path(args.output_dir)
         self.autocast_dtype = PRECISIONS[args.precision]
         self.model = Transformer(cfg).to(device)
-        self.ddp = DistributedDataParallel(self.model) if world.world_size > 1 else None
+        # The update's device state: what a captured update reads and writes (graphs.py).
+        self.updates = torch.zeros((), dtype=torch.float64, device=device)  # = progress.step
+        self.lr = torch.zeros((), dtype=torch.float32, device=device)
+        self.loss_scale = torch.zeros((), dtype=torch.float32, device=device)  # 1 / tokens
+        self.sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, nll, correct
+        self.statistics = torch.zeros(5, dtype=torch.float64, device=device)  # Window.add's
         # fused: one pass over each parameter per update instead of six elementwise ops; on a
-        # CPU the unfused update of a tiny model costs a good share of its step.
+        # CPU the unfused update of a tiny model costs a good share of its step. capturable
+        # with a tensor learning rate: its step can be replayed in a CUDA graph.
         self.optimizer = torch.optim.Adam(
-            self.model.parameters(), lr=args.lr, betas=(0.9, 0.98), eps=1e-9, fused=True
+            self.model.parameters(),
+            lr=self.lr,
+            betas=(0.9, 0.98),
+            eps=1e-9,
+            fused=True,
+            capturable=True,
         )
         self.scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
         self.batches = TokenBatches(
@@ -237,9 +252,25 @@ class Trainer:
             workers=args.data_workers,
             pin_memory=device.type == "cuda",
         )
-        self.buckets = (
-            ShapeBuckets(args.max_tokens, args.max_len, args.shape_buckets, vocab.pad_id)
+        # Shape-bucketed updates run through static programs (captured as CUDA graphs where
+        # they can be), summing gradients over ranks themselves; other updates through DDP.
+        self.bucketed = (
+            BucketedUpdates(
+                self.model,
+                ShapeBuckets(args.max_tokens, args.max_len, args.shape_buckets, vocab.pad_id),
+                lambda batch: self.accumulate(self.model, batch),
+                self.apply_update,
+                world.sum_on_device if world.world_size > 1 else None,
+                device,
+            )
             if args.shape_buckets
+            else None
+        )
+        if self.bucketed is not None:
+            world.broadcast_parameters(self.model)
+        self.ddp = (
+            DistributedDataParallel(self.model)
+            if world.world_size > 1 and self.bucketed is None
             else None
         )
         self.progress = Progress()
@@ -290,8 +321,11 @@ class Trainer:
         self.model.load_state_dict(loaded.weights)
         state = loaded.trainer_state
         self.optimizer.load_state_dict(state["optimizer"])
+        for group in self.optimizer.param_groups:  # loading replaced them with the saved ones
+            group.update(lr=self.lr, capturable=True)
         self.scaler.load_state_dict(state["scaler"])
         self.progress = Progress(**state["progress"])
+        self.updates.fill_(self.progress.step)
         self.started = time.monotonic()
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate((3, tuple(state["rng"]["python"]), None))
@@ -304,53 +338,65 @@ class Trainer:
 
     # -- steps ------------------------------------------------------------------------------
 
-    def train_step(self, batches) -> dict:
+    def train_step(self, batches) -> bool:
         """One update over ``batches`` (update_freq micro-batches on this rank, on the host),
-        normalised by the target tokens of all of them on all ranks. Adds the update's statistics
-        to the window without reading them (no host sync). The update and the progress that
-        counts it (step, position in the epoch) happen together or not at all, whenever Ctrl-C
-        comes: a resumed run neither repeats nor skips a batch."""
+        normalised by the target tokens of all of them on all ranks; True when a rank ran out of
+        time. Adds the update's statistics to the window without reading them (no host sync).
+        The update and the progress that counts it (step, position in the epoch) happen together
+        or not at all, whenever Ctrl-C comes: a resumed run neither repeats nor skips a batch."""
         self._rng_before_update = self.rng_states()
         local_tokens = sum(b.num_tgt_tokens for b in batches)
         total_tokens, stop_votes = self.world.sum([local_tokens, float(self.out_of_time())])
-        if self.buckets is not None:  # the same sentences, in pieces of fixed shapes
-            batches = [piece for batch in batches for piece in self.buckets.split(batch)]
-        model = self.ddp or self.model
+        # DDP averages gradients over ranks, so its losses are scaled by world_size to make that
+        # a global sum; the bucketed updates sum them.
+        summed_over = self.world.world_size if self.ddp else 1
+        self.loss_scale.fill_(summed_over / total_tokens)
         self.model.train()
-        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss, nll, correct
+        if self.bucketed is not None:
+            self.bucketed.accumulate(batches)
+        else:
+            self.accumulate_eagerly(batches)
+        with interrupts_deferred():
+            (self.bucketed.update if self.bucketed is not None else self.apply_update)()
+            self.progress.step += 1
+            self.progress.batch_in_epoch += len(batches)
+            self.window.add(self.progress.step, self.statistics.clone(), total_tokens)
+            self._rng_before_update = None
+        return stop_votes > 0
+
+    def accumulate_eagerly(self, batches) -> None:
+        """Forward + backward of batches of any shape (DDP all-reduces on the last one)."""
+        model = self.ddp or self.model
         for i, batch in enumerate(batches):
-            batch = batch.to(self.device)
-            # DDP all-reduces gradients on the last micro-batch only.
             last = i == len(batches) - 1
             sync = self.ddp.no_sync() if self.ddp and not last else contextlib.nullcontext()
             with sync:
-                loss, nll, correct = self.batch_loss(model, batch)
-            # DDP averages gradients over ranks; scaling by world_size makes that a global sum.
-            self.scaler.scale(loss * (self.world.world_size / total_tokens)).backward()
-            sums += torch.stack([loss.detach(), nll, correct]).double()
-        with interrupts_deferred():
-            lr, grad_norm = self.apply_update()
-            self.progress.step += 1
-            self.progress.batch_in_epoch += len(batches)
-            statistics = torch.cat([sums, grad_norm.double().reshape(1)])
-            self.window.add(self.progress.step, statistics, total_tokens)
-            self._rng_before_update = None
-        return {"lr": lr, "stop": stop_votes > 0}
+                self.accumulate(model, batch.to(self.device))
 
-    def apply_update(self) -> tuple[float, torch.Tensor]:
-        """The optimizer step on the accumulated gradients; returns its learning rate and the
-        gradient norm (a device tensor)."""
-        lr = inverse_sqrt_lr(self.progress.step + 1, self.args.lr, self.args.warmup)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+    def accumulate(self, model, batch) -> None:
+        """Forward + backward of one batch on the device: its gradients, scaled by
+        ``loss_scale``, added to ``.grad`` and its statistics to ``sums``."""
+        loss, nll, correct = self.batch_loss(model, batch)
+        self.scaler.scale(loss * self.loss_scale).backward()
+        self.sums += torch.stack([loss.detach(), nll, correct]).double()
+
+    def apply_update(self) -> None:
+        """The optimizer step on the accumulated gradients, all on the device: the learning
+        rate from the device step count, clipping, the step; then the update's statistics in
+        ``statistics`` and the accumulators zeroed."""
+        self.updates += 1
+        self.lr.copy_(inverse_sqrt_lr(self.updates, self.args.lr, self.args.warmup))
         self.scaler.unscale_(self.optimizer)
         max_norm = self.args.clip_norm or float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         # With loss scaling the scaler skips non-finite updates itself (fused Adam: on device).
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        return lr, grad_norm
+        # A captured update keeps the gradient tensors (zeroed); eager ones free them.
+        self.optimizer.zero_grad(set_to_none=self.bucketed is None)
+        grad_norm, lr = grad_norm.double().reshape(1), self.lr.double().reshape(1)
+        self.statistics.copy_(torch.cat([self.sums, grad_norm, lr]))
+        self.sums.zero_()
 
     def batch_loss(self, model, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Summed label-smoothed loss, nll and correct predictions of a batch on the device;
@@ -461,6 +507,9 @@ class Trainer:
             f"on {self.device} ({args.precision}), {len(self.batches)} batches per epoch"
             f"{f' per rank x {self.world.world_size}' if self.world.world_size > 1 else ''}"
         )
+        if args.cuda_graphs == "on":
+            self.model.train()
+            self.bucketed.capture(self.optimizer, self.log.line)
         validated_at = progress.step
         while not args.max_epochs or progress.epoch <= args.max_epochs:
             stopped = self.train_epoch()
@@ -496,7 +545,7 @@ class Trainer:
             group.append(batch)
             if len(group) < args.update_freq and progress.batch_in_epoch + len(group) < total:
                 continue
-            step = self.train_step(group)
+            stop = self.train_step(group)
             group = []
             self.log.bar(
                 progress.epoch,
@@ -505,20 +554,21 @@ class Trainer:
                 f"step {progress.step} {self.window.tokens_per_second():,.0f} tok/s",
             )
             if progress.step % args.log_interval == 0:
-                self.report(step["lr"])
+                self.report()
             if args.save_interval and progress.step % args.save_interval == 0:
                 self.last_saved = self.save()
-            if step["stop"] or (args.max_steps and progress.step >= args.max_steps):
+            if stop or (args.max_steps and progress.step >= args.max_steps):
                 return True
         return False
 
-    def report(self, lr: float) -> None:
+    def report(self) -> None:
         """The log line of the window (every rank takes part: the sums cross ranks), then a new
         window."""
         self.check_finite()
         window, progress = self.window, self.progress
         totals = [sum(column) for column in zip(*window.values(), strict=True)]
-        loss, nll, correct, _ = self.world.sum(totals)
+        loss, nll, correct = self.world.sum(totals[:3])
+        *_, grad_norm, lr = window.values()[-1]
         tokens, base2 = window.tokens, window.tokens * math.log(2)
         values = {
             "epoch": progress.epoch,
@@ -528,7 +578,7 @@ class Trainer:
             "ppl": 2 ** (nll / base2),
             "accuracy": correct / tokens,
             "lr": lr,
-            "grad_norm": window.values()[-1][3],
+            "grad_norm": grad_norm,
             "tgt_tokens_per_s": window.tokens_per_second(),
             "elapsed": self.elapsed(),
         }

@@ -185,11 +185,12 @@ def test_translator(checkpoint_dir, beam, on):
     assert len(found) == 3
 
 
-def test_a_training_step_and_its_report(corpus, tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--shape-buckets", "3"]], ids=["eager", "bucketed"])
+def test_a_training_step_and_its_report(corpus, tmp_path, extra):
     """The step and the log line (the batches come from a DataLoader, whose iterator makes a
     tensor of its own without a device: outside the guard)."""
-    run = train.prepare(train.build_parser().parse_args(_arguments(corpus, tmp_path)))
+    run = train.prepare(train.build_parser().parse_args(_arguments(corpus, tmp_path, *extra)))
     batches = list(run.batches.iterate(epoch=1))
     with implicit_tensors_elsewhere():
         run.train_step(batches[:2])
-        run.report(lr=1e-3)
+        run.report()

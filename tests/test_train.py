@@ -167,14 +167,17 @@ def _assert_close_weights(expected, actual) -> None:
         torch.testing.assert_close(actual[name], expected[name], atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("extra", [[], ["--shape-buckets", "3"]], ids=["ddp", "bucketed"])
 def test_ddp_with_two_gloo_processes_equals_one_process_on_the_combined_batches(
-    corpus, tmp_path, single_process
+    corpus, tmp_path, single_process, extra
 ):
+    """Through DDP, or (shape buckets) the static programs' own gradient all-reduce."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
         "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-        "-m", "fastnmt.train", *_arguments(corpus, tmp_path, *NO_DROPOUT, "--check-replicas"),
+        "-m", "fastnmt.train",
+        *_arguments(corpus, tmp_path, *NO_DROPOUT, "--check-replicas", *extra),
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr
@@ -339,13 +342,15 @@ def test_resuming_a_finished_run_trains_no_further(corpus, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_training_on_a_gpu(corpus, tmp_path, precision):
-    """A few steps on cuda:0 through the compiled kernels; needs a GPU (CPU runs are above)."""
+    """A few steps on cuda:0 through the compiled kernels, replayed as CUDA graphs in bf16 (fp16
+    loss scaling runs eagerly); needs a GPU (CPU runs are above)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU: the same loop runs on the CPU in the tests above")
     arguments = [*_arguments(corpus, tmp_path), "--device", "cuda:0", "--precision", precision]
     result = _run([*arguments, "--max-steps", "4", "--average-last", "1"])
     assert result.returncode == 0, result.stderr
     assert "on cuda:0" in result.stderr
+    assert ("captured 9 CUDA graphs" in result.stderr) == (precision == "bf16"), result.stderr
 
 
 @pytest.mark.gpu

@@ -41,22 +41,24 @@ def test_label_smoothed_loss_matches_cross_entropy():
     assert correct == (logits[kept].argmax(-1) == targets.view(-1)[kept]).sum()
 
 
-def test_inverse_sqrt_schedule():
-    assert trainer.inverse_sqrt_lr(1, 1e-3, 100) == pytest.approx(1e-5)
-    assert trainer.inverse_sqrt_lr(100, 1e-3, 100) == pytest.approx(1e-3)
-    assert trainer.inverse_sqrt_lr(400, 1e-3, 100) == pytest.approx(5e-4)
+def test_inverse_sqrt_schedule_of_a_device_step_count():
+    steps = torch.tensor([0.0, 1, 50, 100, 400], dtype=torch.float64)
+    expected = [1e-5, 1e-5, 5e-4, 1e-3, 5e-4]  # step 0 is step 1's
+    assert trainer.inverse_sqrt_lr(steps, 1e-3, 100).tolist() == pytest.approx(expected)
+    assert trainer.inverse_sqrt_lr(steps, 1e-3, 0).tolist() == pytest.approx([1e-3] * 5)
 
 
-def test_a_training_step_makes_no_host_sync(corpus, tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--shape-buckets", "3"]], ids=["eager", "bucketed"])
+def test_a_training_step_makes_no_host_sync(corpus, tmp_path, extra):
     """Statistics stay on the device until a log line reads them, one sync per window."""
-    run = train.prepare(train.build_parser().parse_args(_arguments(corpus, tmp_path)))
+    run = train.prepare(train.build_parser().parse_args(_arguments(corpus, tmp_path, *extra)))
     batches = list(run.batches.iterate(epoch=1))
     run.train_step(batches[:1])  # the first step also builds the optimizer state
     with count_host_syncs(none_allowed=True) as syncs:
         run.train_step(batches[1:3])  # two micro-batches
     assert syncs.names == []
     with count_host_syncs() as syncs:
-        run.report(lr=1e-3)
+        run.report()
     assert syncs.names == ["tolist"]
 
 

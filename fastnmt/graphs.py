@@ -1,0 +1,218 @@
+"""Training updates over static tensors, replayed as CUDA graphs: the plan of graph training.
+
+An eager training step costs far more host time than GPU time on small models (every op's
+launch, every autograd node, the optimizer's Python), and a CUDA graph replays a captured
+sequence of kernels for one launch. A graph fixes its tensors: their shapes and their memory.
+So an update becomes:
+
+- ``ShapeBuckets`` (``fastnmt/buckets.py``) cut each batch into pieces of a few fixed shapes;
+- one **piece program** per shape reads its batch from static input tensors (the host copies a
+  piece in), runs forward + backward, accumulates the gradients into preallocated ``.grad``
+  tensors and its loss statistics into a device accumulator;
+- one **update program** sums gradients over ranks (an explicit all-reduce, as DDP's hooks do
+  not replay), clips them, steps a capturable fused optimizer whose learning rate is a device
+  tensor computed from a device step counter, zeroes the gradients in place and writes the
+  update's statistics to a static tensor.
+
+Nothing in a program reads a value back to the host, and every value that changes between
+updates is a device tensor the host writes before a replay (``fill_``, ``copy_``), so a replay
+makes the same update as calling the program. Dropout draws its seeds with ``torch.randint`` on
+the device: a captured draw advances the generator at each replay (the same masks as eager
+calls would draw, never a frozen one).
+
+On CUDA (``capture_reasons`` empty) the programs are captured once each, after warm-up calls
+on a side stream whose effect on the model, the optimizer and the random state is undone
+(``state_preserved``); every graph shares one memory pool, which is safe in any replay order
+because no tensor allocated inside a program outlives it (inputs, gradients and accumulators
+are allocated outside). Elsewhere (a CPU, loss scaling) the same programs are called: that is
+how the plan runs and is tested on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+from fastnmt.buckets import BatchShape, ShapeBuckets
+from fastnmt.data import Batch
+
+# Fields of a piece copied into its program's static inputs (tgt_positions is the same for
+# every piece of a shape: all its cells).
+_INPUTS = ("src", "src_lengths", "tgt_in", "tgt_out")
+# Eager calls before capture: the first builds the optimizer's state and autotunes, the rest let
+# the caching allocator settle (PyTorch's whole-network capture example uses a few).
+WARMUP_CALLS = 3
+
+
+def capture_reasons(device: torch.device, loss_scaling: bool) -> list[str]:
+    """Why the programs cannot be captured as CUDA graphs (empty: they can)."""
+    reasons = []
+    if device.type != "cuda":
+        reasons.append(f"CUDA graphs need a CUDA device, got {device.type}")
+    if loss_scaling:
+        reasons.append("fp16 loss scaling decides on the host whether to step (use bf16)")
+    return reasons
+
+
+class Program:
+    """A function of no arguments over static tensors: called, or replayed once captured."""
+
+    def __init__(self, function: Callable[[], None]):
+        self.function = function
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def __call__(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.function()
+
+    def capture(self, pool) -> None:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self.function()
+        self.graph = graph
+
+
+@contextlib.contextmanager
+def state_preserved(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Undo what the calls inside do to the parameters, the optimizer's state and the random
+    state of the model's device: warm-up calls before a capture run real updates. A state the
+    optimizer creates inside (its first step) is zeroed after, which is a fresh state for
+    Adam (zero moments, step 0)."""
+    device = next(model.parameters()).device
+    parameters = [p.detach().clone() for p in model.parameters()]
+    states = {p: {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()}
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, saved in zip(model.parameters(), parameters, strict=True):
+                p.copy_(saved)
+            for p, state in optimizer.state.items():
+                for key, value in state.items():
+                    if p in states:
+                        value.copy_(states[p][key])
+                    elif isinstance(value, torch.Tensor):
+                        value.zero_()
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, device)
+
+
+class BucketedUpdates:
+    """Updates over shape-bucketed pieces through the two kinds of program.
+
+    ``piece(batch)`` runs forward + backward of one piece (scaling its loss by a device tensor
+    the caller owns and adding its statistics to a device accumulator); ``update()`` is the
+    update program; ``reduce(flat)`` sums the flat gradient over ranks in place (None: one
+    rank)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        buckets: ShapeBuckets,
+        piece: Callable[[Batch], None],
+        update: Callable[[], None],
+        reduce: Callable[[torch.Tensor], None] | None,
+        device: torch.device,
+    ):
+        self.model, self.buckets, self.device = model, buckets, device
+        self.gradients = self._static_gradients(model)
+        self.inputs = {shape: self._static_batch(shape) for shape in buckets.shapes}
+        self.pieces = {
+            shape: Program(lambda batch=batch: piece(batch)) for shape, batch in self.inputs.items()
+        }
+        self.update = Program(self._reduced(update, reduce))
+        self.captured_bytes = 0
+
+    def _static_gradients(self, model: torch.nn.Module) -> torch.Tensor:
+        """One flat buffer whose views are the parameters' ``.grad``: backward accumulates into
+        them in place (a graph must not allocate them), and a rank sums them in one call."""
+        parameters = [p for p in model.parameters() if p.requires_grad]
+        dtypes = {p.dtype for p in parameters}
+        if len(dtypes) != 1:
+            raise ValueError(f"graph training needs parameters of one dtype, got {dtypes}")
+        flat = torch.zeros(
+            sum(p.numel() for p in parameters), dtype=dtypes.pop(), device=self.device
+        )
+        offset = 0
+        for p in parameters:
+            p.grad = flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+        return flat
+
+    def _static_batch(self, shape: BatchShape) -> Batch:
+        """The inputs of one shape's program: padding only (all-padded rows are inert)."""
+        pad = self.buckets.pad_id
+
+        def full(size, fill):
+            return torch.full(size, fill, dtype=torch.int64, device=self.device)
+
+        grid = (shape.rows, shape.length)
+        return Batch(
+            src=full(grid, pad),
+            src_lengths=full((shape.rows,), 0),
+            tgt_in=full(grid, pad),
+            tgt_out=full(grid, pad),
+            tgt_lengths=full((shape.rows,), 0),
+            indices=full((shape.rows,), -1),
+            tgt_positions=torch.arange(shape.rows * shape.length, device=self.device),
+        )
+
+    def _reduced(self, update, reduce):
+        if reduce is None:
+            return update
+
+        def reduced_update():
+            reduce(self.gradients)
+            update()
+
+        return reduced_update
+
+    def accumulate(self, batches: list[Batch]) -> None:
+        """Forward + backward of ``batches`` (host tensors): each piece copied into its shape's
+        inputs and its program run. ``update()`` then applies them."""
+        for batch in batches:
+            shape = self.buckets.shape_of(batch)
+            inputs, program = self.inputs[shape], self.pieces[shape]
+            for piece in self.buckets.split(batch):
+                for name in _INPUTS:
+                    getattr(inputs, name).copy_(getattr(piece, name), non_blocking=True)
+                program()
+
+    def capture(self, optimizer: torch.optim.Optimizer, report: Callable[[str], None]) -> None:
+        """Capture every program as a CUDA graph after warm-up calls whose effects are undone."""
+        started = time.monotonic()
+        programs = [*self.pieces.values(), self.update]
+        before = torch.cuda.memory_reserved(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with state_preserved(self.model, optimizer), torch.cuda.stream(side):
+            for _ in range(WARMUP_CALLS):
+                for program in programs:
+                    program()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        try:
+            with state_preserved(self.model, optimizer):  # capture draws random offsets too
+                pool = torch.cuda.graph_pool_handle()
+                for i, program in enumerate(programs):
+                    program.capture(pool)
+                    report(f"captured CUDA graph {i + 1}/{len(programs)}")
+        except RuntimeError as error:  # training goes on, as calls of the same programs
+            for program in programs:
+                program.graph = None
+            report(f"CUDA graph capture failed, running eagerly: {str(error).splitlines()[0]}")
+            return
+        torch.cuda.synchronize(self.device)
+        self.captured_bytes = torch.cuda.memory_reserved(self.device) - before
+        report(
+            f"captured {len(programs)} CUDA graphs ({len(self.pieces)} batch shapes + the "
+            f"update) in {time.monotonic() - started:.1f} s; static memory "
+            f"{self.captured_bytes / 2**20:,.0f} MiB"
+        )
