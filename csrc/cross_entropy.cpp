@@ -68,24 +68,27 @@ ShiftedSums shifted_sums(const T* x, int64_t n, float shift) {
   return sums;
 }
 
-// x <- softmax(x) - smoothing / n, written over x (the target's -(1 - smoothing) is added by the
-// caller).
+// x <- (softmax(x) - smoothing / n) * scale, written over x (the target's -(1 - smoothing) is
+// added by the caller).
 template <typename T>
-void write_gradient(T* x, int64_t n, float lse, float uniform) {
+void write_gradient(T* x, int64_t n, float lse, float uniform, float scale) {
   const int64_t whole = n / kLanes * kLanes;
   for (int64_t j = 0; j < whole; j += kLanes) {
-    store_float(x + j, vector_exp(load_float(x + j) - lse) - uniform);
+    store_float(x + j, (vector_exp(load_float(x + j) - lse) - uniform) * scale);
   }
   for (int64_t j = whole; j < n; ++j) {
-    x[j] = static_cast<T>(std::exp(to_float(x[j]) - lse) - uniform);
+    x[j] = static_cast<T>((std::exp(to_float(x[j]) - lse) - uniform) * scale);
   }
 }
 
 template <typename T>
 void rows(T* logits, const int64_t* target, float* stats, int64_t count, int64_t vocab,
-          float smoothing, int64_t ignore_index, bool compute_grad) {
+          float smoothing, int64_t ignore_index, bool compute_grad, float scale) {
   const float uniform = smoothing / static_cast<float>(vocab);
-  at::parallel_for(0, count, 4, [&](int64_t begin, int64_t end) {
+  // Threads only for rows worth waking them (PyTorch's grain): a thread pool round trip costs
+  // more than a few short rows.
+  const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(vocab, 1));
+  at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       T* x = logits + i * vocab;
       float* out = stats + i * 3;  // loss, nll, correct
@@ -107,15 +110,16 @@ void rows(T* logits, const int64_t* target, float* stats, int64_t count, int64_t
       out[1] = nll;
       out[2] = row.argmax == gold ? 1.0f : 0.0f;
       if (!compute_grad) continue;
-      write_gradient(x, vocab, lse, uniform);
+      write_gradient(x, vocab, lse, uniform, scale);
       const float gold_probability = std::exp(gold_logit - lse);
-      x[gold] = static_cast<T>(gold_probability - uniform - (1.0f - smoothing));
+      x[gold] = static_cast<T>((gold_probability - uniform - (1.0f - smoothing)) * scale);
     }
   });
 }
 
+// The gradient rows come out times grad_scale (s of the math, when the caller folds it in).
 at::Tensor cross_entropy_rows(at::Tensor logits, const at::Tensor& target, double label_smoothing,
-                              int64_t ignore_index, bool compute_grad) {
+                              int64_t ignore_index, bool compute_grad, double grad_scale) {
   check_cpu(logits, "logits");
   check_cpu(target, "target");
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous(), "logits must be a contiguous 2-D tensor");
@@ -136,16 +140,32 @@ at::Tensor cross_entropy_rows(at::Tensor logits, const at::Tensor& target, doubl
   dispatch_float(logits.scalar_type(), "cross_entropy_rows", [&](auto tag) {
     using T = typename decltype(tag)::type;
     rows(logits.data_ptr<T>(), gold_ids, stats.data_ptr<float>(), count, vocab,
-         static_cast<float>(label_smoothing), ignore_index, compute_grad);
+         static_cast<float>(label_smoothing), ignore_index, compute_grad,
+         static_cast<float>(grad_scale));
   });
   return stats;
 }
 
+at::Tensor cross_entropy_rows_op(at::Tensor logits, const at::Tensor& target,
+                                 double label_smoothing, int64_t ignore_index, bool compute_grad) {
+  return cross_entropy_rows(logits, target, label_smoothing, ignore_index, compute_grad, 1.0);
+}
+
 constexpr int64_t kChunkElements = int64_t{1} << 23;  // as fastnmt/ops/linear_cross_entropy.py
+
+// s of the math: the loss's factor, 1 / counted tokens for a mean (1 when none count).
+double mean_scale(bool mean, int64_t counted) {
+  return mean ? 1.0 / static_cast<double>(std::max<int64_t>(counted, 1)) : 1.0;
+}
+
+bool folds_scale(at::ScalarType compute_dtype) { return compute_dtype != at::kHalf; }
 
 // (loss, [nll, correct, tokens], dhidden, dweight, dbias): linear_cross_entropy.py's _chunked
 // (its math and its chunking), here so that a CPU step does not issue its ~50 small ops from
-// Python. dweight and dbias stay fp32; each gradient is empty unless compute_grad.
+// Python. The gradients are those of the returned loss (s folded into g), so that a backward
+// with dloss = 1 has nothing left to compute; in fp16 (folds_scale false) those of the summed
+// loss, as s g could underflow there: the backward applies s, in fp32. dweight and dbias stay
+// fp32; each gradient is empty unless compute_grad.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy(
     const at::Tensor& hidden, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
     const at::Tensor& target, double label_smoothing, int64_t ignore_index, bool mean,
@@ -166,18 +186,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
   const auto* ids = targets.data_ptr<int64_t>();
   int64_t counted = 0;  // on the CPU the targets are at hand: no ops to count them
   for (int64_t i = 0; i < tokens; ++i) counted += ids[i] != ignore_index;
+  const double scale = mean_scale(mean, counted);
   const auto fp32 = h.options().dtype(at::kFloat);
-  at::Tensor sums, dh, dw, db;  // sums: (3,) fp64 loss, nll, correct; the rest: see above
+  double sums[3] = {0.0, 0.0, 0.0};  // loss, nll, correct (rows' sums, on the host)
+  at::Tensor dh, dw, db;
   if (compute_grad && !one_chunk) dh = at::empty(h.sizes(), h.options());
   for (int64_t start = 0; start < tokens; start += step) {
     const int64_t rows = std::min(step, tokens - start);
     const auto h_chunk = h.narrow(0, start, rows);
     auto z = b ? at::addmm(*b, h_chunk, w_t) : at::mm(h_chunk, w_t);  // (C, V), becomes g
-    const auto chunk_sums =
-        cross_entropy_rows(z, targets.narrow(0, start, rows), label_smoothing, ignore_index,
-                           compute_grad)
-            .sum(0, /*keepdim=*/false, at::kDouble);
-    sums = sums.defined() ? sums + chunk_sums : chunk_sums;
+    const auto row_stats = cross_entropy_rows(z, targets.narrow(0, start, rows), label_smoothing,
+                                              ignore_index, compute_grad,
+                                              folds_scale(compute_dtype) ? scale : 1.0);
+    const auto* stat = row_stats.const_data_ptr<float>();
+    for (int64_t i = 0; i < rows * 3; ++i) sums[i % 3] += stat[i];
     if (!compute_grad) continue;
     if (one_chunk) {
       dh = at::mm(z, w);
@@ -197,7 +219,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
       db = db.defined() ? db.add_(db_chunk) : db_chunk;
     }
   }
-  if (!sums.defined()) sums = at::zeros({3}, h.options().dtype(at::kDouble));  // no tokens
   if (!compute_grad) {
     dh = at::empty({0}, h.options());
     dw = at::empty({0}, fp32);
@@ -210,14 +231,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
   } else if (!db.defined()) {
     db = at::zeros({vocab}, fp32);
   }
-  // s of the math: 1 / counted tokens for a mean (the loss is 0 when none count).
-  const auto loss_sum = sums.select(0, 0);
-  const auto loss =
-      (mean ? loss_sum / static_cast<double>(std::max<int64_t>(counted, 1)) : loss_sum)
-          .to(at::kFloat);
-  const auto statistics = at::empty({3}, sums.options());
-  statistics.narrow(0, 0, 2).copy_(sums.narrow(0, 1, 2));
-  statistics.select(0, 2).fill_(static_cast<double>(counted));
+
+  // The sums are on the host: written through pointers, not as a handful of scalar ops.
+  const auto loss = at::empty({}, fp32);
+  *loss.mutable_data_ptr<float>() = static_cast<float>(sums[0] * scale);
+  const auto statistics = at::empty({3}, h.options().dtype(at::kDouble));
+  auto* statistic = statistics.mutable_data_ptr<double>();
+  statistic[0] = sums[1];
+  statistic[1] = sums[2];
+  statistic[2] = static_cast<double>(counted);
   return {loss, statistics, dh.to(hidden.scalar_type()), dw, db};
 }
 
@@ -234,13 +256,15 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
     auto [loss, statistics, dh, dw, db] = op.call(hidden, weight, bias, target, label_smoothing,
                                                   ignore_index, mean, compute_grad, dtype);
     ctx->save_for_backward({statistics, dh, dw, db});
-    ctx->saved_data["mean"] = mean;
     ctx->saved_data["compute_grad"] = compute_grad;
+    // whether the backward must apply s (see linear_cross_entropy above)
+    ctx->saved_data["apply_mean"] = mean && !folds_scale(dtype.value_or(hidden.scalar_type()));
     ctx->saved_data["hidden_dtype"] = hidden.scalar_type();
     ctx->saved_data["weight_dtype"] = weight.scalar_type();
     ctx->saved_data["bias_dtype"] =
         bias.has_value() ? c10::IValue(bias->scalar_type()) : c10::IValue();
     ctx->mark_non_differentiable({statistics, dh, dw, db});
+    ctx->set_materialize_grads(false);  // no zero gradients for the outputs above
     return {loss, statistics, dh, dw, db};
   }
 
@@ -248,17 +272,32 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
                                                  torch::autograd::variable_list grads) {
     TORCH_CHECK(ctx->saved_data["compute_grad"].toBool(),
                 "fastnmt::linear_cross_entropy_cpp ran with compute_grad=False: no gradient kept");
+    torch::autograd::variable_list result(9);  // target ... dtype: no gradient
+    if (!grads[0].defined()) return result;  // the loss was not used
     const auto saved = ctx->get_saved_variables();
-    // (dloss s) in fp32 before the cast: s g in fp16 would underflow.
-    auto factor = grads[0].to(at::kFloat);
-    if (ctx->saved_data["mean"].toBool()) {
-      factor = factor / saved[0][2].clamp_min(1).to(at::kFloat);
-    }
+    // dloss read as a number (the op runs on the CPU: no device sync) unless traced. It is 1
+    // for a loss.backward(): the saved gradients are the answer, and the engine, which has
+    // released them from this node by then, hands them to .grad without a copy.
+    const bool apply_mean = ctx->saved_data["apply_mean"].toBool();
+    const auto& dloss = grads[0];
+    const auto& tokens = saved[0][2];
+    const bool traced = dloss.key_set().has_any(
+        c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize}));
+    // Traced: the same product as tensor ops, in fp32 (fp16 s g would underflow).
+    const auto traced_factor = [&] {
+      const auto factor = dloss.to(at::kFloat);
+      return apply_mean ? factor / tokens.clamp_min(1).to(at::kFloat) : factor;
+    };
+    const double factor =
+        traced ? 0.0
+               : dloss.item<double>() / (apply_mean ? std::max(tokens.item<double>(), 1.0) : 1.0);
     const auto scaled = [&](const at::Tensor& grad, const c10::IValue& dtype) {
       if (dtype.isNone()) return at::Tensor();
-      return (grad.to(at::kFloat) * factor).to(dtype.toScalarType());
+      // a tensor times a number computes in fp32 at least: no fp16 rounding before the product
+      const auto product = traced ? grad.to(at::kFloat) * traced_factor()
+                                  : (factor == 1.0 ? grad : grad.mul(factor));
+      return product.to(dtype.toScalarType());
     };
-    torch::autograd::variable_list result(9);  // target ... dtype: no gradient
     result[0] = scaled(saved[1], ctx->saved_data["hidden_dtype"]);
     result[1] = scaled(saved[2], ctx->saved_data["weight_dtype"]);
     result[2] = scaled(saved[3], ctx->saved_data["bias_dtype"]);
@@ -297,7 +336,7 @@ TORCH_LIBRARY_FRAGMENT(fastnmt, m) {
 }
 
 TORCH_LIBRARY_IMPL(fastnmt, CPU, m) {
-  m.impl("cross_entropy_rows_cpp", cross_entropy_rows);
+  m.impl("cross_entropy_rows_cpp", cross_entropy_rows_op);
   m.impl("linear_cross_entropy_cpp", linear_cross_entropy);
 }
 

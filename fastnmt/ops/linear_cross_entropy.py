@@ -357,8 +357,12 @@ def _running(fused_op):
     """The implementation of the op on a fused registered op."""
 
     def implementation(hidden, weight, bias, target, label_smoothing, ignore_index, reduction):
-        # Inline rather than helpers (_flat, _autocast_dtype): each is a Python call per op call.
-        hidden, target = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1).long()
+        # Inline rather than helpers (_flat, _autocast_dtype): each is a Python call per op call;
+        # and no reshape of a flat input: a view costs an autograd node (the trainer's are flat).
+        if hidden.dim() != 2:
+            hidden = hidden.reshape(-1, hidden.shape[-1])
+        if target.dim() != 1 or target.dtype != torch.int64:
+            target = target.reshape(-1).long()
         trained = hidden.requires_grad or weight.requires_grad
         needs_grad = torch.is_grad_enabled() and (
             trained or (bias is not None and bias.requires_grad)

@@ -160,6 +160,23 @@ def test_all_tokens_ignored_give_zero_loss_and_gradients(backend, reduction):
     assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
 
 
+@pytest.mark.parametrize("dloss", [1.0, -2.5])
+def test_fused_backward_scales_by_dloss_and_keeps_its_saved_gradients(fused, dloss):
+    """A second backward of a retained graph gets the same gradients: handing the saved ones to
+    ``.grad`` (dloss = 1) must not let an accumulation write into them."""
+    hidden, weight, bias, target = _inputs(9, 8, 13, device=device_of(fused))
+    loss = linear_cross_entropy(hidden, weight, bias, target, 0.1, IGNORE, "mean").loss * dloss
+    with fastnmt.backend("reference"):
+        expected = linear_cross_entropy(hidden, weight, bias, target, 0.1, IGNORE, "mean").loss
+    expected = torch.autograd.grad(expected * dloss, _params(hidden, weight, bias))
+    loss.backward(retain_graph=True)
+    once = [t.grad.clone() for t in _params(hidden, weight, bias)]
+    loss.backward()
+    for param, first, oracle in zip(_params(hidden, weight, bias), once, expected, strict=True):
+        torch.testing.assert_close(first, oracle, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(param.grad, 2 * oracle, atol=1e-6, rtol=1e-5)
+
+
 def test_fused_one_chunk_equals_many_chunks(fused, monkeypatch):
     inputs = _inputs(70, 32, 300, device=device_of(fused))
     whole, whole_grads = _loss_and_grads(*inputs, 0.1, "sum")
