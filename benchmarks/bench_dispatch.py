@@ -14,7 +14,6 @@ Run: ``pytest benchmarks/bench_dispatch.py --benchmark-only --benchmark-json=hos
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from collections.abc import Callable
 
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastnmt import ops
+from tests.helpers import python_calls
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SAMPLES, CALLS_PER_SAMPLE = 15, 200
@@ -79,21 +79,6 @@ def _microseconds(step: Callable[[], None]) -> float:
     return (time.perf_counter() - start) / CALLS_PER_SAMPLE * 1e6
 
 
-def _python_calls(step: Callable[[], None]) -> int:
-    calls = 0
-
-    def count(_frame, event, _arg):
-        nonlocal calls
-        calls += event == "call"
-
-    sys.setprofile(count)
-    try:
-        step()
-    finally:
-        sys.setprofile(None)
-    return calls
-
-
 class _AtenOps(TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -128,8 +113,8 @@ def test_host_cost(benchmark, op):
         fastnmt_us=round(medians["fastnmt"], 1),
         torch_us=round(medians["torch"], 1),
         ratio=round(medians["fastnmt"] / medians["torch"], 3),
-        fastnmt_python_calls=_python_calls(ours),
-        torch_python_calls=_python_calls(theirs),
+        fastnmt_python_calls=python_calls(ours),
+        torch_python_calls=python_calls(theirs),
         fastnmt_aten_ops=_aten_ops(ours),
         torch_aten_ops=_aten_ops(theirs),
     )

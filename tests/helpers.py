@@ -2,6 +2,7 @@
 
 import contextlib
 import os
+import sys
 
 import pytest
 import torch
@@ -214,3 +215,20 @@ class HostOps(TorchDispatchMode):
         for name, kernel in self._patches:
             setattr(self._module, name, kernel)
         return super().__exit__(*exc)
+
+
+def python_calls(step) -> int:
+    """Python function calls (frames entered) while ``step()`` runs, after a first warm-up run."""
+    step()
+    calls = 0
+
+    def count(_frame, event, _arg):
+        nonlocal calls
+        calls += event == "call"
+
+    sys.setprofile(count)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return calls

@@ -1,12 +1,11 @@
 """Backend choice, forcing and explanations; the cached choice of a call seen before."""
 
-import sys
-
 import pytest
 import torch
 
 import fastnmt
 from fastnmt import dispatch
+from tests.helpers import python_calls
 
 
 def _toy_op(unsupported_by_cpp=()):
@@ -208,23 +207,6 @@ def test_cached_choices_are_what_explain_says():
 TRAINED_OPS = ("attention", "add_layer_norm", "feed_forward", "linear_cross_entropy")
 
 
-def _python_calls(step) -> int:
-    """Python function calls (frames entered) while ``step()`` runs, after a first warm-up run."""
-    step()
-    calls = 0
-
-    def count(_frame, event, _arg):
-        nonlocal calls
-        calls += event == "call"
-
-    sys.setprofile(count)
-    try:
-        step()
-    finally:
-        sys.setprofile(None)
-    return calls
-
-
 def _op_steps():
     """Forward + backward of each op with gradients on tiny tensors (only host work), as
     ``out.sum().backward()``: the way the issue and benchmarks/bench_dispatch.py count them."""
@@ -252,4 +234,4 @@ def test_an_op_call_with_its_backward_takes_few_python_calls(name):
     lookup, the implementation and an autograd.Function (torch's own ``sum`` and ``backward``
     take 13-17 of the 30)."""
     forward = _op_steps()[name]
-    assert _python_calls(lambda: forward().sum().backward()) <= 30
+    assert python_calls(lambda: forward().sum().backward()) <= 30
