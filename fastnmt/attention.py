@@ -73,6 +73,7 @@ class KVCache:
 
     static: bool = False
     reserve: int = 16  # positions the first append allocates room for
+    key_lengths = None  # every stored position is a key (``FixedKVCache`` masks some)
     length: int = 0
     _key: torch.Tensor | None = field(default=None, repr=False)  # (P, H, capacity, D)
     _value: torch.Tensor | None = field(default=None, repr=False)
@@ -148,6 +149,68 @@ class KVCache:
             self.rows = index[:, None].expand(-1, self._key.shape[2]).contiguous()
         else:
             self.rows = self.rows.index_select(0, index)
+
+
+class StepClock:
+    """The decoding position that every layer's ``FixedKVCache`` of one search shares, as device
+    tensors (a CUDA graph replays the same step at every position): N batch entries, room for
+    T positions. A step calls ``begin``, runs the decoder, then ``end``; a beam search's reorder
+    gathers the one (N, T) table of cache rows all layers read."""
+
+    def __init__(self, entries: int, capacity: int, device: torch.device):
+        self.position = torch.zeros(1, dtype=torch.int64, device=device)  # the step's position
+        self.key_lengths = torch.ones(entries, dtype=torch.int64, device=device)  # (N,)
+        self.entries = torch.arange(entries, device=device)[:, None]  # (N, 1)
+        # (N, T): entry n's key at position t is the storage entry rows[n, t]'s (KVCache.rows).
+        self.rows = self.entries.expand(entries, capacity).contiguous()
+
+    def restart(self) -> None:
+        self.position.zero_()
+        self.rows.copy_(self.entries.expand_as(self.rows))
+
+    def begin(self) -> None:
+        """Keys up to the step's position are visible; its keys go to each entry's storage."""
+        torch.add(self.position.expand_as(self.key_lengths), 1, out=self.key_lengths)
+        self.rows.index_copy_(1, self.position, self.entries)
+
+    def end(self) -> None:
+        self.position.add_(1)
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Entries ``index`` (N,) continue (a beam search's surviving hypotheses)."""
+        self.rows.copy_(self.rows.index_select(0, index))
+
+
+class FixedKVCache:
+    """A self-attention cache with room for every position of a search, written at the device
+    position of a ``StepClock``: its shapes and addresses never change, so a CUDA graph can
+    replay a decoding step. Attention reads all T positions through the clock's rows and masks
+    the ones not yet written with the clock's key lengths."""
+
+    static = False
+
+    def __init__(self, clock: StepClock):
+        self.clock = clock
+        self._key: torch.Tensor | None = None  # (T, N, H, D): a step's keys are one slice
+        self._value: torch.Tensor | None = None
+
+    @property
+    def key_lengths(self) -> torch.Tensor:
+        return self.clock.key_lengths
+
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Write one step's keys/values (N, H, 1, D) at the clock's position."""
+        if self._key is None:  # the first call, before any capture
+            capacity = self.clock.rows.shape[1]
+            self._key = key.new_empty(capacity, *key.shape[:2], key.shape[3])
+            self._value = value.new_empty(self._key.shape)
+        self._key.index_copy_(0, self.clock.position, key.permute(2, 0, 1, 3))
+        self._value.index_copy_(0, self.clock.position, value.permute(2, 0, 1, 3))
+
+    def stored(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Keys and values (N, H, T, D) and the clock's cache rows (N, T)."""
+        key, value = (x.permute(1, 2, 0, 3) for x in (self._key, self._value))
+        return key, value, self.clock.rows
 
 
 class MultiheadAttention(nn.Module):
@@ -326,6 +389,8 @@ class MultiheadAttention(nn.Module):
         if not batched:
             key_padding_mask = None if key_padding_mask is None else key_padding_mask[None]
             key_lengths = None if key_lengths is None else key_lengths[None]
+        if key_lengths is None and cache is not None:
+            key_lengths = cache.key_lengths  # a FixedKVCache's positions not yet written
         batch = query.shape[0]
         q, k, v, cache_rows = self._project(query, key, value, cache)  # (B, H, L, D)
         # Weights, extra keys and gradients take a batch of keys: read the cache's rows once.

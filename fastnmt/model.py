@@ -273,13 +273,17 @@ class Transformer(nn.Module):
         with torch.no_grad():
             self.embedding.weight[self.cfg.pad_id].zero_()
 
-    def embed(self, tokens, start: int = 0):  # (B, L) -> (B, L, E)
+    def embed(self, tokens, start: int | torch.Tensor = 0):  # (B, L) -> (B, L, E)
+        """``start`` a (1,) device tensor (one token a row): the position is read on the device,
+        as a captured decoding step must; its caller keeps it below max_positions."""
+        scale = math.sqrt(self.cfg.d_model) if self.cfg.scale_embedding else 1.0
+        if isinstance(start, torch.Tensor):
+            return self.embedding(tokens) * scale + self.positions.index_select(0, start)
         if start + tokens.shape[1] > self.cfg.max_positions:
             raise ValueError(
                 f"sequence of {start + tokens.shape[1]} tokens exceeds max_positions "
                 f"({self.cfg.max_positions})"
             )
-        scale = math.sqrt(self.cfg.d_model) if self.cfg.scale_embedding else 1.0
         scaled = self.embedding(tokens) * scale
         return scaled + self.positions[start : start + tokens.shape[1]]
 
@@ -295,7 +299,7 @@ class Transformer(nn.Module):
         memory,
         src_lengths,
         caches=None,
-        start: int = 0,
+        start: int | torch.Tensor = 0,
         record: AttentionRecord | None = None,
     ):
         """Decoder states (B*K, T, E) for target inputs (B*K, T) at positions start.. (with

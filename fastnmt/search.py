@@ -141,6 +141,11 @@ def _check(
             raise ValueError(
                 f"{name} must be on the model's device ({device}), got {tensor.device}"
             )
+    check_arguments(max_lens, src, beam, nbest, prefix)
+
+
+def check_arguments(max_lens, src, beam: int, nbest: int, prefix: Sequence[int]) -> None:
+    """The search settings and length limits every search takes (one-line ValueErrors)."""
     if beam < 1:
         raise ValueError(f"beam must be at least 1, got {beam}")
     if not 1 <= nbest <= beam:

@@ -454,6 +454,7 @@ class Trainer:
             device=self.device,
             dtype=self.autocast_dtype,
             max_tokens=self.args.max_tokens,
+            static=False,  # a translator per validation would capture its graphs each time
         )
         return translator.translate(sentences, beam=beam)
 

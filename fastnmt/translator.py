@@ -26,6 +26,7 @@ from fastnmt.model import AttentionRecord, ModelConfig, Transformer
 from fastnmt.quantize import int8_supported, quantize_int8
 from fastnmt.search import Hypothesis, LengthPenalty, beam_search, greedy
 from fastnmt.shortlist import Shortlist
+from fastnmt.static_search import StaticSearches, graph_reasons
 
 # The weights' dtype of each inference precision (None: fp32). int8: fp32 weights whose GEMMs
 # run in int8 (fastnmt.quantize, CPUs).
@@ -143,7 +144,10 @@ class Translator:
     again at every op as autocast would. None: the model's own. max_tokens bounds a batch's padded
     source tokens, max_sentences its sentences (times ``beam`` hypotheses each). shortlist: a
     ``fastnmt.shortlist.Shortlist`` or the path of one: each batch scores only the target words
-    it lists for the batch's source tokens.
+    it lists for the batch's source tokens. static: search on fixed batch buckets with every
+    decision on the device (``fastnmt.static_search``), captured as CUDA graphs on a GPU; None
+    (auto): on CUDA without a shortlist, where it removes the host's per-step cost; the
+    shrinking batches of ``fastnmt.search`` do less arithmetic, which a CPU prefers.
     """
 
     def __init__(
@@ -156,6 +160,7 @@ class Translator:
         max_tokens: int = 6000,
         max_sentences: int = 256,
         shortlist: Shortlist | str | Path | None = None,
+        static: bool | None = None,
     ):
         """``vocab`` also gives the ``target_prefix`` every translation starts with, if it has
         one (NLLB's target language: ``PretrainedVocabulary``)."""
@@ -172,6 +177,12 @@ class Translator:
         if isinstance(shortlist, (str, Path)):
             shortlist = Shortlist.load(shortlist, vocab)
         self.shortlist = shortlist
+        if static and shortlist is not None:
+            raise ValueError("static search scores the whole vocabulary: no shortlist with it")
+        if static is None:
+            static = shortlist is None and not graph_reasons(self.device)
+        capture = static and not graph_reasons(self.device)
+        self.static = StaticSearches(model, capture=capture) if static else None
 
     @classmethod
     def from_checkpoint(
@@ -272,27 +283,29 @@ class Translator:
                     pad_id=self.vocab.pad_id,
                     bos_id=self.vocab.bos_id,
                     eos_id=self.vocab.eos_id,
-                ).to(self.device)
+                )
                 limit = (max_len_a * batch.src_lengths + max_len_b).long()
                 shortest = len(self.target_prefix) + 1
                 max_lens = limit.clamp(shortest, self.model.cfg.max_positions)
-                inputs = (self.model, batch.src, batch.src_lengths, max_lens)
-                search = dict(
-                    penalty=penalty,
-                    incremental=incremental,
-                    eos=eos,
-                    prefix=self.target_prefix,
-                    shortlist=self.shortlist,
-                )
-                if beam == 1 and nbest == 1:  # the same search; greedy skips beam bookkeeping
-                    found = [[h] for h in greedy(*inputs, **search)]
+                inputs = (batch.src, batch.src_lengths, max_lens)
+                search = dict(penalty=penalty, eos=eos, prefix=self.target_prefix)
+                if self.static is not None and incremental:  # host tensors: it copies them in
+                    found = self.static.search(*inputs, beam=beam, nbest=nbest, **search)
                 else:
-                    found = beam_search(*inputs, beam=beam, nbest=nbest, **search)
+                    found = self._search(inputs, beam, nbest, incremental, search)
                 for index, hypotheses in zip(indices, found, strict=True):
                     translations[index].candidates = self._candidates(hypotheses)
                 if attention:
                     self.add_attention([translations[i] for i in indices])
         return translations
+
+    def _search(self, inputs, beam: int, nbest: int, incremental: bool, search: dict):
+        """``fastnmt.search``'s n-best lists for host tensors (src, src_lengths, max_lens)."""
+        inputs = (self.model, *(x.to(self.device) for x in inputs))
+        search.update(incremental=incremental, shortlist=self.shortlist)
+        if beam == 1 and nbest == 1:  # the same search; greedy skips beam bookkeeping
+            return [[h] for h in greedy(*inputs, **search)]
+        return beam_search(*inputs, beam=beam, nbest=nbest, **search)
 
     def _encoded(self, text: str, line: int) -> Translation:
         """``text`` encoded for the search, truncated to fit (with a warning)."""

@@ -24,8 +24,9 @@ from fastnmt.ops import (
     linear_cross_entropy,
     log_softmax_topk,
 )
-from fastnmt.search import beam_search, greedy
+from fastnmt.search import LengthPenalty, beam_search, greedy
 from fastnmt.shortlist import Shortlist
+from fastnmt.static_search import StaticSearches
 from fastnmt.translator import Translator
 from tests.helpers import device_of, require_backend, tiny_checkpoint
 from tests.test_train import _arguments
@@ -145,13 +146,22 @@ SEARCH_MODEL = ModelConfig(
 )
 
 
+def _search_inputs():
+    """A model's source batch (host tensors): sources, their lengths, length limits."""
+    src = torch.randint(3, 50, (3, 6))
+    src[:, -1] = SEARCH_MODEL.eos_id
+    return src, torch.tensor([6, 4, 2]), torch.tensor([5, 6, 4])
+
+
+# log_softmax_topk has no Triton kernel: the reference serves it, as on a GPU
+REFERENCE_TOPK = dict(name="reference", ops=["log_softmax_topk"])
+
+
 @pytest.mark.parametrize("search", ["greedy", "beam", "shortlist", "no cache", "prefix"])
 def test_search(device, search):
     model = Transformer(SEARCH_MODEL).to(device).eval()
-    src = torch.randint(3, 50, (3, 6))
-    src[:, -1] = SEARCH_MODEL.eos_id
-    src, lengths = src.to(device), torch.tensor([6, 4, 2], device=device)
-    max_lens = torch.tensor([5, 6, 4])  # host lengths are accepted
+    src, lengths, max_lens = _search_inputs()  # host lengths are accepted
+    src, lengths = src.to(device), lengths.to(device)
     options = {
         "greedy": dict(),
         "beam": dict(beam=3, nbest=2),
@@ -162,10 +172,16 @@ def test_search(device, search):
         "prefix": dict(beam=2, prefix=[7]),
     }[search]
     run = beam_search if "beam" in options else greedy
-    # log_softmax_topk has no Triton kernel: the reference serves it, as on a GPU
-    topk = fastnmt.backend("reference", ops=["log_softmax_topk"])
-    with topk, implicit_tensors_elsewhere(device):
+    with fastnmt.backend(**REFERENCE_TOPK), implicit_tensors_elsewhere(device):
         found = run(model, src, lengths, max_lens, **options)
+    assert len(found) == 3
+
+
+def test_static_search(device):
+    searches = StaticSearches(Transformer(SEARCH_MODEL).to(device).eval(), capture=False)
+    inputs = _search_inputs()  # host tensors: the search copies them in
+    with fastnmt.backend(**REFERENCE_TOPK), implicit_tensors_elsewhere(device):
+        found = searches.search(*inputs, beam=2, prefix=[7], penalty=LengthPenalty())
     assert len(found) == 3
 
 

@@ -1,0 +1,313 @@
+"""Beam search as two fixed-shape programs over static caches: the decoder loop a CUDA graph
+replays.
+
+``fastnmt.search`` drops finished sentences, grows its caches and reads every step's outcome on
+the host: the least arithmetic, the right thing on a CPU. On a GPU a step of a small model is all
+host time (tens of launches and a host sync per step), which a CUDA graph removes if the step
+keeps its shapes and decides everything on the device. So here every tensor has the shape of a
+batch bucket: B sentence slots (unused ones are empty sentences), S source positions, K beams
+(N = B*K hypothesis rows, sentence-major), T positions (the longest search):
+
+- the self-attention caches have room for all T positions (``attention.FixedKVCache``): a step
+  writes its keys at a device position, attention masks the positions not yet written by key
+  lengths, and the beams' reorder gathers one (N, T) table of cache rows shared by all layers;
+- a sentence's finished hypotheses live in K slots, merged by score with each step's new ones
+  (the K best stay, as ``search.beam_search`` keeps them); a sentence that is done stays in the
+  batch with its slots frozen;
+- the host asks whether every sentence is done every ``CHECK_EVERY`` steps (one sync), and
+  reads the results once at the end.
+
+The beam algorithm is ``search.beam_search``'s (greedy is K = 1, as there): the first step
+starts from one live beam per sentence (the others at -inf), and the results are the same up
+to the rounding of GEMMs over a different number of rows. Two programs per bucket: ``start``
+(encode, project the cross-attention keys, feed the forced prefix, the first search step) and
+``step``. On CUDA (``graph_reasons`` empty) each is captured once per bucket after eager warm-up
+calls; all graphs share one memory pool, safe in any replay order because every tensor a
+program allocates dies inside it (state, inputs and caches are allocated outside capture).
+Elsewhere the same programs are called: that is how they are tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from fastnmt.attention import FixedKVCache, KVCache, StepClock
+from fastnmt.graphs import Program
+from fastnmt.model import LayerCache, Transformer
+from fastnmt.ops import log_softmax_topk
+from fastnmt.search import Hypothesis, LengthPenalty, _best, _hypothesis, check_arguments
+
+CHECK_EVERY = 4  # steps between the host's checks that every sentence is done
+SOURCE_ROUNDING = 16  # bucket lengths (source positions, decoding steps) are multiples of this
+WARMUP_CALLS = 2  # eager calls of each program before capture (allocation, autotuning)
+
+NEG_INF = float("-inf")
+
+
+def graph_reasons(device: torch.device) -> list[str]:
+    """Why the search's programs cannot be captured as CUDA graphs (empty: they can)."""
+    return [] if device.type == "cuda" else [f"CUDA graphs need a CUDA device, got {device.type}"]
+
+
+class StaticSearch:
+    """One bucket's search state and programs: B slots, S source positions, K beams, T steps.
+
+    Fill with ``load``, then ``run``; ``results`` reads the n-best of the first ``count`` slots."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        bucket: tuple[int, int, int],
+        *,
+        beam: int,
+        penalty: LengthPenalty,
+        eos: bool,
+        prefix: Sequence[int],
+    ):
+        cfg, device = model.cfg, model.embedding.weight.device
+        sentences, source, steps = bucket
+        self.model = model
+        self.penalty, self.prefix = penalty, list(prefix)
+        rows = sentences * beam
+
+        def long(*size, fill=0):
+            return torch.full(size, fill, dtype=torch.int64, device=device)
+
+        # Inputs, copied in by ``load``.
+        self.src, self.src_lengths = long(sentences, source, fill=cfg.pad_id), long(sentences)
+        self.max_lens = long(sentences)
+        # Decoder state.
+        self.clock = StepClock(rows, steps, device)
+        self.caches = [
+            LayerCache(FixedKVCache(self.clock), KVCache(static=True)) for _ in model.decoder
+        ]
+        self.memory = torch.zeros(
+            sentences, source, cfg.d_model, device=device, dtype=model.embedding.weight.dtype
+        )
+        # Search state: the hypotheses (bos, then generated tokens) and their scores.
+        self.history = long(rows, steps + 1, fill=cfg.pad_id)  # (N, 1 + T)
+        self.scores = torch.zeros(sentences, beam, device=device)  # (B, K) log-probabilities
+        self.done = torch.zeros(sentences, dtype=torch.bool, device=device)
+        # Finished hypotheses: K slots per sentence, best first (-inf: empty).
+        self.finished_scores = torch.zeros(sentences, beam, dtype=torch.float64, device=device)
+        self.finished_log_probs = torch.zeros(sentences, beam, device=device)
+        self.finished_tokens = long(sentences, beam, steps + 1)
+        self.finished_lengths = long(sentences, beam)
+        # Constants.
+        self.start_tokens = torch.tensor([cfg.bos_id, *self.prefix], device=device)
+        self.first_rows = torch.arange(0, rows, beam, device=device)[:, None]  # (B, 1)
+        # The length penalty of a hypothesis of t + 1 tokens, in float64 as search's floats.
+        self.penalties = torch.tensor(
+            [penalty(t + 1) for t in range(steps)], dtype=torch.float64, device=device
+        )
+        banned = ({cfg.pad_id, cfg.bos_id} - {cfg.eos_id}) | (set() if eos else {cfg.eos_id})
+        self.banned = torch.tensor(sorted(banned), device=device)
+        self.candidates = min(2 * beam, cfg.vocab_size)  # per hypothesis and step
+        self.start, self.step = Program(self._start), Program(self._step)
+
+    # The programs: device work only, on the tensors above. ---------------------------------
+
+    def _start(self) -> None:
+        self._restart()
+        memory = self.model.encode(self.src, self.src_lengths)  # (B, S, E)
+        self.memory.copy_(memory)
+        for cache in self.caches:  # projected again from this batch's memory
+            cache.cross_attn.length = 0
+        for position in range(len(self.prefix)):  # forced: decoded, never chosen
+            self._decode(self.history[:, position : position + 1])
+        self._step()
+
+    def _restart(self) -> None:
+        self.clock.restart()
+        self.history.fill_(self.model.cfg.pad_id)
+        self.history[:, : self.start_tokens.shape[0]] = self.start_tokens
+        self.scores.fill_(NEG_INF)
+        self.scores[:, 0] = 0.0  # one live beam per sentence: K copies of one prefix at first
+        self.done.zero_()
+        self.finished_scores.fill_(NEG_INF)
+
+    def _decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Decoder states (N, E) of ``tokens`` (N, 1) at the clock's position; advances it."""
+        self.clock.begin()
+        states = self.model.decode(
+            tokens, self.memory, self.src_lengths, self.caches, start=self.clock.position
+        )
+        self.clock.end()
+        return states[:, 0]
+
+    def _step(self) -> None:
+        """One search step: ``search.beam_search``'s, on fixed shapes."""
+        position = self.clock.position.clone()  # the step: tokens generated before it
+        tokens_in = self.history.gather(1, position.expand(self.history.shape[0])[:, None])
+        log_probs, ids = log_softmax_topk(
+            self.model.logits(self._decode(tokens_in)), self.candidates, self.banned
+        )  # (N, C)
+        sentences, k = self.scores.shape
+        top, index = _best(self.scores.view(-1, 1) + log_probs, sentences, 2 * k)  # (B, 2K)
+        origins = self.first_rows + index // self.candidates  # (B, 2K) rows continued
+        tokens = ids.view(sentences, -1).gather(1, index)  # (B, 2K)
+        ends = tokens == self.model.cfg.eos_id
+        last = self.max_lens <= position + 1  # (B,)
+        finishing = (ends[:, :k] | last[:, None]) & (top[:, :k] > NEG_INF)
+        finishing &= ~self.done[:, None]  # a done sentence's slots are final
+        self._finish(finishing, top[:, :k], origins[:, :k], tokens[:, :k], position)
+        full = (self.finished_scores > NEG_INF).sum(dim=1) >= k
+        self.done |= full | last
+        alive, pick = top.masked_fill(ends, NEG_INF).topk(k, dim=1)  # (B, K)
+        rows = origins.gather(1, pick).view(-1)  # (N,)
+        self.scores.copy_(alive)
+        self.history.copy_(self.history.index_select(0, rows))
+        self.history.index_copy_(1, position + 1, tokens.gather(1, pick).view(-1, 1))
+        self.clock.reorder(rows)
+
+    def _finish(self, finishing, top, origins, tokens, position) -> None:
+        """Merge the hypotheses ``finishing`` (B, K) with the finished slots: the K best scores
+        stay, best first."""
+        sentences, k = finishing.shape
+        score = top.double() / self.penalties.index_select(0, position)
+        new_scores = score.masked_fill(~finishing, NEG_INF)
+        hypotheses = self.history[origins]  # (B, K, 1 + T)
+        hypotheses.index_copy_(2, position + 1, tokens[..., None])
+        lengths = (position + 1).expand(sentences, k)
+        scores, which = torch.cat([self.finished_scores, new_scores], dim=1).topk(k, dim=1)
+
+        def merged(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+            both = torch.cat([old, new], dim=1)
+            index = which.view(*which.shape, *([1] * (both.dim() - 2)))
+            return both.gather(1, index.expand(-1, -1, *both.shape[2:]))
+
+        self.finished_log_probs.copy_(merged(self.finished_log_probs, top))
+        self.finished_tokens.copy_(merged(self.finished_tokens, hypotheses))
+        self.finished_lengths.copy_(merged(self.finished_lengths, lengths))
+        self.finished_scores.copy_(scores)
+
+    # The host's side. ------------------------------------------------------------------------
+
+    def load(self, src: torch.Tensor, src_lengths: torch.Tensor, max_lens: torch.Tensor) -> None:
+        """Copy a batch of at most B sentences, (b, s <= S), in; the other slots get empty
+        sentences that finish at their first search step."""
+        count, length = src.shape
+        self.src.fill_(self.model.cfg.pad_id)
+        self.src[:count, :length].copy_(src, non_blocking=True)
+        self.src_lengths.zero_()
+        self.src_lengths[:count].copy_(src_lengths, non_blocking=True)
+        self.max_lens.fill_(len(self.prefix) + 1)
+        self.max_lens[:count].copy_(max_lens, non_blocking=True)
+
+    def run(self, steps: int) -> None:
+        """Search for ``steps`` steps at most (the longest max_lens), stopping early when every
+        sentence is done."""
+        self.start()
+        for taken in range(len(self.prefix) + 1, steps):
+            if (taken - len(self.prefix)) % CHECK_EVERY == 0 and bool(self.done.all()):
+                return
+            self.step()
+
+    def results(self, count: int, nbest: int) -> list[list[Hypothesis]]:
+        """The ``nbest`` best finished hypotheses of the first ``count`` slots, best first."""
+        scores, log_probs, tokens, lengths = (
+            x[:count].tolist()
+            for x in (
+                self.finished_scores,
+                self.finished_log_probs,
+                self.finished_tokens,
+                self.finished_lengths,
+            )
+        )
+        eos_id = self.model.cfg.eos_id
+        found = []
+        for slots in zip(scores, log_probs, tokens, lengths, strict=True):
+            hypotheses = [
+                _hypothesis(ids[1 : 1 + length], log_prob, eos_id, self.penalty)
+                for score, log_prob, ids, length in zip(*slots, strict=True)
+                if score > NEG_INF
+            ]
+            found.append(sorted(hypotheses, key=lambda h: h.score, reverse=True)[:nbest])
+        return found
+
+    def capture(self, pool) -> None:
+        """Warm up (allocating the caches, compiling kernels) on a side stream, then capture
+        both programs."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_CALLS):
+                self.start()
+                self.step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.start.capture(pool)
+        self.step.capture(pool)
+
+
+def _rounded(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+class StaticSearches:
+    """The static searches of one model: one per bucket and search setting, sharing one graph
+    memory pool when captured (``capture``: CUDA). Batch sizes round up to
+    a power of two, source lengths and steps to multiples of ``SOURCE_ROUNDING``, so a few
+    buckets serve a whole corpus. The logits read the live output embedding (no transposed
+    copy as ``Transformer.output_layer`` makes): a graph keeps the weights' addresses, so a
+    model trained further is translated with its new weights."""
+
+    def __init__(self, model: Transformer, *, capture: bool):
+        self.model, self.capture = model, capture
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.searches: dict[tuple, StaticSearch] = {}
+
+    @torch.inference_mode()
+    def search(
+        self,
+        src: torch.Tensor,
+        src_lengths: torch.Tensor,
+        max_lens: torch.Tensor,
+        *,
+        beam: int,
+        nbest: int = 1,
+        penalty: LengthPenalty,
+        eos: bool = True,
+        prefix: Sequence[int] = (),
+    ) -> list[list[Hypothesis]]:
+        """``search.beam_search``'s results for src (b, s) with lengths (b,) and max_lens (b,),
+        host tensors (their copies in are the host's only work before the search)."""
+        check_arguments(max_lens, src, beam, nbest, prefix)
+        count, length = src.shape
+        if not count:
+            return []
+        steps = int(max_lens.max())
+        limit = self.model.cfg.max_positions
+        bucket = (
+            1 << (count - 1).bit_length(),
+            min(_rounded(length, SOURCE_ROUNDING), limit),
+            min(_rounded(steps, SOURCE_ROUNDING), limit),
+        )
+        key = (bucket, beam, penalty, eos, tuple(prefix))
+        search = self.searches.get(key)
+        fresh = search is None
+        if fresh:
+            search = StaticSearch(
+                self.model,
+                bucket,
+                beam=beam,
+                penalty=penalty,
+                eos=eos,
+                prefix=prefix,
+            )
+            self.searches[key] = search
+        search.load(src, src_lengths, max_lens)
+        if fresh and self.capture:
+            self._capture(search)
+        search.run(steps)
+        return search.results(count, nbest)
+
+    def _capture(self, search: StaticSearch) -> None:
+        try:
+            search.capture(self.pool)
+        except RuntimeError as error:  # the same programs, called
+            search.start.graph = search.step.graph = None
+            reason = str(error).splitlines()[0]
+            warnings.warn(f"CUDA graph capture failed, decoding eagerly: {reason}", stacklevel=3)
