@@ -15,5 +15,6 @@ def test_gpu_bench_smoke_writes_a_table_with_every_benchmark():
     assert result.returncode == 0, result.stderr
     table = result.stdout
     for row in ("SDPA bool mask", "SDPA float mask", "SDPA no mask", "add_layer_norm",
-                "feed_forward", "linear_cross_entropy", "training step tiny"):  # fmt: skip
+                "feed_forward", "linear_cross_entropy", "training step tiny",
+                "decoding tiny, beam 4", "static search"):  # fmt: skip
         assert row in table, row

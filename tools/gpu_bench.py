@@ -6,7 +6,10 @@
   padding as a bool mask and as an additive float mask, and without a mask (the floor);
 - add_layer_norm, feed_forward (library-GEMM and fused-GEMM paths) and linear_cross_entropy
   against their PyTorch compositions, forward + backward;
-- a training step of the tiny and base presets (fastnmt's backends vs the reference ops).
+- a training step of the tiny and base presets (fastnmt's backends vs the reference ops);
+- decoding a batch with the tiny preset, greedy and beam 4, to the length limit (eos banned, so a
+  random model does a trained one's work): the static search (``fastnmt.static_search``,
+  captured as CUDA graphs) against ``fastnmt.search`` on fastnmt's and the reference ops.
 Times are medians of ``triton.testing.do_bench`` (L2 flushed between runs). ``--smoke`` runs tiny
 shapes on whatever device there is, to check the script itself (tests/test_tools.py).
 """
@@ -14,6 +17,7 @@ shapes on whatever device there is, to check the script itself (tests/test_tools
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -27,6 +31,8 @@ import fastnmt
 from fastnmt.model import Transformer, preset
 from fastnmt.ops import add_layer_norm, attention, feed_forward, linear_cross_entropy
 from fastnmt.ops.feed_forward import feed_forward_triton
+from fastnmt.search import LengthPenalty, beam_search, greedy
+from fastnmt.static_search import StaticSearches, graph_reasons
 from fastnmt.trainer import label_smoothed_loss
 
 
@@ -42,10 +48,11 @@ class Sizes:
     train_batch: int  # sentences of a training step
     train_length: int
     presets: tuple[str, ...]
+    decode_batch: int  # sentences of a decoding batch (of train_length source tokens)
 
 
-FULL = Sizes(64, 8, 64, (32, 64, 128), 8192, 512, 32000, 128, 32, ("tiny", "base"))
-SMOKE = Sizes(2, 2, 16, (8,), 64, 32, 100, 4, 6, ("tiny",))
+FULL = Sizes(64, 8, 64, (32, 64, 128), 8192, 512, 32000, 128, 32, ("tiny", "base"), 256)
+SMOKE = Sizes(2, 2, 16, (8,), 64, 32, 100, 4, 6, ("tiny",), 3)
 
 
 def milliseconds(fn: Callable[[], object], device: torch.device) -> float:
@@ -191,11 +198,42 @@ def training_rows(sizes: Sizes, dtype, device) -> list[tuple[str, str, float]]:
     return rows
 
 
+@torch.inference_mode()
+def decoding_rows(sizes: Sizes, dtype, device) -> list[tuple[str, str, float]]:
+    cfg = preset("tiny")
+    model = Transformer(cfg).to(device, dtype).eval()
+    batch, length = sizes.decode_batch, sizes.train_length
+    src = torch.randint(3, cfg.vocab_size, (batch, length))
+    src_lengths = padded_lengths(batch, length, "cpu")
+    max_lens = (1.2 * src_lengths + 10).long()
+    on_device = (model, src.to(device), src_lengths.to(device), max_lens)
+    static = StaticSearches(model, capture=not graph_reasons(device))
+    rows = []
+    for beam in (1, 4):
+        label = f"decoding tiny, beam {beam} ({batch} sentences x {length} tokens, to the limit)"
+        options = dict(beam=beam, penalty=LengthPenalty(), eos=False)
+
+        def dynamic(options=options):
+            if options["beam"] == 1:  # the translator's choice for beam 1
+                return greedy(*on_device, eos=False)
+            return beam_search(*on_device, **options)
+
+        for backend in ("auto", "reference"):
+            with fastnmt.backend(backend):
+                rows.append((label, f"fastnmt.search ({backend})", milliseconds(dynamic, device)))
+        graphs = "CUDA graphs" if static.capture else "called"
+        search = functools.partial(static.search, src, src_lengths, max_lens, **options)
+        rows.append((label, f"static search ({graphs})", milliseconds(search, device)))
+    return rows
+
+
 def markdown(rows: list[tuple[str, str, str, float]]) -> str:
     """One line per measurement, with its ratio to the PyTorch row of the same benchmark."""
     baseline = {}
     for dtype, what, name, ms in rows:
-        if name.startswith(("torch", "SDPA bool", "fastnmt ops (reference)")):
+        if name.startswith(
+            ("torch", "SDPA bool", "fastnmt ops (reference)", "fastnmt.search (ref")
+        ):
             baseline[(dtype, what)] = ms
     lines = ["| dtype | benchmark | implementation | ms | vs PyTorch |", "|---|---|---|---|---|"]
     for dtype, what, name, ms in rows:
@@ -219,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for dtype in dtypes:
         label = str(dtype).removeprefix("torch.")
-        for measure in (attention_rows, per_token_rows, training_rows):
+        for measure in (attention_rows, per_token_rows, training_rows, decoding_rows):
             rows += [(label, *row) for row in measure(sizes, dtype, device)]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"{name}, torch {torch.__version__}, fastnmt {fastnmt.__version__}\n")
