@@ -53,6 +53,13 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--precision", default="auto", choices=["auto", *PRECISIONS])
     run.add_argument("--shortlist", help="score only the words this file lists (fastnmt.shortlist)")
     run.add_argument("--backend", default="auto", choices=["auto", *fastnmt.BACKENDS])
+    run.add_argument(
+        "--static-search",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="search on fixed batch buckets, decided on the device and replayed as CUDA graphs "
+        "(auto: on CUDA without --shortlist)",
+    )
     run.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda:$LOCAL_RANK if available)")
 
 
@@ -91,6 +98,7 @@ def load_translator(args) -> Translator:
             max_tokens=args.max_tokens,
             max_sentences=args.max_sentences,
             shortlist=args.shortlist,
+            static={"auto": None, "on": True, "off": False}[args.static_search],
         )
     except CheckpointError:
         raise

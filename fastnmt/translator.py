@@ -168,6 +168,8 @@ class Translator:
             raise ValueError(
                 f"max_tokens and max_sentences must be positive, got {max_tokens}, {max_sentences}"
             )
+        if static and shortlist is not None:
+            raise ValueError("static search scores the whole vocabulary: no shortlist with it")
         if dtype is not None and model.embedding.weight.dtype != dtype:
             model = copy.deepcopy(model).to(dtype)
         self.model, self.vocab = model, vocab
@@ -177,8 +179,6 @@ class Translator:
         if isinstance(shortlist, (str, Path)):
             shortlist = Shortlist.load(shortlist, vocab)
         self.shortlist = shortlist
-        if static and shortlist is not None:
-            raise ValueError("static search scores the whole vocabulary: no shortlist with it")
         if static is None:
             static = shortlist is None and not graph_reasons(self.device)
         capture = static and not graph_reasons(self.device)

@@ -75,6 +75,16 @@ def test_reference_scores_and_nbest(checkpoint_dir, monkeypatch, capsys, tmp_pat
     assert scores[0] >= scores[1] and scores[2] >= scores[3]
 
 
+def test_static_search_translates_as_the_dynamic_one(checkpoint_dir, monkeypatch, capsys):
+    text = "\n".join(LINES).encode()
+    outputs = {
+        choice: _main(monkeypatch, capsys, text, "--checkpoint", checkpoint_dir, "--nbest", 2,
+                      "--static-search", choice)
+        for choice in ("on", "off")
+    }  # fmt: skip
+    assert outputs["on"][0] == 0 and outputs["on"][1] == outputs["off"][1]
+
+
 def test_truncation_warning_names_the_line(monkeypatch, capsys, tmp_path):
     short = tiny_checkpoint(tmp_path, max_positions=6)
     text = b"Dogs.\nTwo children play football in the park near a big red house.\n"
@@ -91,6 +101,7 @@ def test_truncation_warning_names_the_line(monkeypatch, capsys, tmp_path):
         (["--plot-attention", "plots", "--plot-lines", "x"], "--plot-lines must look like"),
         (["--device", "tpu"], "--device must be auto, cpu, cuda or cuda:N, got 'tpu'"),
         (["--device", "cuda:64"], "--device cuda:64: "),
+        (["--static-search", "on", "--shortlist", "x"], "no shortlist with it"),
     ],
 )
 def test_bad_values_are_one_line_errors(checkpoint_dir, monkeypatch, capsys, arguments, message):
