@@ -29,16 +29,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+LIMITS = ("--max-input-tokens", 40, "--max-sentences", 16)
+
+
 class ServerProcess:
     """``python -m fastnmt.serve`` on a free port, ready once this returns."""
 
-    def __init__(self, checkpoint, *options):
+    def __init__(self, checkpoint, *options, limits=LIMITS, precision="fp32"):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [
             sys.executable, "-m", "fastnmt.serve", "--checkpoint", str(checkpoint),
-            "--port", str(self.port), "--precision", "fp32", "--max-input-tokens", "40",
-            "--max-sentences", "16", *map(str, options),
+            "--port", str(self.port), "--precision", precision, *map(str, [*limits, *options]),
         ]  # fmt: skip
         self.process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
         self.client = Client(self.url, timeout=60)
