@@ -388,7 +388,11 @@ def main(argv: list[str] | None = None) -> int:
     config = uvicorn.Config(server.app, host=args.host, port=args.port, log_level="warning")
     web = uvicorn.Server(config)
 
-    def stop() -> None:
+    def stop() -> None:  # from the loading thread, a daemon: gone if uvicorn fails to start
+        # Not before startup completes: uvicorn < 0.30 would leave its lifespan task to be
+        # cancelled, which logs a traceback.
+        while not web.started:
+            time.sleep(0.01)
         web.should_exit = True
 
     server.on_load_error = stop
