@@ -105,6 +105,36 @@ def state_preserved(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
             torch.cuda.set_rng_state(cuda_rng, device)
 
 
+def capture(
+    programs: list[Program],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    captured: Callable[[int], None] = lambda i: None,
+) -> None:
+    """Capture ``programs`` as CUDA graphs sharing one memory pool, after warm-up calls on a
+    side stream whose effects are undone; ``captured(i)`` after the i-th. Raises RuntimeError
+    (every program left a call) when one cannot be captured."""
+    device = next(model.parameters()).device
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with state_preserved(model, optimizer), torch.cuda.stream(side):
+        for _ in range(WARMUP_CALLS):
+            for program in programs:
+                program()
+    torch.cuda.current_stream(device).wait_stream(side)
+    try:
+        with state_preserved(model, optimizer):  # capture draws random offsets too
+            pool = torch.cuda.graph_pool_handle()
+            for i, program in enumerate(programs):
+                program.capture(pool)
+                captured(i)
+    except RuntimeError:
+        for program in programs:
+            program.graph = None
+        raise
+    torch.cuda.synchronize(device)
+
+
 class BucketedUpdates:
     """Updates over shape-bucketed pieces through the two kinds of program.
 
@@ -187,29 +217,20 @@ class BucketedUpdates:
                 program()
 
     def capture(self, optimizer: torch.optim.Optimizer, report: Callable[[str], None]) -> None:
-        """Capture every program as a CUDA graph after warm-up calls whose effects are undone."""
+        """Capture every program as a CUDA graph (``capture``); on failure they stay calls."""
         started = time.monotonic()
         programs = [*self.pieces.values(), self.update]
         before = torch.cuda.memory_reserved(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with state_preserved(self.model, optimizer), torch.cuda.stream(side):
-            for _ in range(WARMUP_CALLS):
-                for program in programs:
-                    program()
-        torch.cuda.current_stream(self.device).wait_stream(side)
         try:
-            with state_preserved(self.model, optimizer):  # capture draws random offsets too
-                pool = torch.cuda.graph_pool_handle()
-                for i, program in enumerate(programs):
-                    program.capture(pool)
-                    report(f"captured CUDA graph {i + 1}/{len(programs)}")
+            capture(
+                programs,
+                self.model,
+                optimizer,
+                lambda i: report(f"captured CUDA graph {i + 1}/{len(programs)}"),
+            )
         except RuntimeError as error:  # training goes on, as calls of the same programs
-            for program in programs:
-                program.graph = None
             report(f"CUDA graph capture failed, running eagerly: {str(error).splitlines()[0]}")
             return
-        torch.cuda.synchronize(self.device)
         self.captured_bytes = torch.cuda.memory_reserved(self.device) - before
         report(
             f"captured {len(programs)} CUDA graphs ({len(self.pieces)} batch shapes + the "

@@ -1,5 +1,7 @@
 """The GPU tools run end to end on a CPU, at tiny shapes (tools/gpu_bench.py --smoke)."""
 
+import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -9,12 +11,54 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_gpu_bench_smoke_writes_a_table_with_every_benchmark():
     result = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "gpu_bench.py"), "--smoke"],
+        [sys.executable, str(ROOT / "tools" / "gpu_bench.py"), "--smoke", "--compile"],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     table = result.stdout
     for row in ("SDPA bool mask", "SDPA float mask", "SDPA no mask", "add_layer_norm",
                 "feed_forward", "linear_cross_entropy", "training step tiny",
-                "decoding tiny, beam 4", "static search"):  # fmt: skip
+                "), eager", "), torch.compile", "decoding tiny, beam 4", "static search",
+                "HF Marian-base fine-tuning step", "| apply_fastnmt |"):  # fmt: skip
         assert row in table, row
+
+
+def test_gpu_bench_selects_groups_and_refuses_a_cpu_without_smoke():
+    only = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "gpu_bench.py"), "--smoke", "--only", "attention"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert only.returncode == 0, only.stderr
+    assert "SDPA bool mask" in only.stdout and "training step" not in only.stdout
+    full = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "gpu_bench.py")],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert full.returncode == 2 and "no CUDA device" in full.stderr
+
+
+def _gpu_bench():
+    spec = importlib.util.spec_from_file_location("gpu_bench", ROOT / "tools" / "gpu_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_bench"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_training_run_summary_reads_the_metrics_log(tmp_path):
+    records = [
+        {"event": "train", "step": 100, "tgt_tokens_per_s": 5000.0},
+        {"event": "train", "step": 200, "tgt_tokens_per_s": 9000.0},
+        {"event": "valid", "step": 200, "bleu": 30.0},
+        {"event": "train", "step": 300, "tgt_tokens_per_s": 7000.0},
+        {"event": "test", "bleu": 38.25, "beam": 4},
+    ]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+    table = _gpu_bench().run_summary(metrics, "-m fastnmt.train --max-time 180s")
+    assert (
+        table.splitlines()[-1]
+        == "| `-m fastnmt.train --max-time 180s` | 300 | 7,000 | 38.25 (beam 4) |"
+    )
+    metrics.write_text(json.dumps(records[0]) + "\n")  # stopped before the test
+    assert _gpu_bench().run_summary(metrics, "x").endswith("| 100 | 5,000 | not reached |")

@@ -6,28 +6,45 @@
   padding as a bool mask and as an additive float mask, and without a mask (the floor);
 - add_layer_norm, feed_forward (library-GEMM and fused-GEMM paths) and linear_cross_entropy
   against their PyTorch compositions, forward + backward;
-- a training step of the tiny and base presets (fastnmt's backends vs the reference ops);
+- a training step of the tiny and base presets (512 sentences x 32 tokens, bf16; fastnmt's
+  backends vs the reference ops): eager, captured as one CUDA graph, and with ``--compile`` the
+  forward compiled by ``torch.compile``; with peak memory;
+- a Hugging Face fine-tuning step (Marian-base, ``tools/marian_base.py``, bf16, AdamW) of 64 and
+  256 sentence pairs: ``apply_fastnmt`` against transformers' SDPA attention, with peak memory
+  (``--memory-snapshots DIR`` also writes each variant's allocator history for
+  https://pytorch.org/memory_viz);
 - decoding a batch with the tiny preset, greedy and beam 4, to the length limit (eos banned, so a
   random model does a trained one's work): the static search (``fastnmt.static_search``,
   captured as CUDA graphs) against ``fastnmt.search`` on fastnmt's and the reference ops.
-Times are medians of ``triton.testing.do_bench`` (L2 flushed between runs). ``--smoke`` runs tiny
-shapes on whatever device there is, to check the script itself (tests/test_tools.py).
+Times are medians of ``triton.testing.do_bench`` (L2 flushed between runs); peak memory is
+``torch.cuda.max_memory_allocated`` over one call. ``--only`` picks groups of rows.
+``--train-minutes M`` also runs ``python -m fastnmt.train`` for M minutes on Multi30k and reports
+its throughput (median of the logged windows) and test BLEU. ``--smoke`` runs tiny shapes on
+whatever device there is, to check the script itself (tests/test_tools.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import gc
+import itertools
+import json
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 import fastnmt
+from fastnmt.graphs import Program, capture
 from fastnmt.model import Transformer, preset
 from fastnmt.ops import add_layer_norm, attention, feed_forward, linear_cross_entropy
 from fastnmt.ops.feed_forward import feed_forward_triton
@@ -49,10 +66,18 @@ class Sizes:
     train_length: int
     presets: tuple[str, ...]
     decode_batch: int  # sentences of a decoding batch (of train_length source tokens)
+    hf_batches: tuple[int, ...]  # sentence pairs of a Hugging Face step (of train_length tokens)
 
 
-FULL = Sizes(64, 8, 64, (32, 64, 128), 8192, 512, 32000, 128, 32, ("tiny", "base"), 256)
-SMOKE = Sizes(2, 2, 16, (8,), 64, 32, 100, 4, 6, ("tiny",), 3)
+FULL = Sizes(64, 8, 64, (32, 64, 128), 8192, 512, 32000, 512, 32, ("tiny", "base"), 256, (64, 256))
+SMOKE = Sizes(2, 2, 16, (8,), 64, 32, 100, 4, 6, ("tiny",), 3, (2,))
+
+
+class Row(NamedTuple):
+    what: str  # the benchmark: rows of one are compared
+    name: str  # the implementation
+    ms: float
+    peak_mib: float | None = None  # peak memory allocated over one call (CUDA only)
 
 
 def milliseconds(fn: Callable[[], object], device: torch.device) -> float:
@@ -68,6 +93,17 @@ def milliseconds(fn: Callable[[], object], device: torch.device) -> float:
         fn()
         times.append((time.perf_counter() - started) * 1e3)
     return statistics.median(times)
+
+
+def peak_mib(fn: Callable[[], object], device: torch.device) -> float | None:
+    """The most memory allocated on ``device`` during one call of ``fn``, in MiB (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) / 2**20
 
 
 def forward_backward(forward: Callable[[], torch.Tensor], inputs: list[torch.Tensor]):
@@ -106,18 +142,18 @@ def attention_candidates(sizes: Sizes, length: int, dtype, device):
     }
 
 
-def attention_rows(sizes: Sizes, dtype, device) -> list[tuple[str, str, float]]:
+def attention_rows(sizes: Sizes, dtype, device) -> list[Row]:
     rows = []
     for length in sizes.lengths:
         inputs, candidates = attention_candidates(sizes, length, dtype, device)
         label = f"attention fwd+bwd B{sizes.batch} H{sizes.heads} L{length} D{sizes.head_dim}"
         for name, forward in candidates.items():
             step = forward_backward(forward, inputs)
-            rows.append((label, name, milliseconds(step, device)))
+            rows.append(Row(label, name, milliseconds(step, device)))
     return rows
 
 
-def per_token_rows(sizes: Sizes, dtype, device) -> list[tuple[str, str, float]]:
+def per_token_rows(sizes: Sizes, dtype, device) -> list[Row]:
     n, e, vocab = sizes.tokens, sizes.d_model, sizes.vocab
 
     def param(*shape, scale=1.0):
@@ -162,44 +198,120 @@ def per_token_rows(sizes: Sizes, dtype, device) -> list[tuple[str, str, float]]:
     rows = []
     for label, (inputs, candidates) in ops.items():
         for name, forward in candidates.items():
-            rows.append((label, name, milliseconds(forward_backward(forward, inputs), device)))
+            rows.append(Row(label, name, milliseconds(forward_backward(forward, inputs), device)))
     return rows
 
 
-def training_step(name: str, sizes: Sizes, dtype, device) -> Callable[[], None]:
-    """One Adam update of a fresh ``name`` preset model on a random padded batch."""
+TRAINING_MODES = ("eager", "CUDA graph", "torch.compile")
+
+
+def training_step(name: str, sizes: Sizes, dtype, device, mode: str) -> Callable[[], None]:
+    """One Adam update of a fresh ``name`` preset model on a random padded batch, run as
+    ``mode`` (one of TRAINING_MODES) on the backend in force when it is built."""
     cfg = preset(name)
     model = Transformer(cfg).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    graphed = mode == "CUDA graph"
+    optimizer = torch.optim.Adam(
+        model.parameters(), lr=1e-4, fused=device.type == "cuda", capturable=graphed
+    )
     shape = (sizes.train_batch, sizes.train_length)
     src, tgt = (torch.randint(3, cfg.vocab_size, shape, device=device) for _ in "st")
     src_lengths = padded_lengths(sizes.train_batch, sizes.train_length, device)
     positions = torch.arange(tgt.numel(), device=device)
 
-    def step():
+    def loss():
         with torch.autocast(device.type, dtype):
             states = model(src, src_lengths, tgt)
-            loss = label_smoothed_loss(model, states, tgt, positions, 0.1)[0]
-        (loss / tgt.numel()).backward()
+            return label_smoothed_loss(model, states, tgt, positions, 0.1)[0] / tgt.numel()
+
+    forward = torch.compile(loss) if mode == "torch.compile" else loss
+
+    def step():
+        forward().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=not graphed)  # a graph keeps its gradient tensors
+
+    if not graphed:
+        return step
+    program = Program(step)
+    capture([program], model, optimizer)
+    return program
+
+
+def training_rows(sizes: Sizes, dtype, device, modes: tuple[str, ...]) -> list[Row]:
+    """bf16 only, as the training issue's rows (fp16 training needs loss scaling)."""
+    if dtype != torch.bfloat16:
+        return []
+    rows = []
+    for name, mode in itertools.product(sizes.presets, modes):
+        label = f"training step {name} ({sizes.train_batch} x {sizes.train_length} tokens), {mode}"
+        for backend in ("auto", "reference"):
+            gc.collect()
+            with fastnmt.backend(backend):  # also where a graph is captured or a step compiled
+                step = training_step(name, sizes, dtype, device, mode)
+                ms = milliseconds(step, device)
+                rows.append(Row(label, f"fastnmt ops ({backend})", ms, peak_mib(step, device)))
+    return rows
+
+
+def hf_rows(sizes: Sizes, dtype, device, snapshots: Path | None = None) -> list[Row]:
+    """A Marian-base fine-tuning step (forward with labels, backward, AdamW), bf16 only:
+    transformers' SDPA attention against ``apply_fastnmt``."""
+    if dtype != torch.bfloat16:
+        return []
+    rows = []
+    for batch, variant in itertools.product(sizes.hf_batches, ("hf sdpa", "apply_fastnmt")):
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        step = hf_step(batch, sizes.train_length, variant, dtype, device)
+        step()  # AdamW's state exists before memory is measured
+        label = f"HF Marian-base fine-tuning step ({batch} x {sizes.train_length} tokens)"
+        ms = milliseconds(step, device)
+        rows.append(Row(label, variant, ms, peak_mib(step, device)))
+        if snapshots is not None and device.type == "cuda":
+            memory_snapshot(step, snapshots / f"hf-{variant.replace(' ', '-')}-{batch}.pickle")
+    return rows
+
+
+def hf_step(batch: int, length: int, variant: str, dtype, device) -> Callable[[], None]:
+    from marian_base import EOS, PAD, marian_base  # tools/, beside this script
+
+    from fastnmt.integrations.transformers import apply_fastnmt
+
+    model = marian_base().to(device).train()
+    if variant == "apply_fastnmt":
+        apply_fastnmt(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+    shape = (batch, length)
+    src_lengths, tgt_lengths = (padded_lengths(batch, length, device) for _ in "st")
+    positions = torch.arange(length, device=device)
+    input_ids = torch.randint(EOS + 1, PAD, shape, device=device)
+    attention_mask = positions < src_lengths[:, None]
+    labels = torch.randint(EOS + 1, PAD, shape, device=device)
+    labels = labels.masked_fill(positions >= tgt_lengths[:, None], -100)
+    inputs = dict(input_ids=input_ids.masked_fill(~attention_mask, PAD), labels=labels)
+
+    def step():
+        with torch.autocast(device.type, dtype):
+            loss = model(**inputs, attention_mask=attention_mask.long()).loss
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     return step
 
 
-def training_rows(sizes: Sizes, dtype, device) -> list[tuple[str, str, float]]:
-    rows = []
-    for name in sizes.presets:
-        step = training_step(name, sizes, dtype, device)
-        label = f"training step {name} ({sizes.train_batch} x {sizes.train_length} tokens)"
-        for backend in ("auto", "reference"):
-            with fastnmt.backend(backend):
-                rows.append((label, f"fastnmt ops ({backend})", milliseconds(step, device)))
-    return rows
+def memory_snapshot(fn: Callable[[], object], path: Path) -> None:
+    """The allocator's history over one call of ``fn`` (open it at pytorch.org/memory_viz)."""
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    fn()
+    torch.cuda.memory._dump_snapshot(str(path))
+    torch.cuda.memory._record_memory_history(enabled=None)
 
 
 @torch.inference_mode()
-def decoding_rows(sizes: Sizes, dtype, device) -> list[tuple[str, str, float]]:
+def decoding_rows(sizes: Sizes, dtype, device) -> list[Row]:
     cfg = preset("tiny")
     model = Transformer(cfg).to(device, dtype).eval()
     batch, length = sizes.decode_batch, sizes.train_length
@@ -220,32 +332,78 @@ def decoding_rows(sizes: Sizes, dtype, device) -> list[tuple[str, str, float]]:
 
         for backend in ("auto", "reference"):
             with fastnmt.backend(backend):
-                rows.append((label, f"fastnmt.search ({backend})", milliseconds(dynamic, device)))
+                rows.append(
+                    Row(label, f"fastnmt.search ({backend})", milliseconds(dynamic, device))
+                )
         graphs = "CUDA graphs" if static.capture else "called"
         search = functools.partial(static.search, src, src_lengths, max_lens, **options)
-        rows.append((label, f"static search ({graphs})", milliseconds(search, device)))
+        rows.append(Row(label, f"static search ({graphs})", milliseconds(search, device)))
     return rows
 
 
-def markdown(rows: list[tuple[str, str, str, float]]) -> str:
-    """One line per measurement, with its ratio to the PyTorch row of the same benchmark."""
-    baseline = {}
-    for dtype, what, name, ms in rows:
-        if name.startswith(
-            ("torch", "SDPA bool", "fastnmt ops (reference)", "fastnmt.search (ref")
-        ):
-            baseline[(dtype, what)] = ms
-    lines = ["| dtype | benchmark | implementation | ms | vs PyTorch |", "|---|---|---|---|---|"]
-    for dtype, what, name, ms in rows:
-        base = baseline.get((dtype, what))
-        ratio = f"{base / ms:.2f}x" if base else ""
-        lines.append(f"| {dtype} | {what} | {name} | {ms:.3f} | {ratio} |")
+BASELINES = ("torch", "SDPA bool", "fastnmt ops (reference)", "fastnmt.search (ref", "hf sdpa")
+
+
+def markdown(rows: list[tuple[str, Row]]) -> str:
+    """One line per (dtype, row), with its ratio to the PyTorch row of the same benchmark."""
+    baseline = {(dtype, row.what): row.ms for dtype, row in rows if row.name.startswith(BASELINES)}
+    lines = [
+        "| dtype | benchmark | implementation | ms | vs PyTorch | peak MiB |",
+        "|---|---|---|---|---|---|",
+    ]
+    for dtype, row in rows:
+        base = baseline.get((dtype, row.what))
+        ratio = f"{base / row.ms:.2f}x" if base else ""
+        peak = "" if row.peak_mib is None else f"{row.peak_mib:,.0f}"
+        lines.append(f"| {dtype} | {row.what} | {row.name} | {row.ms:.3f} | {ratio} | {peak} |")
     return "\n".join(lines)
+
+
+def training_run(minutes: float, preset_name: str | None, device: torch.device) -> str:
+    """``python -m fastnmt.train`` on Multi30k for ``minutes``: a markdown line of its steps,
+    target tokens/s (median of the logged windows) and test BLEU."""
+    with tempfile.TemporaryDirectory() as output:
+        command = [sys.executable, "-m", "fastnmt.train", "--device", str(device), "--max-time",
+                   f"{minutes * 60:g}s", "--output-dir", output, "--no-progress"]  # fmt: skip
+        if preset_name is not None:
+            command += ["--preset", preset_name]
+        subprocess.run(command, check=True, stdout=sys.stderr)  # its log beside the table
+        return run_summary(Path(output) / "metrics.jsonl", " ".join(command[1:]))
+
+
+def run_summary(metrics: Path, command: str) -> str:
+    """The markdown table of a training run from its metrics.jsonl."""
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    windows = [r for r in records if r["event"] == "train"]
+    tests = [r for r in records if r["event"] == "test"]
+    speed = statistics.median(r["tgt_tokens_per_s"] for r in windows) if windows else 0.0
+    steps = windows[-1]["step"] if windows else 0
+    bleu = f"{tests[-1]['bleu']:.2f} (beam {tests[-1]['beam']})" if tests else "not reached"
+    return (
+        "| training run | steps | target tok/s (window median) | test BLEU |\n|---|---|---|---|\n"
+        f"| `{command}` | {steps:,} | {speed:,.0f} | {bleu} |"
+    )
+
+
+GROUPS = {
+    "attention": attention_rows,
+    "per-token": per_token_rows,
+    "training": training_rows,
+    "decoding": decoding_rows,
+    "hf": hf_rows,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes: check the script")
+    parser.add_argument(
+        "--only", nargs="+", choices=sorted(GROUPS), default=list(GROUPS), help="row groups"
+    )
+    parser.add_argument("--compile", action="store_true", help="training steps compiled too")
+    parser.add_argument("--memory-snapshots", type=Path, help="dir for the HF steps' snapshots")
+    parser.add_argument("--train-minutes", type=float, help="also time a training run")
+    parser.add_argument("--train-preset", help="its model preset (default: the trainer's)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:
@@ -253,15 +411,29 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sizes = SMOKE if args.smoke else FULL
     dtypes = (torch.float16, torch.bfloat16) if device.type == "cuda" else (torch.bfloat16,)
+    modes = tuple(
+        mode
+        for mode in TRAINING_MODES
+        if (mode != "CUDA graph" or not graph_reasons(device))
+        and (mode != "torch.compile" or args.compile)
+    )
+    options = {"training": dict(modes=modes), "hf": dict(snapshots=args.memory_snapshots)}
+    if args.memory_snapshots is not None:
+        args.memory_snapshots.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     rows = []
     for dtype in dtypes:
         label = str(dtype).removeprefix("torch.")
-        for measure in (attention_rows, per_token_rows, training_rows, decoding_rows):
-            rows += [(label, *row) for row in measure(sizes, dtype, device)]
+        for group in args.only:
+            measure = GROUPS[group]
+            rows += [
+                (label, row) for row in measure(sizes, dtype, device, **options.get(group, {}))
+            ]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"{name}, torch {torch.__version__}, fastnmt {fastnmt.__version__}\n")
     print(markdown(rows))
+    if args.train_minutes is not None:
+        print("\n" + training_run(args.train_minutes, args.train_preset, device))
     return 0
 
 

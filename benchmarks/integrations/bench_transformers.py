@@ -1,5 +1,6 @@
-"""fastnmt inside Hugging Face models: a Marian-base-shaped model (6+6 layers, d_model 512, 8 heads,
-FFN 2048, vocabulary 58,101, swish, random weights), on Multi30k sentences.
+"""fastnmt inside Hugging Face models: a Marian-base-shaped model (``tools/marian_base.py``: 6+6
+layers, d_model 512, 8 heads, FFN 2048, vocabulary 58,101, swish, random weights), on Multi30k
+sentences.
 
 - fine-tuning step (forward with labels, backward, AdamW) on 64 sentence pairs: transformers with
   ``attn_implementation="sdpa"`` against ``apply_fastnmt``, fp32 and bf16 autocast; target
@@ -31,8 +32,8 @@ from fastnmt.data import load_multi30k
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
 fastnmt_hf = pytest.importorskip("fastnmt.integrations.transformers")
+from tools.marian_base import EOS, PAD, marian_base  # noqa: E402 (after the import checks)
 
-VOCAB, PAD, EOS = 58101, 58100, 0
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
 SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "multi30k"
 SENTENCES = int(os.environ.get("FASTNMT_BENCH_SENTENCES", "100"))
@@ -41,29 +42,6 @@ MAX_NEW_TOKENS = 128
 
 def _data_dir() -> Path | None:
     return None if os.environ.get("FASTNMT_DATA_DIR") or not SHARED_DATA.exists() else SHARED_DATA
-
-
-def marian_base(dropout: float = 0.1):
-    config = transformers.MarianConfig(
-        vocab_size=VOCAB,
-        d_model=512,
-        encoder_layers=6,
-        decoder_layers=6,
-        encoder_attention_heads=8,
-        decoder_attention_heads=8,
-        encoder_ffn_dim=2048,
-        decoder_ffn_dim=2048,
-        activation_function="swish",
-        dropout=dropout,
-        attention_dropout=0.0,
-        pad_token_id=PAD,
-        eos_token_id=EOS,
-        decoder_start_token_id=PAD,
-        forced_eos_token_id=None,
-        max_position_embeddings=512,
-    )
-    torch.manual_seed(0)
-    return transformers.MarianMTModel._from_config(config, attn_implementation="sdpa")
 
 
 @pytest.fixture(scope="module")
