@@ -1,7 +1,7 @@
 """Load on the translation server (``python -m fastnmt.serve``), on loopback: throughput
 (sentences/s), p50/p99 request latency and mean batch size.
 
-Rows, each over the same SUBSET sentences of Multi30k test_2016_flickr, beam 4:
+Rows, each over the 1,000 sentences of Multi30k test_2016_flickr, beam 4:
 - ``offline``: ``Translator.translate`` on all of them at once (the translate CLI's work);
 - ``64 clients x 1``: 64 concurrent clients, each sending single sentences, one after another;
 - ``64 clients x 1, no batching``: the same against a server that translates each request
@@ -19,6 +19,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import statistics
+import threading
 import time
 
 import pytest
@@ -31,7 +32,6 @@ from fastnmt.model import Transformer, preset
 from fastnmt.translator import Translator
 from tests.test_serve import ServerProcess
 
-SUBSET = 256
 LIMITS = ("--max-sentences", 64, "--max-input-tokens", 256)
 
 
@@ -39,7 +39,7 @@ LIMITS = ("--max-sentences", 64, "--max-input-tokens", 256)
 def setup(tmp_path_factory):
     """(checkpoint directory, source sentences)."""
     test = load_multi30k("test_2016_flickr", "en", "de")
-    sentences = test.src[:SUBSET]
+    sentences = test.src
     path = os.environ.get("FASTNMT_BENCH_CHECKPOINT")
     if path:
         return path, sentences
@@ -53,21 +53,29 @@ def setup(tmp_path_factory):
 
 
 def _load(url: str, requests: list[list[str]], clients: int) -> dict:
-    """Send ``requests`` from ``clients`` concurrent clients (each one request at a time):
-    sentences/s and the latency percentiles, in ms."""
+    """Send ``requests`` from ``clients`` concurrent clients (each one request at a time, all
+    connected before the clock starts): sentences/s and the latency percentiles, in ms."""
     latencies: list[float] = []
+    connections = [Client(url) for _ in range(clients)]
+    start = threading.Barrier(clients + 1)
 
-    def client(share: list[list[str]]) -> None:
-        with Client(url) as connection:
-            for texts in share:
-                started = time.perf_counter()
-                connection.translate(texts, beam=4)
-                latencies.append((time.perf_counter() - started) * 1e3)
+    def client(connection: Client, share: list[list[str]]) -> None:
+        start.wait()
+        for texts in share:
+            started = time.perf_counter()
+            connection.translate(texts, beam=4)
+            latencies.append((time.perf_counter() - started) * 1e3)
 
-    started = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-        list(pool.map(client, [requests[i::clients] for i in range(clients)]))
-    elapsed = time.perf_counter() - started
+        shares = [requests[i::clients] for i in range(clients)]
+        done = [pool.submit(client, c, share) for c, share in zip(connections, shares, strict=True)]
+        start.wait()
+        started = time.perf_counter()
+        for future in done:
+            future.result()
+        elapsed = time.perf_counter() - started
+    for connection in connections:
+        connection.close()
     quantiles = statistics.quantiles(latencies, n=100)
     sentences = sum(map(len, requests))
     return {"sent_per_s": sentences / elapsed, "p50_ms": quantiles[49], "p99_ms": quantiles[98]}

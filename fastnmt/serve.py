@@ -10,7 +10,8 @@ answers ``{"translations": [...]}`` in the order sent (with n_best > 1, each ite
 
 The decoder is fastest on large batches, so every request's sentences join one queue and a
 ``Batcher`` takes them out in batches of up to ``--max-tokens`` source tokens (of one beam and
-n_best setting), waiting at most ``--max-wait-ms`` after the oldest one arrived for more; a
+n_best setting), waiting at most ``--max-wait-ms`` after the oldest one arrived for more (and,
+after a batch, up to ``--return-wait-ms`` for its clients' next requests: ``Batcher._wait``); a
 batch runs in a worker thread, off the event loop, and each request is answered when its last
 sentence is done. A long request is so split over batches and short ones are merged. The queue
 holds at most ``--max-queue`` sentences: beyond that a request gets 503 with Retry-After. A
@@ -167,19 +168,25 @@ class Batcher:
         *,
         max_tokens: int,
         max_wait: float,
+        return_wait: float,
         limits: Limits,
         metrics: Metrics,
     ):
-        self.translate, self.max_tokens, self.max_wait = translate, max_tokens, max_wait
+        self.translate, self.max_tokens = translate, max_tokens
+        self.max_wait, self.return_wait = max_wait, return_wait
         self.limits, self.metrics = limits, metrics
         self.queue: collections.deque[Job] = collections.deque()
         self.arrival = asyncio.Event()
+        # The last batch: when it was answered, how many sentences it held, and how many have
+        # arrived since (its clients' next requests; see _wait).
+        self.answered, self.answered_sentences, self.arrived_since = -float("inf"), 0, 0
 
     def submit(self, jobs: list[Job]) -> None:
         self.queue = collections.deque(j for j in self.queue if not j.future.done())
         if len(self.queue) + len(jobs) > self.limits.max_queue:
             raise Rejected(503, "the queue is full, retry later", **{"Retry-After": "1"})
         self.queue.extend(jobs)
+        self.arrived_since += len(jobs)
         self.metrics.queue_depth.set(len(self.queue))
         self.arrival.set()
 
@@ -200,11 +207,15 @@ class Batcher:
             for job, translation in zip(batch, found, strict=True):
                 if not job.future.done():  # not cancelled by a client that went away
                     job.future.set_result(translation)
+            self.answered, self.answered_sentences, self.arrived_since = (
+                time.monotonic(),
+                len(batch),
+                0,
+            )
             self.metrics.sentences.inc(len(batch))
 
     async def _next_batch(self) -> list[Job]:
-        """The oldest waiting sentence and those that can join it, once ``max_tokens`` are
-        there or it has waited ``max_wait``."""
+        """The oldest waiting sentence and those that can join it, once ``_wait`` says so."""
         while True:
             while self.queue and self.queue[0].future.done():  # its client went away
                 self.queue.popleft()
@@ -213,9 +224,8 @@ class Batcher:
                 await self.arrival.wait()
                 continue
             oldest = self.queue[0]
-            batch = self._take(oldest.key, dry_run=True)
-            remaining = oldest.arrived + self.max_wait - time.monotonic()
-            if sum(job.tokens for job in batch) < self.max_tokens and remaining > 0:
+            remaining = self._wait(oldest, self._take(oldest.key, dry_run=True))
+            if remaining > 0:
                 self.arrival.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.arrival.wait(), remaining)
@@ -223,6 +233,22 @@ class Batcher:
             batch = self._take(oldest.key, dry_run=False)
             self.metrics.queue_depth.set(len(self.queue))
             return batch
+
+    def _wait(self, oldest: Job, batch: list[Job]) -> float:
+        """Seconds to wait for more sentences before running ``batch`` (<= 0: run it now).
+
+        A batch of fewer than ``max_tokens`` waits for more at most ``max_wait`` after its oldest
+        sentence arrived; and while fewer sentences have arrived since the last batch was
+        answered than that batch held, until ``return_wait`` after that answer. Clients that send
+        their next request once answered (a closed loop) so fill the next batch together, rather
+        than split into two groups whose batches alternate, each half the size (one group's
+        requests arriving while the other's batch runs)."""
+        if sum(job.tokens for job in batch) >= self.max_tokens:
+            return 0.0
+        deadline = oldest.arrived + self.max_wait
+        if self.arrived_since < self.answered_sentences:  # its clients are still coming back
+            deadline = max(deadline, self.answered + self.return_wait)
+        return deadline - time.monotonic()
 
     def _take(self, key: tuple, dry_run: bool) -> list[Job]:
         """The waiting jobs of ``key``, oldest first, up to ``max_tokens`` (at least one)."""
@@ -242,12 +268,16 @@ class Batcher:
 class Server:
     """The app and its state: the translator once loaded, the batcher, the metrics."""
 
-    def __init__(self, load: Callable[[], Translator], *, max_tokens, max_wait, limits, batching):
+    def __init__(
+        self, load: Callable[[], Translator], *, max_tokens, max_wait, return_wait, limits, batching
+    ):
         self.load, self.limits, self.batching = load, limits, batching
         self.translator: Translator | None = None
         self.load_error: str | None = None
         self.metrics = Metrics()
-        self.batcher_options = dict(max_tokens=max_tokens, max_wait=max_wait)
+        self.batcher_options = dict(
+            max_tokens=max_tokens, max_wait=max_wait, return_wait=return_wait
+        )
         self.batcher: Batcher | None = None
         self.requests = 0
         self.on_load_error: Callable[[], None] = lambda: None
@@ -350,7 +380,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tgt-code", help="NLLB/M2M100 target language code")
     batching = p.add_argument_group("batching")
     batching.add_argument("--max-tokens", type=int, default=6000, help="source tokens a batch")
-    batching.add_argument("--max-wait-ms", type=float, default=10.0, help="wait for more")
+    batching.add_argument(
+        "--max-wait-ms", type=float, default=10.0, help="a sentence waits for more this long"
+    )
+    batching.add_argument(
+        "--return-wait-ms", type=float, default=50.0,
+        help="after a batch, wait this long for its clients' next requests",
+    )  # fmt: skip
     batching.add_argument("--no-batching", action="store_true", help="each request alone")
     limits = p.add_argument_group("limits")
     limits.add_argument("--max-queue", type=int, default=Limits.max_queue, help="sentences")
@@ -360,8 +396,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("port", "max_tokens", "max_queue", "max_sentences", "max_input_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.max_wait_ms < 0:
-        p.error(f"--max-wait-ms must be >= 0, got {args.max_wait_ms}")
+    for name in ("max_wait_ms", "return_wait_ms"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     return args
 
 
@@ -382,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         load,
         max_tokens=args.max_tokens,
         max_wait=args.max_wait_ms / 1000,
+        return_wait=args.return_wait_ms / 1000,
         limits=Limits(args.max_sentences, args.max_input_tokens, args.max_queue),
         batching=not args.no_batching,
     )

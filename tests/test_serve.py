@@ -2,6 +2,7 @@
 offline translations, every bad input is a 4xx naming the field, a full queue is 503, a client
 that goes away leaves the queue, SIGTERM answers what was accepted and exits 0."""
 
+import asyncio
 import concurrent.futures
 import signal
 import socket
@@ -182,6 +183,9 @@ def test_bad_arguments_and_checkpoints_exit_2(tmp_path):
     command = [sys.executable, "-m", "fastnmt.serve"]
     bad = subprocess.run([*command, "--checkpoint", "x", "--max-queue", "0"], capture_output=True)
     assert bad.returncode == 2 and b"--max-queue must be positive" in bad.stderr
+    negative = subprocess.run([*command, "--checkpoint", "x", "--return-wait-ms", "-1"],
+                              capture_output=True)  # fmt: skip
+    assert negative.returncode == 2 and b"--return-wait-ms must be >= 0" in negative.stderr
     missing = subprocess.run(
         [*command, "--checkpoint", str(tmp_path / "none"), "--port", str(_free_port())],
         capture_output=True, text=True, timeout=120,
@@ -189,3 +193,44 @@ def test_bad_arguments_and_checkpoints_exit_2(tmp_path):
     assert missing.returncode == 2
     assert missing.stderr.splitlines()[-1].startswith("error: ")
     assert "Traceback" not in missing.stderr
+
+
+def _closed_loop_batch_sizes(return_wait: float) -> list[int]:
+    """Batch sizes the Batcher forms for 8 clients that each send their next sentence once
+    answered, client i after i x 5 ms (arrivals spread over 35 ms, max_wait is 5 ms)."""
+    from fastnmt.serve import Batcher, Job, Limits, Metrics
+    from fastnmt.translator import Translation
+
+    sizes = []
+
+    def translate(texts, beam, n_best):
+        sizes.append(len(texts))
+        time.sleep(0.02)
+        return [Translation(text, []) for text in texts]
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        batcher = Batcher(
+            translate, max_tokens=1000, max_wait=0.005, return_wait=return_wait,
+            limits=Limits(), metrics=Metrics(),
+        )  # fmt: skip
+        worker = asyncio.create_task(batcher.run())
+
+        async def client(i: int):
+            for _ in range(4):
+                job = Job(f"sentence {i}", 3, (1, 1), loop.create_future())
+                batcher.submit([job])
+                await job.future
+                await asyncio.sleep(0.005 * i)
+
+        await asyncio.gather(*(client(i) for i in range(8)))
+        worker.cancel()
+
+    asyncio.run(scenario())
+    return sizes
+
+
+def test_clients_answered_together_come_back_into_one_batch():
+    assert _closed_loop_batch_sizes(return_wait=0.5) == [8, 8, 8, 8]
+    # Without the return wait the clients split into groups that arrive within max_wait.
+    assert max(_closed_loop_batch_sizes(return_wait=0.0)[1:]) < 8
