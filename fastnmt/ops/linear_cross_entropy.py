@@ -40,6 +40,13 @@ logits alive at a time instead of logits, fp32 logits, log-probabilities and the
 all tokens. s stays a device tensor (no host sync). reduction="none" needs each token's gradient
 scaled separately, so it runs on the reference path.
 
+On a GPU a chunk holds up to ``_GPU_CHUNK_ELEMENTS`` logits (a call of 4,096 tokens over 32k words
+is one chunk): there a chunk costs kernel launches, which cost more host time than the GEMMs take
+at training shapes. The row kernel writes each row's statistics into one buffer, reduced once
+after the last chunk, and the first chunk's dW and db start the sums: a forward + backward is
+about fifteen launches (tests/ops/test_linear_cross_entropy.py counts them), not eight per chunk
+plus the zero-filled buffers.
+
 The Triton row kernel makes two passes over a row in BLOCK_V blocks: an online max / sum of
 exponentials / sum / argmax, then the gradient.
 
@@ -71,7 +78,7 @@ from fastnmt.ops import registration, triton_common
 def _cross_entropy_rows_kernel(
     Z,  # (rows, V) logits of a chunk, contiguous; overwritten with g when COMPUTE_GRAD
     TARGET,  # (rows,) int64 target ids
-    STATS,  # (rows, 3) fp32 output: loss_i, nll_i, [argmax z_i == t_i]
+    STATS,  # (rows, 4) fp32 output: nll_i, [argmax z_i == t_i], [counted], loss_i
     V,  # vocabulary size
     smoothing,  # eps
     ignore_index,  # target id of tokens that count for nothing
@@ -108,9 +115,10 @@ def _cross_entropy_rows_kernel(
     nll = lse - tl.load(z_row + gold, mask=gold >= 0, other=0.0).to(tl.float32)
     uniform = smoothing / V
     loss = (1.0 - smoothing) * nll + uniform * (V * log_sum - sum_shifted)
-    tl.store(STATS + row * 3, tl.where(counted, loss, 0.0))
-    tl.store(STATS + row * 3 + 1, tl.where(counted, nll, 0.0))
-    tl.store(STATS + row * 3 + 2, tl.where(counted & (argmax == gold), 1.0, 0.0))
+    tl.store(STATS + row * 4, tl.where(counted, nll, 0.0))
+    tl.store(STATS + row * 4 + 1, tl.where(counted & (argmax == gold), 1.0, 0.0))
+    tl.store(STATS + row * 4 + 2, tl.where(counted, 1.0, 0.0))
+    tl.store(STATS + row * 4 + 3, tl.where(counted, loss, 0.0))
 
     # Pass 2: g = p - eps / V - (1 - eps) [v = t], zero for an ignored token.
     if COMPUTE_GRAD:
@@ -168,15 +176,19 @@ def _flat(hidden, target):
 # Launchers: the chunked driver, shared by the Triton and C++ row kernels.
 # ---------------------------------------------------------------------------------------------
 
-_CHUNK_ELEMENTS = 1 << 23  # logits per chunk: 16 MB in bf16, 32 MB in fp32
+_CHUNK_ELEMENTS = 1 << 23  # logits per chunk on a CPU: 16 MB in bf16, 32 MB in fp32 (cache)
+# On a GPU a chunk costs launches, not cache misses: 256 MB in bf16, one chunk for 4,096 tokens
+# over 32k words (the launches of a call do not grow with the vocabulary below that).
+_GPU_CHUNK_ELEMENTS = 1 << 27
 _GPU_BLOCK_V = 4096  # 16 values per thread with 8 warps
 _INTERPRETER_BLOCK_V = 1 << 16  # the interpreter's cost grows with the number of blocks
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def chunk_rows(vocab: int) -> int:
-    """Tokens per chunk: about _CHUNK_ELEMENTS logits, a multiple of 16 rows."""
-    return max(16, _CHUNK_ELEMENTS // vocab // 16 * 16)
+    """Tokens per chunk: about _CHUNK_ELEMENTS (_GPU_CHUNK_ELEMENTS) logits, a multiple of 16."""
+    budget = _GPU_CHUNK_ELEMENTS if triton_common.use_gpu_tiles() else _CHUNK_ELEMENTS
+    return max(16, budget // vocab // 16 * 16)
 
 
 def _block_v(vocab: int) -> tuple[int, int]:
@@ -190,13 +202,13 @@ def _num_warps(block_v: int) -> int:
     return min(8, max(1, block_v // 512))  # up to 16 values per thread
 
 
-def _triton_rows(logits, target, label_smoothing, ignore_index, compute_grad):
-    """The row step on the Triton kernel; logits become g in place, returns (rows, 3) stats."""
+def _triton_rows(logits, target, stats, label_smoothing, ignore_index, compute_grad):
+    """The row step on the Triton kernel: logits become g in place, ``stats`` (rows, 4) gets
+    each row's statistics (the kernel's STATS)."""
     rows, vocab = logits.shape
     # The interpreter computes bf16 wrongly: run the kernel on an fp32 copy (see triton_common).
     upcast = triton_common.upcast_in_interpreter(logits.dtype)
     z = logits.float() if upcast else logits
-    stats = triton_common.new_output((rows, 3), torch.float32, logits.device)
     block_v, num_warps = _block_v(vocab)
     with triton_common.device_guard(logits.device):
         _cross_entropy_rows_kernel[(rows,)](
@@ -212,7 +224,6 @@ def _triton_rows(logits, target, label_smoothing, ignore_index, compute_grad):
         )
     if upcast and compute_grad:
         logits.copy_(z)
-    return stats
 
 
 def _chunked(
@@ -230,40 +241,53 @@ def _chunked(
     """(loss, statistics, dhidden, dweight, dbias): the loss and the gradient of the *summed*
     loss (the backward applies s), one chunk of logits at a time. dhidden has hidden's dtype,
     dweight and dbias stay fp32 (sums over all tokens may exceed fp16's range); each is empty
-    unless compute_grad (dbias also without a bias)."""
+    unless compute_grad (dbias also without a bias).
+
+    Its launches are per chunk a GEMM for the logits, the row kernel and one or two GEMMs for
+    dh and dw (and a column sum for db), then one reduction of every row's statistics: nothing
+    is zero-filled and nothing reduced per chunk."""
     compute_dtype = hidden.dtype if dtype is None else dtype
     h = hidden.to(compute_dtype).contiguous()  # (N, E)
     w = weight.to(compute_dtype).contiguous()  # (V, E)
-    w_t = w.t().contiguous()  # (E, V): CPU GEMMs take a transposed view slower, every chunk
+    # (E, V): a CPU GEMM takes a transposed view slower, every chunk; cuBLAS does not.
+    w_t = w.t() if w.is_cuda else w.t().contiguous()
     b = None if bias is None else bias.to(compute_dtype)
     tokens, vocab = h.shape[0], w.shape[0]
-    counted = (target != ignore_index).sum().double()
-    sums = torch.zeros(3, dtype=torch.float64, device=h.device)  # loss, nll, correct
-    # Every row of dh is written by one chunk's GEMM: no zeroing. dw, db: fp32 sums over chunks.
+    stats = triton_common.new_output((tokens, 4), torch.float32, h.device)  # the kernel's STATS
+    # Every row of dh is written by one chunk's GEMM; dw and db: fp32 sums over chunks.
     dh = torch.empty(h.shape if compute_grad else (0,), dtype=compute_dtype, device=h.device)
-    dw = torch.zeros(w.shape if compute_grad else (0,), dtype=torch.float32, device=h.device)
-    db_shape = (vocab,) if compute_grad and b is not None else (0,)
-    db = torch.zeros(db_shape, dtype=torch.float32, device=h.device)
+    dw = db = None
     step = chunk_rows(vocab)
     for start in range(0, tokens, step):
-        h_chunk = h[start : start + step]
+        rows = slice(start, start + step)
+        h_chunk = h[rows]
         z = torch.mm(h_chunk, w_t) if b is None else torch.addmm(b, h_chunk, w_t)  # (C, V)
-        row_stats = rows_step(
-            z, target[start : start + step], label_smoothing, ignore_index, compute_grad
-        )
-        sums += row_stats.sum(0, dtype=torch.float64)
+        rows_step(z, target[rows], stats[rows], label_smoothing, ignore_index, compute_grad)
         if compute_grad:  # z now holds g
-            torch.mm(z, w, out=dh[start : start + step])
-            if compute_dtype == torch.float32:
-                dw.addmm_(z.t(), h_chunk)
-            else:  # dw stays fp32: addmm_ takes one dtype
-                dw += torch.mm(z.t(), h_chunk)
+            torch.mm(z, w, out=dh[rows])
+            dw = _fp32_sum(dw, z.t(), h_chunk)
             if b is not None:
-                db += z.sum(0, dtype=torch.float32)
+                db = _fp32_sum(db, z)
+    fp32 = dict(dtype=torch.float32, device=h.device)
+    if dw is None:  # zero without tokens; empty when no gradient is asked for
+        dw = torch.zeros(w.shape, **fp32) if compute_grad else torch.empty(0, **fp32)
+    if db is None:
+        db = (
+            torch.zeros(vocab, **fp32) if compute_grad and b is not None else torch.empty(0, **fp32)
+        )
+    sums = stats.sum(0, dtype=torch.float64)  # nll, correct, counted, loss
     # s of the math: 1 / counted tokens for a mean (the loss is 0 when none count), on the device.
-    loss = (sums[0] / counted.clamp_min(1) if mean else sums[0]).float()
-    statistics = torch.stack([sums[1], sums[2], counted])
-    return loss, statistics, dh.to(hidden.dtype), dw, db
+    loss = (sums[3] / sums[2].clamp_min(1) if mean else sums[3]).float()
+    return loss, sums[:3], dh.to(hidden.dtype), dw, db
+
+
+def _fp32_sum(total, g, h=None):
+    """total + (g @ h, or the column sums of g without h) in fp32; the first chunk's term
+    when total is None."""
+    if total is not None and h is not None and g.dtype == torch.float32:
+        return total.addmm_(g, h)  # no temporary
+    term = g.sum(0, dtype=torch.float32) if h is None else torch.mm(g, h)
+    return term.float() if total is None else total.add_(term)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,11 +340,15 @@ def _setup_context(ctx, inputs, output):
     ctx.mean, ctx.compute_grad = inputs[6], inputs[7]
     ctx.grad_dtypes = [hidden.dtype, weight.dtype, None if bias is None else bias.dtype]
     ctx.save_for_backward(*output[1:])
+    # Only the loss has a gradient: the other outputs get no zero-filled ones to allocate.
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dloss, _dstatistics, _dh, _dw, _db):
     if not ctx.compute_grad:
         raise RuntimeError("linear_cross_entropy ran with compute_grad=False: no gradient kept")
+    if dloss is None:  # the loss was not used
+        return (None,) * 9
     statistics, *summed_grads = ctx.saved_tensors
     # (dloss s) in fp32 before the cast: s g in fp16 would underflow (module docstring).
     factor = dloss.float()

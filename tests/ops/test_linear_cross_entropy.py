@@ -11,7 +11,13 @@ import torch.nn.functional as F
 import fastnmt
 from fastnmt.ops import linear_cross_entropy
 from fastnmt.ops.triton_common import gpu_tiles
-from tests.helpers import TRITON_DEVICE, assert_error_within, device_of, require_backend
+from tests.helpers import (
+    TRITON_DEVICE,
+    HostOps,
+    assert_error_within,
+    device_of,
+    require_backend,
+)
 
 op_module = sys.modules["fastnmt.ops.linear_cross_entropy"]
 IGNORE = -100
@@ -353,3 +359,40 @@ def test_fused_backends_refuse_float64():
     )
     reasons = fastnmt.dispatch.explain("linear_cross_entropy", hidden, weight, bias, target)
     assert "float64" in reasons["cpp"][0] and reasons["chosen"] == "reference"
+
+
+# aten ops that launch no GPU kernel: views, and allocations (the interpreter fills new outputs
+# with NaN, a GPU leaves them empty).
+_NO_LAUNCH = {"t", "slice", "select", "detach", "unbind", "empty", "full"}
+
+
+def _triton_launches(tokens: int, vocab: int) -> list[str]:
+    """The kernels (aten ops that launch one on a GPU, and Triton kernels) of a forward +
+    backward (mean, with a bias) on the Triton backend at the GPU's chunking, its choice
+    cached; the gradients start as None, as after ``zero_grad()``."""
+    hidden, weight, bias, target = _inputs(tokens, 24, vocab, device=TRITON_DEVICE)
+    seed = torch.ones((), device=TRITON_DEVICE)
+    with fastnmt.backend("triton"), gpu_tiles():
+        linear_cross_entropy(hidden, weight, bias, target, 0.1, IGNORE, "mean").loss.backward()
+        for param in (hidden, weight, bias):
+            param.grad = None
+        with HostOps(op_module, ["_cross_entropy_rows_kernel"]) as host:
+            out = linear_cross_entropy(hidden, weight, bias, target, 0.1, IGNORE, "mean")
+            out.loss.backward(seed)
+    # clone: CPU GEMMs get a contiguous transposed weight; cuBLAS takes the view.
+    cpu_only = {"clone"} if hidden.device.type == "cpu" else set()
+    return host.launches + [op for op in host.aten if op not in _NO_LAUNCH | cpu_only]
+
+
+def test_triton_launches_are_few_and_do_not_grow_with_the_vocabulary():
+    """On a GPU a call's wall time is its launches (the host-path issue counted 348 at 4,096
+    tokens x 32k words): one chunk there, and per call the three GEMMs of the unfused loss, the
+    row kernel, the column sum of db, one reduction of the row statistics and a few scalar
+    ops; no zero-filled buffer or gradient, the same count for 17 words as for 3,000."""
+    with gpu_tiles():
+        assert op_module.chunk_rows(32000) >= 4096
+    launches = _triton_launches(40, 17)
+    assert launches == _triton_launches(40, 3000) == _triton_launches(300, 3000)
+    assert launches.count("_cross_entropy_rows_kernel") == 1
+    assert not {"zeros", "zero_", "fill_", "zeros_like"} & set(launches), launches
+    assert len(launches) <= 16, launches
