@@ -174,11 +174,15 @@ class FeedForwardFunction : public torch::autograd::Function<FeedForwardFunction
     ctx->saved_data["has_b1"] = b1.has_value();
     ctx->saved_data["has_b2"] = b2.has_value();
     ctx->mark_non_differentiable({z, a});
+    ctx->set_materialize_grads(false);  // z and a get no zero-filled (N, d_ff) gradients
     return {y, z, a};
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
+    if (!grads[0].defined()) {  // y was not used
+      return torch::autograd::variable_list(8);
+    }
     static const auto op =
         registered_op<decltype(feed_forward_backward)>("fastnmt::feed_forward_cpp_backward");
     const auto saved = ctx->get_saved_variables();

@@ -516,6 +516,8 @@ def _setup_context(ctx, inputs, output):
     ctx.activation, ctx.dropout_p = activation, dropout_p
     ctx.path = path  # the Triton ops' GEMM-path flag; the C++ ops have none
     ctx.has_bias = (b1 is not None, b2 is not None)
+    # z and a are outputs only to be saved: they get no zero-filled (N, d_ff) gradients.
+    ctx.set_materialize_grads(False)
 
 
 def _make_backward(backward_op):
@@ -523,12 +525,14 @@ def _make_backward(backward_op):
     C++ ops share their signatures but for the Triton ops' trailing GEMM-path flag)."""
 
     def backward(ctx, dy, _dz, _da):
+        unused = [None] * (3 + len(ctx.path))  # activation, dropout_p, seed, path
+        if dy is None:  # y was not used
+            return None, None, None, None, None, *unused
         x, w1, w2, z, a, seed = ctx.saved_tensors
         dx, dw1, db1, dw2, db2 = backward_op(
             dy, x, w1, w2, z, a, seed, ctx.activation, ctx.dropout_p, *ctx.path
         )
         has_b1, has_b2 = ctx.has_bias
-        unused = [None] * (3 + len(ctx.path))  # activation, dropout_p, seed, path
         return dx, dw1, db1 if has_b1 else None, dw2, db2 if has_b2 else None, *unused
 
     return backward

@@ -12,7 +12,13 @@ import torch
 
 import fastnmt
 from fastnmt.ops import feed_forward, triton_common
-from tests.helpers import TRITON_CPU_REASON, assert_error_within, device_of, require_backend
+from tests.helpers import (
+    TRITON_CPU_REASON,
+    HostOps,
+    assert_error_within,
+    device_of,
+    require_backend,
+)
 
 feed_forward_module = importlib.import_module("fastnmt.ops.feed_forward")
 # Every activation the op offers (an added one fails the oracle tests until it has an oracle).
@@ -498,3 +504,18 @@ def test_cpp_under_autocast_and_independent_of_thread_count(cpp_backend):
         results.append((y, *torch.autograd.grad(y.float().sum(), (x, w1, b1, w2, b2))))
     torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+def test_backward_fills_no_gradient_for_the_saved_outputs(fused):
+    """z and a are outputs only to be saved for the backward: autograd must not allocate and
+    zero two (N, d_ff) gradients for them (a launch and N x d_ff x 2 writes each, per layer)."""
+    device = device_of(fused)
+    x = torch.randn(8, 16, device=device, requires_grad=True)
+    w1, w2 = (torch.randn(s, device=device, requires_grad=True) for s in ((32, 16), (16, 32)))
+    b1, b2 = (torch.randn(s, device=device, requires_grad=True) for s in (32, 16))
+    y = feed_forward(x, w1, b1, w2, b2, "relu", 0.0)
+    seed = torch.ones_like(y)
+    with HostOps(feed_forward_module, ()) as host:
+        y.backward(seed)
+    assert not {"zeros", "zeros_like", "zero_", "fill_"} & set(host.aten), host.aten
+    assert x.grad is not None and w1.grad is not None
