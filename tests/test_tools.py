@@ -51,7 +51,7 @@ def test_training_run_summary_reads_the_metrics_log(tmp_path):
         {"event": "train", "step": 200, "tgt_tokens_per_s": 9000.0},
         {"event": "valid", "step": 200, "bleu": 30.0},
         {"event": "train", "step": 300, "tgt_tokens_per_s": 7000.0},
-        {"event": "test", "bleu": 38.25, "beam": 4},
+        {"event": "test", "BLEU": 38.25, "chrF": 62.6, "beam": 4},  # as the trainer logs it
     ]
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps(r) + "\n" for r in records))

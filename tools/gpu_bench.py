@@ -377,8 +377,8 @@ def run_summary(metrics: Path, command: str) -> str:
     windows = [r for r in records if r["event"] == "train"]
     tests = [r for r in records if r["event"] == "test"]
     speed = statistics.median(r["tgt_tokens_per_s"] for r in windows) if windows else 0.0
-    steps = windows[-1]["step"] if windows else 0
-    bleu = f"{tests[-1]['bleu']:.2f} (beam {tests[-1]['beam']})" if tests else "not reached"
+    steps = max((r.get("step", 0) for r in records), default=0)  # validation logs the last
+    bleu = f"{tests[-1]['BLEU']:.2f} (beam {tests[-1]['beam']})" if tests else "not reached"
     return (
         "| training run | steps | target tok/s (window median) | test BLEU |\n|---|---|---|---|\n"
         f"| `{command}` | {steps:,} | {speed:,.0f} | {bleu} |"
