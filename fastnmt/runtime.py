@@ -9,9 +9,14 @@ import sys
 # oneDNN (through ideep) keeps a compiled GEMM primitive per distinct shape, 1,024 by default. A
 # translation trainer meets new shapes with every token bucket and decoder step: the caches grew a
 # 25-minute CPU training run to 5.2 GB of RSS. 64 entries kept a 100-step run at 1.2 GB instead of
-# 2.3 GB, at the same speed (measured 2026-11-22). Both variables are read when the first
-# primitive is created, so setting them at the start of a process is early enough.
-PRIMITIVE_CACHE_CAPACITY = "64"
+# 2.3 GB, at the same speed (measured 2026-11-22). Decoding is another matter: its GEMMs take
+# every number of live hypotheses as it falls, hundreds of shapes in turn, and with 64 entries
+# it rebuilt primitives all the time: beam-4 decoding of test2016 ran at 361-382 sentences/s
+# against 546-559 with 512 or 1,024 entries (bf16 on a 2-core Sapphire Rapids, 2026-11-25; RSS
+# 716 vs 894 MB), so a process that only translates keeps the default. Both variables are read
+# when the first primitive is created, so setting them at the start of a process is early enough.
+TRAINING_PRIMITIVE_CACHE_CAPACITY = "64"
+DECODING_PRIMITIVE_CACHE_CAPACITY = "1024"
 
 # glibc's malloc serves blocks from 128 KB up (raised adaptively to at most 32 MB) with mmap and
 # gives them back on free, and trims the heap top past 128 KB: every step of decoding or training
@@ -28,10 +33,10 @@ _MALLOC_SETTINGS = {
 _MALLOC_ENV_VARS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 
 
-def limit_primitive_caches() -> None:
+def limit_primitive_caches(capacity: str = TRAINING_PRIMITIVE_CACHE_CAPACITY) -> None:
     """Cap oneDNN's primitive caches, unless the environment already sets them."""
     for name in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
-        os.environ.setdefault(name, PRIMITIVE_CACHE_CAPACITY)
+        os.environ.setdefault(name, capacity)
 
 
 def keep_freed_memory() -> bool:
@@ -46,7 +51,9 @@ def keep_freed_memory() -> bool:
     return all(mallopt(option, value) == 1 for option, value in _MALLOC_SETTINGS.items())
 
 
-def configure_process() -> None:
-    """The settings above, for a process that trains or translates."""
-    limit_primitive_caches()
+def configure_process(decoding: bool = False) -> None:
+    """The settings above, for a process that trains (or, ``decoding``, only translates)."""
+    limit_primitive_caches(
+        DECODING_PRIMITIVE_CACHE_CAPACITY if decoding else TRAINING_PRIMITIVE_CACHE_CAPACITY
+    )
     keep_freed_memory()

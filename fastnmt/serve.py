@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from fastnmt.runtime import configure_process
 from fastnmt.translator import Translation, Translator
 
 try:
@@ -404,6 +405,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    configure_process(decoding=True)
 
     def load() -> Translator:
         return Translator.load(

@@ -345,7 +345,7 @@ def _report(totals: Totals, source: Input, references: list[str] | None) -> None
 def run_command(run_args, parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     """Exit code of ``run_args(parsed argv)``: 2 with a one-line error for bad input or a bad
     checkpoint, 130 on Ctrl-C, 0 when stdout's reader closed the pipe."""
-    configure_process()
+    configure_process(decoding=True)
     args = parser.parse_args(argv)
     try:
         return run_args(args)
