@@ -234,3 +234,17 @@ def test_clients_answered_together_come_back_into_one_batch():
     assert _closed_loop_batch_sizes(return_wait=0.5) == [8, 8, 8, 8]
     # Without the return wait the clients split into groups that arrive within max_wait.
     assert max(_closed_loop_batch_sizes(return_wait=0.0)[1:]) < 8
+
+
+def test_without_batching_a_request_waits_for_nothing():
+    """No other request can join its batch: the unbatched baseline must not pay the waits."""
+    from fastnmt.serve import Limits, Server
+
+    def server(batching: bool) -> Server:
+        return Server(
+            lambda: None, max_tokens=100, max_wait=0.01, return_wait=0.05, limits=Limits(),
+            batching=batching,
+        )  # fmt: skip
+
+    assert server(True).batcher_options == dict(max_tokens=100, max_wait=0.01, return_wait=0.05)
+    assert server(False).batcher_options == dict(max_tokens=100, max_wait=0.0, return_wait=0.0)
