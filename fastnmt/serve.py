@@ -276,9 +276,11 @@ class Server:
         self.translator: Translator | None = None
         self.load_error: str | None = None
         self.metrics = Metrics()
-        # Without batching no other request can join a batch: nothing to wait for.
-        waits = dict(max_wait=max_wait, return_wait=return_wait) if batching else {}
-        self.batcher_options = dict(max_tokens=max_tokens, max_wait=0.0, return_wait=0.0) | waits
+        if not batching:  # no other request can join a batch: nothing to wait for
+            max_wait = return_wait = 0.0
+        self.batcher_options = dict(
+            max_tokens=max_tokens, max_wait=max_wait, return_wait=return_wait
+        )
         self.batcher: Batcher | None = None
         self.requests = 0
         self.on_load_error: Callable[[], None] = lambda: None

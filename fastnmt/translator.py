@@ -179,10 +179,10 @@ class Translator:
         if isinstance(shortlist, (str, Path)):
             shortlist = Shortlist.load(shortlist, vocab)
         self.shortlist = shortlist
+        graphs = not graph_reasons(self.device)
         if static is None:
-            static = shortlist is None and not graph_reasons(self.device)
-        capture = static and not graph_reasons(self.device)
-        self.static = StaticSearches(model, capture=capture) if static else None
+            static = shortlist is None and graphs
+        self.static = StaticSearches(model, capture=graphs) if static else None
 
     @classmethod
     def from_checkpoint(
@@ -302,7 +302,7 @@ class Translator:
     def _search(self, inputs, beam: int, nbest: int, incremental: bool, search: dict):
         """``fastnmt.search``'s n-best lists for host tensors (src, src_lengths, max_lens)."""
         inputs = (self.model, *(x.to(self.device) for x in inputs))
-        search.update(incremental=incremental, shortlist=self.shortlist)
+        search = search | dict(incremental=incremental, shortlist=self.shortlist)
         if beam == 1 and nbest == 1:  # the same search; greedy skips beam bookkeeping
             return [[h] for h in greedy(*inputs, **search)]
         return beam_search(*inputs, beam=beam, nbest=nbest, **search)

@@ -58,7 +58,6 @@ CUDA does, but the Triton kernel reads no memory outside the row (the C++ kernel
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -173,7 +172,8 @@ def _flat(hidden, target):
 
 
 # ---------------------------------------------------------------------------------------------
-# Launchers: the chunked driver, shared by the Triton and C++ row kernels.
+# Launchers: the chunked driver of the Triton row kernel (the C++ op has its own, in
+# csrc/cross_entropy.cpp: the same math and chunking).
 # ---------------------------------------------------------------------------------------------
 
 _CHUNK_ELEMENTS = 1 << 23  # logits per chunk on a CPU: 16 MB in bf16, 32 MB in fp32 (cache)
@@ -227,7 +227,6 @@ def _triton_rows(logits, target, stats, label_smoothing, ignore_index, compute_g
 
 
 def _chunked(
-    rows_step,
     hidden,
     weight,
     bias,
@@ -262,7 +261,7 @@ def _chunked(
         rows = slice(start, start + step)
         h_chunk = h[rows]
         z = torch.mm(h_chunk, w_t) if b is None else torch.addmm(b, h_chunk, w_t)  # (C, V)
-        rows_step(z, target[rows], stats[rows], label_smoothing, ignore_index, compute_grad)
+        _triton_rows(z, target[rows], stats[rows], label_smoothing, ignore_index, compute_grad)
         if compute_grad:  # z now holds g
             torch.mm(z, w, out=dh[rows])
             dw = _fp32_sum(dw, z.t(), h_chunk)
@@ -309,7 +308,6 @@ def _triton_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, [nll, correct, tokens], dhidden, dweight, dbias): see ``_chunked``."""
     return _chunked(
-        _triton_rows,
         hidden,
         weight,
         bias,
@@ -366,9 +364,8 @@ def _backward(ctx, dloss, _dstatistics, _dh, _dw, _db):
 torch.library.register_fake(_triton_op)(_fake)
 _triton_op.register_autograd(_backward, setup_context=_setup_context)
 _triton_eager = registration.eager_function(
-    "linear_cross_entropy_triton", functools.partial(_chunked, _triton_rows), _setup_context,
-    _backward,
-)  # fmt: skip
+    "linear_cross_entropy_triton", _chunked, _setup_context, _backward
+)
 if extension_available():
     _cpp_op = torch.ops.fastnmt.linear_cross_entropy_cpp.default
     torch.library.register_fake(_cpp_op)(_fake)
