@@ -143,7 +143,7 @@ def _measure(benchmark, translator, sentences, options, references) -> None:
     benchmark.extra_info.update(
         search="greedy" if options["beam"] == 1 else f"beam{options['beam']}",
         dtype=str(translator.model.embedding.weight.dtype).removeprefix("torch."),
-        int8_gemms=translator.model.packed_output is not None,
+        packed_gemms=type(translator.model.packed_output).__name__,
         sentences=len(sentences),
         target_tokens=results["tokens"],
         sentences_per_s=round(len(sentences) / seconds, 1),

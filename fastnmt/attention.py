@@ -281,7 +281,7 @@ class MultiheadAttention(nn.Module):
             "kv": slice(e, 3 * e),
             "qkv": slice(0, 3 * e),
         }
-        # Int8 GEMMs of the input projections, by part: set by fastnmt.quantize.quantize_int8.
+        # Packed GEMMs (int8 or bf16) of the input projections, by part: set by fastnmt.quantize.
         self.packed_projections: nn.ModuleDict | None = None
         self._reset_parameters()
 

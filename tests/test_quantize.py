@@ -6,10 +6,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastnmt.model import Transformer, preset
-from fastnmt.quantize import Int8Linear, int8_supported, quantize_int8
-from fastnmt.translator import Translator
+from fastnmt.quantize import (
+    Bf16Linear,
+    Int8Linear,
+    bf16_packing_supported,
+    int8_supported,
+    pack_bf16,
+    quantize_int8,
+)
+from fastnmt.translator import Translator, load_checkpoint
 
-from .helpers import tiny_checkpoint
+from .helpers import assert_error_within, tiny_checkpoint
 
 ACTIVATIONS = {None: lambda y: y, "relu": F.relu, "gelu": F.gelu, "silu": F.silu}
 
@@ -128,3 +135,81 @@ def test_the_translator_translates_in_int8(tmp_path):
     translated = int8.translate_full(lines, beam=2)
     assert [len(t.candidates) for t in translated] == [1, 1, 0]
     assert len(fp32.translate(lines, beam=2)) == 3
+
+
+# Packed bf16 GEMMs run where the CPU computes in bf16; elsewhere pack_bf16 refuses in one line
+# (the tests below check whichever this machine does).
+BF16_PACKING = not bf16_packing_supported("cpu")
+
+
+def _refused_here():
+    return pytest.raises(ValueError, match="pack_bf16: this CPU has no native bf16")
+
+
+@pytest.mark.parametrize("activation", list(ACTIVATIONS))
+@pytest.mark.parametrize("shape", [(1, 1, 8), (3, 5, 37), (2, 70, 256)])
+def test_bf16_linear_is_as_close_to_float64_as_torch_in_bf16(shape, activation):
+    *lead, k = shape
+    n = 51
+    x = torch.randn(*lead, k).bfloat16()
+    weight, bias = (torch.randn(n, k) / k**0.5).bfloat16(), torch.randn(n).bfloat16()
+    if not BF16_PACKING:
+        with _refused_here():
+            pack_bf16(nn.Sequential(nn.Linear(k, n).bfloat16()))
+        return
+    out = Bf16Linear(weight, bias, activation)(x)
+    act = ACTIVATIONS[activation]
+    exact = act(F.linear(x.double(), weight.double(), bias.double()))
+    assert out.shape == (*lead, n) and out.dtype == torch.bfloat16
+    assert_error_within(out, act(F.linear(x, weight, bias)), exact, 2, 1e-3)
+    rows = torch.tensor([0, 7, 50])
+    narrow = Bf16Linear(weight, bias, activation).rows(rows)
+    torch.testing.assert_close(narrow(x), out[..., rows], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"prenorm": False, "activation": "gelu", "output_bias": True}, {"activation": "silu"}],
+)
+def test_a_bf16_packed_model_keeps_its_state_dict_and_predictions(overrides):
+    model = _model(**overrides)
+    if model.output_bias is not None:
+        model.output_bias.normal_()
+    exact = _outputs(copy.deepcopy(model).double())[0]
+    model = model.to(torch.bfloat16)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    unpacked = _outputs(model)[0]
+    if not BF16_PACKING:
+        with _refused_here():
+            pack_bf16(model)
+        return
+    assert pack_bf16(model) is model
+    packed, step, last = _outputs(model)
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[name], value) for name, value in before.items())
+    assert isinstance(model.packed_output, Bf16Linear)
+    assert_error_within(packed, unpacked, exact, 2, 1e-3)
+    if not overrides:  # ReLU commutes with rounding: the same GEMMs give the same results
+        torch.testing.assert_close(packed, unpacked, rtol=0, atol=0)
+    torch.testing.assert_close(step, last, rtol=0, atol=0)
+
+
+def test_bf16_packing_refusals_are_one_line():
+    assert "CPUs (oneDNN), not on cuda" in bf16_packing_supported("cuda")[0]
+    refusal = "the model must be bfloat16" if BF16_PACKING else "this CPU has no native bf16"
+    with pytest.raises(ValueError, match=f"pack_bf16: {refusal}"):
+        pack_bf16(_model())  # float32
+
+
+def test_the_translator_packs_bf16_gemms_where_the_cpu_has_bf16(tmp_path):
+    """Same translations as the unpacked bf16 model (a ReLU model: the same GEMMs)."""
+    directory = tiny_checkpoint(tmp_path / "ckpt")
+    translator = Translator.from_checkpoint(directory, precision="bf16", device="cpu")
+    unpacked = Translator(*load_checkpoint(directory), dtype=torch.bfloat16)
+    packed = isinstance(translator.model.packed_output, Bf16Linear)
+    assert packed == BF16_PACKING and unpacked.model.packed_output is None
+    lines = ["a small test", "another line of text here", "", "two dogs play in the snow ."]
+    assert translator.translate(lines, beam=2) == unpacked.translate(lines, beam=2)
+    fp32 = Translator.from_checkpoint(directory, precision="fp32")
+    assert fp32.model.packed_output is None
