@@ -2,10 +2,10 @@
 
 Rows: greedy and beam 4, batches of 32 and 64 sentences or the Translator's default batching, the
 fused path (auto: the C++ kernels on a CPU) and the reference path, the KV cache against
-recomputing the whole prefix every step, and fp32 weights against int8 GEMMs
-(``fastnmt.quantize``). Beside them, CTranslate2 (when installed) on the same model exported by
-``fastnmt.export``: float32 and int8, batches of 32 sentences or of 6,000 tokens, 2 threads, the
-same beam, length penalty and bans (pad, bos); every row reports BLEU.
+recomputing the whole prefix every step, and fp32 weights against bf16 ones (packed GEMMs or
+not) and int8 GEMMs (``fastnmt.quantize``). Beside them, CTranslate2 (when installed) on the same
+model exported by ``fastnmt.export``: float32 and int8, batches of 32 sentences or of 6,000
+tokens, 2 threads, the same beam, length penalty and bans (pad, bos); every row reports BLEU.
 
 A trained model gives realistic output lengths: set FASTNMT_BENCH_CHECKPOINT=DIR to translate all
 1,000 sentences with it. Without one, a randomly initialised ``tiny`` model (the same size)
@@ -28,7 +28,7 @@ import fastnmt
 from fastnmt import checkpoint, export, metrics, shortlist
 from fastnmt.data import Vocabulary, load_multi30k
 from fastnmt.model import Transformer, preset
-from fastnmt.translator import Translator, fastest_dtype
+from fastnmt.translator import Translator, fastest_dtype, load_checkpoint
 
 SUBSET = 200  # sentences translated by the random model
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k"
@@ -95,12 +95,17 @@ def test_translate(benchmark, setup, search, batch, path, cache):
     benchmark.extra_info.update(model=info["model"], batch_sentences=batch, path=path, cache=cache)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16 unpacked", "int8"])
 @pytest.mark.parametrize("search", ["greedy", "beam4"])
 def test_translate_precision(benchmark, setup, search, precision):
-    """The Translator's default batching with fp32 weights, or int8 GEMMs (fastnmt.quantize)."""
+    """The Translator's default batching with fp32 weights, bf16 weights (packed GEMMs where the
+    CPU has native bf16; "unpacked": F.linear's), or int8 GEMMs (fastnmt.quantize)."""
     _, sentences, info = setup
-    translator = Translator.from_checkpoint(info["checkpoint"], device="cpu", precision=precision)
+    if precision == "bf16 unpacked":
+        translator = Translator(*load_checkpoint(info["checkpoint"]), dtype=torch.bfloat16)
+    else:
+        path = info["checkpoint"]
+        translator = Translator.from_checkpoint(path, device="cpu", precision=precision)
     _measure(benchmark, translator, sentences, _search_options(info, search), info["references"])
     benchmark.extra_info.update(model=info["model"], batch_sentences=DEFAULT, precision=precision)
 
