@@ -18,12 +18,26 @@ at::Tensor as_float(const c10::optional<at::Tensor>& t) {
   return t.has_value() ? t->to(at::kFloat).contiguous() : at::Tensor();
 }
 
-const float* float_data(const at::Tensor& t) {
-  return t.defined() ? t.data_ptr<float>() : nullptr;
+// Whether the forward reads the affine parameters as they are: each absent or of x's dtype (a
+// bf16 model's LayerNorm when translating; converting them cost two copies per call).
+bool affine_in_dtype(const c10::optional<at::Tensor>& weight,
+                     const c10::optional<at::Tensor>& bias, at::ScalarType x_type) {
+  const auto in_dtype = [&](const c10::optional<at::Tensor>& t) {
+    return !t.has_value() || (t->scalar_type() == x_type && t->is_contiguous());
+  };
+  return in_dtype(weight) && in_dtype(bias);
 }
 
+template <typename T>
+const T* data_or_null(const at::Tensor& t) {
+  return t.defined() ? t.data_ptr<T>() : nullptr;
+}
+
+const float* float_data(const at::Tensor& t) { return data_or_null<float>(t); }
+
 // Lanes [j, j + n) of an affine parameter (n <= kLanes), or `fill` where it is absent.
-inline Vec affine(const float* parameter, int64_t j, int64_t n, float fill) {
+template <typename w_t>
+inline Vec affine(const w_t* parameter, int64_t j, int64_t n, float fill) {
   return parameter != nullptr ? load_float(parameter + j, n) : splat(fill);
 }
 
@@ -34,8 +48,8 @@ inline Vec first_lanes(Vec v, int64_t n) {
 
 // One row: h = residual + dropout(x) (element indices first + j), its statistics, y. `hf` is
 // scratch of whole_vectors(width) floats: h as stored, converted once for the three passes.
-template <typename x_t, typename h_t>
-void forward_row(const x_t* x, const h_t* residual, const float* weight, const float* bias,
+template <typename x_t, typename h_t, typename w_t>
+void forward_row(const x_t* x, const h_t* residual, const w_t* weight, const w_t* bias,
                  x_t* y, h_t* h, float* hf, int64_t width, float eps,
                  const DropoutStream& dropout, uint32_t first, float* mean_out, float* rstd_out) {
   Vec sum = Vec{};
@@ -66,8 +80,8 @@ void forward_row(const x_t* x, const h_t* residual, const float* weight, const f
   *rstd_out = rstd;
 }
 
-template <typename x_t, typename h_t>
-void forward_rows(const x_t* x, const h_t* residual, const float* weight, const float* bias,
+template <typename x_t, typename h_t, typename w_t>
+void forward_rows(const x_t* x, const h_t* residual, const w_t* weight, const w_t* bias,
                   x_t* y, h_t* h, float* mean, float* rstd, int64_t rows, int64_t width,
                   double eps, const DropoutStream& dropout) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
@@ -192,8 +206,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_forwar
   const auto x = x_in.contiguous();
   c10::optional<at::Tensor> residual;
   if (residual_in.has_value()) residual = residual_in->to(h_dtype).contiguous();
-  const auto weight = as_float(weight_in);
-  const auto bias = as_float(bias_in);
+  const bool affine_as_is = affine_in_dtype(weight_in, bias_in, x.scalar_type());
+  const auto weight = affine_as_is ? weight_in.value_or(at::Tensor()) : as_float(weight_in);
+  const auto bias = affine_as_is ? bias_in.value_or(at::Tensor()) : as_float(bias_in);
   auto y = at::empty_like(x);
   auto h = at::empty(x.sizes(), x.options().dtype(h_dtype));
   auto mean = at::empty({rows}, x.options().dtype(at::kFloat));
@@ -202,10 +217,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_forwar
   dispatch_x_h(x.scalar_type(), h_dtype, [&](auto x_tag, auto h_tag) {
     using x_t = typename decltype(x_tag)::type;
     using h_t = typename decltype(h_tag)::type;
-    forward_rows<x_t, h_t>(
-        x.data_ptr<x_t>(), residual ? residual->data_ptr<h_t>() : nullptr,
-        float_data(weight), float_data(bias), y.data_ptr<x_t>(), h.data_ptr<h_t>(),
-        mean.data_ptr<float>(), rstd.data_ptr<float>(), rows, width, eps, dropout);
+    const auto run = [&](auto w_tag) {
+      using w_t = typename decltype(w_tag)::type;
+      forward_rows<x_t, h_t, w_t>(
+          x.data_ptr<x_t>(), residual ? residual->data_ptr<h_t>() : nullptr,
+          data_or_null<w_t>(weight), data_or_null<w_t>(bias), y.data_ptr<x_t>(),
+          h.data_ptr<h_t>(), mean.data_ptr<float>(), rstd.data_ptr<float>(), rows, width, eps,
+          dropout);
+    };
+    affine_as_is ? run(Type<x_t>{}) : run(Type<float>{});
   });
   return {y, h, mean, rstd};
 }

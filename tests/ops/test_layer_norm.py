@@ -51,6 +51,35 @@ def test_without_residual_and_residual_in_fp32():
     torch.testing.assert_close(h.double(), x.double() + residual.float().double())
 
 
+def _affine(layout, weight, bias):
+    """weight and bias (x's dtype) as the forward may get them."""
+    return {
+        "as x": (weight, bias),
+        "float32": (weight.float(), bias.float()),
+        "mixed": (weight, bias.float()),
+        "strided": (torch.stack([weight, weight], dim=1)[:, 0], bias),
+        "no bias": (weight, None),
+    }[layout]
+
+
+@pytest.mark.parametrize("layout", ["as x", "float32", "mixed", "strided", "no bias"])
+def test_cpp_affine_parameters_in_any_dtype_give_the_same_result(layout):
+    """In x's dtype and contiguous (a bf16 model translating), the C++ forward reads them as
+    they are, with no copy per call; otherwise it converts them to fp32 first: the same values."""
+    require_backend("cpp")
+    x, residual, weight, bias = _inputs(7, 100, torch.bfloat16)
+    weight_in, bias_in = _affine(layout, weight, bias)
+    with fastnmt.backend("cpp"), torch.profiler.profile() as profile:
+        y, h = add_layer_norm(x, residual, weight_in, bias_in)
+    with fastnmt.backend("cpp"):
+        converted = add_layer_norm(
+            x, residual, weight.float(), None if bias_in is None else bias.float()
+        )
+    torch.testing.assert_close((y, h), converted, rtol=0, atol=0)
+    copies = sum(event.name in ("aten::_to_copy", "aten::clone") for event in profile.events())
+    assert copies == {"mixed": 1, "strided": 2}.get(layout, 0), copies  # the weight: fp32, dense
+
+
 def test_gradcheck_through_both_outputs():
     x, residual, weight, bias = _inputs(3, 7, torch.float64, requires_grad=True)
 
