@@ -199,8 +199,9 @@ void gemm(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t 
 }
 
 // A (B, H, L, width) tensor with a contiguous last dim, read by (b, h, row). The keys and values
-// of a decoding cache can be read through cache rows (B, L), contiguous int64: row j of entry b
-// is then row j of entry cache_rows[b, j] (a beam search's cache is never reordered).
+// of a decoding cache can be read through cache rows (B, L), int64 with a contiguous last dim:
+// row j of entry b is then row j of entry cache_rows[b, j] (a beam search's cache is never
+// reordered).
 template <typename T>
 struct Rows {
   const T* data;
@@ -215,7 +216,7 @@ struct Rows {
   Rows(const at::Tensor& t, const at::Tensor& cache_rows) : Rows(t) {
     if (cache_rows.defined()) {
       entries = cache_rows.data_ptr<int64_t>();
-      entries_stride = cache_rows.size(1);
+      entries_stride = cache_rows.stride(0);
     }
   }
 
@@ -365,15 +366,19 @@ at::Tensor last_dim_contiguous(const at::Tensor& t) {
   return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous();
 }
 
-// The cache rows as contiguous int64 (undefined when not given), each checked to name one of
-// the `entries` batch entries of k and v: the kernels read through them unchecked.
+// The cache rows as int64 with a contiguous last dim (undefined when not given; a decoding
+// cache passes a column slice of its table, read in place), each checked to name one of the
+// `entries` batch entries of k and v: the kernels read through them unchecked.
 at::Tensor checked_cache_rows(const c10::optional<at::Tensor>& cache_rows, int64_t entries) {
   if (!cache_rows.has_value()) return {};
-  const auto rows = cache_rows->to(at::kLong).contiguous();
+  const auto rows = last_dim_contiguous(cache_rows->to(at::kLong));
   const int64_t* values = rows.data_ptr<int64_t>();
-  for (int64_t i = 0; i < rows.numel(); ++i) {
-    TORCH_CHECK(values[i] >= 0 && values[i] < entries, "cache_rows must lie in [0, ", entries,
-                ") (k's batch entries), got ", values[i]);
+  for (int64_t b = 0; b < rows.size(0); ++b) {
+    for (int64_t j = 0; j < rows.size(1); ++j) {
+      const int64_t value = values[b * rows.stride(0) + j];
+      TORCH_CHECK(value >= 0 && value < entries, "cache_rows must lie in [0, ", entries,
+                  ") (k's batch entries), got ", value);
+    }
   }
   return rows;
 }

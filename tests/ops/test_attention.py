@@ -794,7 +794,8 @@ def _cache_rows_inputs(case, device, dtype=FP32):
         torch.randn(lk, entries, 2, head_dim, device=device, dtype=dtype).permute(1, 2, 0, 3)
         for _ in range(2)
     )
-    rows = torch.randint(0, entries, (batch, lk), device=device)
+    # a column slice of a wider table, as KVCache passes the rows of its filled positions
+    rows = torch.randint(0, entries, (batch, lk + 5), device=device)[:, :lk]
     lengths = random_lengths(batch, lk).to(device)
     return q, k, v, rows, lengths
 
@@ -830,6 +831,16 @@ def test_cache_rows_equal_attention_over_the_gathered_keys(backend, case, dtype)
         q, gather(k, rows), gather(v, rows), None, 0.0, True, key_lengths=lengths
     )
     assert_error_within(out, plain, oracle, factor=2, atol=ATOL[dtype])
+
+
+def test_cpp_reads_strided_cache_rows_in_place(cpp_extension):
+    """Decoding passes a column slice of the cache's table at every step: no copy of it."""
+    q, k, v, rows, lengths = _cache_rows_inputs(CACHE_ROWS_CASES[0], "cpu")
+    assert not rows.is_contiguous()
+    with dispatch.backend("cpp"), torch.profiler.profile() as profile:
+        attention(q, k, v, key_lengths=lengths, causal=True, cache_rows=rows)
+    copies = [e.name for e in profile.events() if e.name in ("aten::clone", "aten::copy_")]
+    assert not copies, copies
 
 
 CACHE_ROWS_ERRORS = [
