@@ -134,7 +134,23 @@ class Bf16Linear(PackedLinear):
         self.fused = _ONEDNN_ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.packed_bias, *self.fused)
+        rows = x.numel() // self.in_features
+        padded = padded_rows(rows)
+        if padded == rows:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.packed_bias, *self.fused)
+        flat = x.new_empty(padded, self.in_features)
+        flat[:rows] = x.reshape(rows, self.in_features)
+        y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.packed_bias, *self.fused)
+        return y[:rows].view(*x.shape[:-1], self.out_features)
+
+
+def padded_rows(rows: int) -> int:
+    """The row count a GEMM of ``rows`` rows runs at: oneDNN compiles a kernel for each distinct
+    shape (2.3 ms, against 80 us for a cached 240 x 256 x 768 GEMM), and a beam search's row
+    count takes every value as sentences finish; padding to a multiple of 16 (64 past 256) keeps
+    that to a few dozen shapes per weight."""
+    step = 16 if rows <= 256 else 64
+    return -(-rows // step) * step
 
 
 def _attention_projections(module: MultiheadAttention, linear: type[PackedLinear]):

@@ -12,6 +12,7 @@ from fastnmt.quantize import (
     bf16_packing_supported,
     int8_supported,
     pack_bf16,
+    padded_rows,
     quantize_int8,
 )
 from fastnmt.translator import Translator, load_checkpoint
@@ -165,6 +166,21 @@ def test_bf16_linear_is_as_close_to_float64_as_torch_in_bf16(shape, activation):
     rows = torch.tensor([0, 7, 50])
     narrow = Bf16Linear(weight, bias, activation).rows(rows)
     torch.testing.assert_close(narrow(x), out[..., rows], rtol=0, atol=0)
+
+
+def test_bf16_gemms_run_at_a_few_row_counts():
+    """oneDNN compiles a kernel per shape: a beam search's every row count would each cost one."""
+    assert [padded_rows(m) for m in (0, 1, 16, 17, 250, 256, 257, 1000)] == [
+        0, 16, 16, 32, 256, 256, 320, 1024,
+    ]  # fmt: skip
+    assert len({padded_rows(m) for m in range(1, 1025)}) == 16 + 12
+    if not BF16_PACKING:
+        return
+    x = torch.randn(3, 5, 37).bfloat16()  # 15 rows, run as 16
+    weight, bias = torch.randn(51, 37).bfloat16(), torch.randn(51).bfloat16()
+    layer = Bf16Linear(weight, bias, "relu")
+    unpadded = torch.ops.mkldnn._linear_pointwise(x, layer.packed, bias, *layer.fused)
+    torch.testing.assert_close(layer(x), unpadded, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(
