@@ -1,0 +1,108 @@
+"""fastnmt.client against small standard-library HTTP servers (tests/test_serve.py runs it
+against the real server)."""
+
+import concurrent.futures
+import contextlib
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from fastnmt.client import Client, ServerError
+
+
+class Handler(BaseHTTPRequestHandler):
+    """Answers /translate with each text reversed (beam 0: with the status and body in the text,
+    "status body"), /ready with 200. ``forget`` closes each connection after its answer without
+    saying so (as a server does with a connection that stayed idle past its keep-alive timeout)."""
+
+    protocol_version = "HTTP/1.1"
+    forget = False
+
+    def do_POST(self):
+        query = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if query["beam"] == 0:
+            status, body = query["text"].split(" ", 1)
+            self._send(int(status), body.encode())
+            return
+        text = query["text"]  # one string gets one item, as from the real server
+        reversed_ = [t[::-1] for t in text] if isinstance(text, list) else text[::-1]
+        self._send(200, json.dumps({"translations": reversed_}).encode())
+        self.close_connection = self.forget
+
+    def do_GET(self):
+        self._send(200 if self.path == "/ready" else 404, b"{}")
+
+    def _send(self, status: int, body: bytes):
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        self.server.connections.add(self.connection.getpeername())
+
+    def log_message(self, *args):
+        pass
+
+
+@contextlib.contextmanager
+def serving(forget: bool = False):
+    handler = type("H", (Handler,), {"forget": forget})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.connections = set()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server, f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_one_connection_is_kept_alive_and_one_the_server_closed_is_reopened():
+    with serving() as (server, url), Client(url) as client:
+        assert client.ready()
+        assert client.translate(["abc", "de"]) == ["cba", "ed"]
+        assert client.translate("xyz") == "zyx"
+        assert len(server.connections) == 1
+    with serving(forget=True) as (server, url), Client(url) as client:
+        assert [client.translate(t) for t in ("ab", "cd", "ef")] == ["ba", "dc", "fe"]
+        assert len(server.connections) == 3
+
+
+def test_each_thread_has_its_own_connection():
+    texts = [f"sentence {i}" for i in range(64)]
+    pool = concurrent.futures.ThreadPoolExecutor(8)
+    with serving() as (server, url), Client(url) as client, pool:
+        answers = list(pool.map(client.translate, texts))
+    assert answers == [t[::-1] for t in texts]
+    assert 1 < len(server.connections) <= 8
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "message"),
+    [(422, '{"error": "beam must be in [1, 64]", "field": "beam"}', "beam must be in"),
+     (500, "Internal Server Error", "Internal Server Error")],
+)  # fmt: skip
+def test_a_refusal_is_a_server_error_with_its_status_and_message(status, body, message):
+    refused = pytest.raises(ServerError, match=f"{status}: {message}")
+    with serving() as (_, url), Client(url) as client, refused as raised:
+        client.translate(f"{status} {body}", beam=0)
+    assert raised.value.status == status
+
+
+def test_nothing_listening_is_not_ready_and_a_connection_error():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    client = Client(f"http://127.0.0.1:{port}", timeout=5)
+    assert not client.ready()
+    with pytest.raises(ConnectionError):
+        client.translate("a")
+
+
+@pytest.mark.parametrize("url", ["127.0.0.1:8000", "ftp://host", "http://"])
+def test_a_bad_url_is_a_one_line_error(url):
+    with pytest.raises(ValueError, match="url must be http://host"):
+        Client(url)
