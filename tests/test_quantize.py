@@ -64,9 +64,19 @@ def test_a_zero_weight_row_gives_its_bias():
 
 
 def _model(**overrides):
+    """A random model; a random output bias too, when it has one."""
     torch.manual_seed(0)
     cfg = preset("tiny", vocab_size=97, d_model=64, heads=4, d_ff=96, **overrides)
-    return Transformer(cfg).eval()
+    model = Transformer(cfg).eval()
+    if model.output_bias is not None:
+        model.output_bias.normal_()
+    return model
+
+
+# Pre- and post-norm, each activation, with and without an output bias.
+MODEL_VARIANTS = [
+    {}, {"prenorm": False, "activation": "gelu", "output_bias": True}, {"activation": "silu"},
+]  # fmt: skip
 
 
 def _outputs(model):
@@ -82,22 +92,22 @@ def _outputs(model):
         return model.logits(states).log_softmax(-1), model.output_layer()(last), model.logits(last)
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [{}, {"prenorm": False, "activation": "gelu", "output_bias": True}, {"activation": "silu"}],
-)
-def test_a_quantized_model_keeps_its_state_dict_and_predictions(overrides):
-    model = _model(**overrides)
-    if model.output_bias is not None:
-        model.output_bias.normal_()
+def _packed_outputs(model, pack):
+    """``_outputs`` of ``model`` once ``pack`` converted it in place, its state_dict unchanged."""
     before = {name: value.clone() for name, value in model.state_dict().items()}
-    exact = _outputs(model)[0]
-    bf16 = _outputs(copy.deepcopy(model).to(torch.bfloat16))[0].float()
-    assert quantize_int8(model) is model
-    quantized, step, last = _outputs(model)
+    assert pack(model) is model
     after = model.state_dict()
     assert after.keys() == before.keys()
     assert all(torch.equal(after[name], value) for name, value in before.items())
+    return _outputs(model)
+
+
+@pytest.mark.parametrize("overrides", MODEL_VARIANTS)
+def test_a_quantized_model_keeps_its_state_dict_and_predictions(overrides):
+    model = _model(**overrides)
+    exact = _outputs(model)[0]
+    bf16 = _outputs(copy.deepcopy(model).to(torch.bfloat16))[0].float()
+    quantized, step, last = _packed_outputs(model, quantize_int8)
     # The yardstick: the same model with bf16 weights (int8 measured 2.7x to 2.8x its error).
     error, bf16_error = ((x - exact).abs().max() for x in (quantized, bf16))
     assert 0 < error <= 4 * bf16_error, (error, bf16_error)
@@ -183,27 +193,17 @@ def test_bf16_gemms_run_at_a_few_row_counts():
     torch.testing.assert_close(layer(x), unpadded, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [{}, {"prenorm": False, "activation": "gelu", "output_bias": True}, {"activation": "silu"}],
-)
+@pytest.mark.parametrize("overrides", MODEL_VARIANTS)
 def test_a_bf16_packed_model_keeps_its_state_dict_and_predictions(overrides):
     model = _model(**overrides)
-    if model.output_bias is not None:
-        model.output_bias.normal_()
     exact = _outputs(copy.deepcopy(model).double())[0]
     model = model.to(torch.bfloat16)
-    before = {name: value.clone() for name, value in model.state_dict().items()}
     unpacked = _outputs(model)[0]
     if not BF16_PACKING:
         with _refused_here():
             pack_bf16(model)
         return
-    assert pack_bf16(model) is model
-    packed, step, last = _outputs(model)
-    after = model.state_dict()
-    assert after.keys() == before.keys()
-    assert all(torch.equal(after[name], value) for name, value in before.items())
+    packed, step, last = _packed_outputs(model, pack_bf16)
     assert isinstance(model.packed_output, Bf16Linear)
     assert_error_within(packed, unpacked, exact, 2, 1e-3)
     if not overrides:  # ReLU commutes with rounding: the same GEMMs give the same results
