@@ -242,7 +242,7 @@ def feed_forward_cases() -> list[CompileCase]:
 
 
 def linear_cross_entropy_cases() -> list[CompileCase]:
-    """The row kernel at the GPU block."""
+    """The row kernel at the GPU block, the statistics and the backward's scaling."""
     block_v, num_warps = (
         loss_op._GPU_BLOCK_V,
         loss_op._num_warps(loss_op._GPU_BLOCK_V),
@@ -266,6 +266,24 @@ def linear_cross_entropy_cases() -> list[CompileCase]:
             label=f"BLOCK_V {block_v} w{num_warps} grad={grad}",
         )
         for grad in (True, False)
+    ] + [
+        CompileCase(
+            loss_op._sum_statistics_kernel,
+            {"STATS": "*fp32", "rows": "i32", "LOSS": "*fp32", "SUMS": "*fp64"}
+            | {"MEAN": "constexpr", "BLOCK_ROWS": "constexpr"},
+            {"MEAN": True, "BLOCK_ROWS": loss_op._STATISTICS_BLOCK_ROWS},
+            label=f"BLOCK_ROWS {loss_op._STATISTICS_BLOCK_ROWS}",
+        ),
+        CompileCase(
+            loss_op._scale_gradients_kernel,
+            {"DLOSS": "*fp32", "SUMS": "*fp64", "DH": "*DTYPE", "GRAD_H": "*DTYPE", "n_h": "i32"}
+            | {"DW": "*fp32", "GRAD_W": "*DTYPE", "n_w": "i32"}
+            | {"DB": "*fp32", "GRAD_B": "*DTYPE", "n_b": "i32"}
+            | {"MEAN": "constexpr", "BLOCK": "constexpr"},
+            {"MEAN": True, "BLOCK": loss_op._SCALE_BLOCK},
+            num_warps=loss_op._SCALE_WARPS,
+            label=f"BLOCK {loss_op._SCALE_BLOCK} w{loss_op._SCALE_WARPS}",
+        ),
     ]
 
 

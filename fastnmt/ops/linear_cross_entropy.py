@@ -43,9 +43,11 @@ scaled separately, so it runs on the reference path.
 On a GPU a chunk holds up to ``_GPU_CHUNK_ELEMENTS`` logits (a call of 4,096 tokens over 32k words
 is one chunk): there a chunk costs kernel launches, which cost more host time than the GEMMs take
 at training shapes. The row kernel writes each row's statistics into one buffer, reduced once
-after the last chunk, and the first chunk's dW and db start the sums: a forward + backward is
-about fifteen launches (tests/ops/test_linear_cross_entropy.py counts them), not eight per chunk
-plus the zero-filled buffers.
+after the last chunk by a one-program kernel that also forms the loss, and the first chunk's dW
+and db start the sums. The backward is one kernel that multiplies the three gradients by
+(dloss s) and casts them. A forward + backward on one chunk is seven launches (eight when the
+GEMMs' dtype differs from fp32; tests/ops/test_linear_cross_entropy.py counts them): the three
+GEMMs of the unfused loss, the row kernel, db's column sum, the statistics and the scaling.
 
 The Triton row kernel makes two passes over a row in BLOCK_V blocks: an online max / sum of
 exponentials / sum / argmax, then the gradient.
@@ -130,6 +132,64 @@ def _cross_entropy_rows_kernel(
             tl.store(z_row + columns, g.to(Z.dtype.element_ty), mask=inside)
 
 
+@triton.jit
+def _sum_statistics_kernel(
+    STATS,  # (rows, 4) fp32: every row's nll, correct, counted, loss (the row kernel's STATS)
+    rows,
+    LOSS,  # () fp32 output: the summed loss, or its mean over counted tokens when MEAN
+    SUMS,  # (3,) fp64 output: summed nll, correct, counted
+    MEAN: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+):
+    """One program: the column sums of STATS in fp64, in a fixed order (deterministic)."""
+    columns = tl.arange(0, 4)
+    total = tl.zeros((BLOCK_ROWS, 4), dtype=tl.float64)
+    for start in range(0, rows, BLOCK_ROWS):
+        row = start + tl.arange(0, BLOCK_ROWS).to(tl.int64)
+        inside = row[:, None] < rows
+        total += tl.load(STATS + row[:, None] * 4 + columns[None, :], mask=inside, other=0.0)
+    sums = tl.sum(total, 0)
+    loss = tl.sum(tl.where(columns == 3, sums, 0.0), 0)
+    if MEAN:  # s = 1 / counted tokens; the loss is 0 when none count
+        loss = loss / tl.maximum(tl.sum(tl.where(columns == 2, sums, 0.0), 0), 1.0)
+    tl.store(LOSS, loss.to(tl.float32))
+    tl.store(SUMS + columns, sums, mask=columns < 3)
+
+
+@triton.jit
+def _scale_block(SOURCE, DESTINATION, n, block, factor, BLOCK: tl.constexpr):
+    offsets = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < n
+    g = tl.load(SOURCE + offsets, mask=inside).to(tl.float32)
+    tl.store(DESTINATION + offsets, (g * factor).to(DESTINATION.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _scale_gradients_kernel(
+    DLOSS,  # () the loss's gradient
+    SUMS,  # (3,) fp64: summed nll, correct, counted (the forward's)
+    DH, GRAD_H, n_h,  # the summed loss's dh (N, E) and the output gradient, n_h elements
+    DW, GRAD_W, n_w,  # dw (V, E), fp32
+    DB, GRAD_B, n_b,  # db (V,), fp32; n_b = 0 without a bias
+    MEAN: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """GRAD_* = (dloss s) D* in fp32, cast to GRAD_*'s dtype: the programs cover DH's blocks,
+    then DW's, then DB's."""
+    factor = tl.load(DLOSS).to(tl.float32)
+    if MEAN:
+        factor = factor / tl.maximum(tl.load(SUMS + 2), 1.0).to(tl.float32)
+    block = tl.program_id(0)
+    blocks_h = tl.cdiv(n_h, BLOCK)
+    blocks_w = tl.cdiv(n_w, BLOCK)
+    if block < blocks_h:
+        _scale_block(DH, GRAD_H, n_h, block, factor, BLOCK)
+    elif block < blocks_h + blocks_w:
+        _scale_block(DW, GRAD_W, n_w, block - blocks_h, factor, BLOCK)
+    else:
+        _scale_block(DB, GRAD_B, n_b, block - blocks_h - blocks_w, factor, BLOCK)
+
+
 # ---------------------------------------------------------------------------------------------
 # PyTorch reference: logits, one log-softmax over the whole vocabulary, and its gradient.
 # ---------------------------------------------------------------------------------------------
@@ -210,20 +270,32 @@ def _triton_rows(logits, target, stats, label_smoothing, ignore_index, compute_g
     upcast = triton_common.upcast_in_interpreter(logits.dtype)
     z = logits.float() if upcast else logits
     block_v, num_warps = _block_v(vocab)
-    with triton_common.device_guard(logits.device):
-        _cross_entropy_rows_kernel[(rows,)](
-            z,
-            target,
-            stats,
-            vocab,
-            label_smoothing,
-            ignore_index,
-            COMPUTE_GRAD=compute_grad,
-            BLOCK_V=block_v,
-            num_warps=num_warps,
-        )
+    _cross_entropy_rows_kernel[(rows,)](
+        z,
+        target,
+        stats,
+        vocab,
+        label_smoothing,
+        ignore_index,
+        COMPUTE_GRAD=compute_grad,
+        BLOCK_V=block_v,
+        num_warps=num_warps,
+    )
     if upcast and compute_grad:
         logits.copy_(z)
+
+
+_STATISTICS_BLOCK_ROWS = 512
+
+
+def _sum_statistics(stats, mean):
+    """(loss fp32 (), [nll, correct, tokens] fp64 (3,)) from every row's ``stats``."""
+    loss = triton_common.new_output((), torch.float32, stats.device)
+    sums = triton_common.new_output((3,), torch.float64, stats.device)
+    _sum_statistics_kernel[(1,)](
+        stats, stats.shape[0], loss, sums, MEAN=mean, BLOCK_ROWS=_STATISTICS_BLOCK_ROWS
+    )
+    return loss, sums
 
 
 def _chunked(
@@ -245,6 +317,15 @@ def _chunked(
     Its launches are per chunk a GEMM for the logits, the row kernel and one or two GEMMs for
     dh and dw (and a column sum for db), then one reduction of every row's statistics: nothing
     is zero-filled and nothing reduced per chunk."""
+    with triton_common.device_guard(hidden.device):
+        return _chunked_on_device(
+            hidden, weight, bias, target, label_smoothing, ignore_index, mean, compute_grad, dtype
+        )
+
+
+def _chunked_on_device(
+    hidden, weight, bias, target, label_smoothing, ignore_index, mean, compute_grad, dtype
+):
     compute_dtype = hidden.dtype if dtype is None else dtype
     h = hidden.to(compute_dtype).contiguous()  # (N, E)
     w = weight.to(compute_dtype).contiguous()  # (V, E)
@@ -274,10 +355,44 @@ def _chunked(
         db = (
             torch.zeros(vocab, **fp32) if compute_grad and b is not None else torch.empty(0, **fp32)
         )
-    sums = stats.sum(0, dtype=torch.float64)  # nll, correct, counted, loss
-    # s of the math: 1 / counted tokens for a mean (the loss is 0 when none count), on the device.
-    loss = (sums[3] / sums[2].clamp_min(1) if mean else sums[3]).float()
-    return loss, sums[:3], dh.to(hidden.dtype), dw, db
+    loss, sums = _sum_statistics(stats, mean)
+    return loss, sums, dh.to(hidden.dtype), dw, db
+
+
+_SCALE_BLOCK, _SCALE_WARPS = 2048, 4  # elements per program of the backward: 16 per thread
+
+
+def _scale_gradients(
+    dloss, sums, dh, dw, db, mean, hidden_dtype, weight_dtype, bias_dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of hidden, weight and bias (empty without a bias): (dloss s) times the
+    summed loss's, in fp32, cast to the parameters' dtypes."""
+    # The interpreter's bf16 is wrong: fp32 copies in, fp32 gradients out, cast by torch.
+    if triton_common.upcast_in_interpreter(dh.dtype):
+        dh = dh.float()
+    n_b = db.numel() if bias_dtype is not None else 0
+    grads = (
+        triton_common.new_output(
+            dh.shape, triton_common.kernel_output_dtype(hidden_dtype), dh.device
+        ),
+        triton_common.new_output(
+            dw.shape, triton_common.kernel_output_dtype(weight_dtype), dw.device
+        ),
+        triton_common.new_output(
+            (n_b,), triton_common.kernel_output_dtype(bias_dtype or torch.float32), dw.device
+        ),
+    )
+    blocks = triton.cdiv(dh.numel(), _SCALE_BLOCK) + triton.cdiv(dw.numel(), _SCALE_BLOCK)
+    with triton_common.device_guard(dw.device):
+        _scale_gradients_kernel[(blocks + triton.cdiv(n_b, _SCALE_BLOCK),)](
+            dloss, sums, dh, grads[0], dh.numel(), dw, grads[1], dw.numel(), db, grads[2], n_b,
+            MEAN=mean, BLOCK=_SCALE_BLOCK, num_warps=_SCALE_WARPS,
+        )  # fmt: skip
+    return (
+        grads[0].to(hidden_dtype),
+        grads[1].to(weight_dtype),
+        grads[2].to(bias_dtype or torch.float32),
+    )
 
 
 def _fp32_sum(total, g, h=None):
@@ -342,29 +457,54 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dloss, _dstatistics, _dh, _dw, _db):
-    if not ctx.compute_grad:
-        raise RuntimeError("linear_cross_entropy ran with compute_grad=False: no gradient kept")
-    if dloss is None:  # the loss was not used
-        return (None,) * 9
-    statistics, *summed_grads = ctx.saved_tensors
-    # (dloss s) in fp32 before the cast: s g in fp16 would underflow (module docstring).
-    factor = dloss.float()
-    if ctx.mean:
-        factor = factor / statistics[2].clamp_min(1).float()
-    grads = [None] * 9  # a loop, not a comprehension: a Python call less (3.11)
-    for i, (grad, dtype) in enumerate(zip(summed_grads, ctx.grad_dtypes, strict=True)):
-        if dtype is not None:
-            grads[i] = (grad.float() * factor).to(dtype)
-    return tuple(grads)
+@torch.library.custom_op("fastnmt::linear_cross_entropy_triton_backward", mutates_args=())
+def _triton_backward_op(
+    dloss: torch.Tensor,
+    statistics: torch.Tensor,
+    dh: torch.Tensor,
+    dw: torch.Tensor,
+    db: torch.Tensor,
+    mean: bool,
+    hidden_dtype: torch.dtype,
+    weight_dtype: torch.dtype,
+    bias_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dhidden, dweight, dbias or empty): see ``_scale_gradients``."""
+    return _scale_gradients(
+        dloss, statistics, dh, dw, db, mean, hidden_dtype, weight_dtype, bias_dtype
+    )
+
+
+@torch.library.register_fake(_triton_backward_op)
+def _backward_fake(dloss, statistics, dh, dw, db, mean, hidden_dtype, weight_dtype, bias_dtype):
+    with_bias = bias_dtype is not None
+    return (
+        dh.new_empty(dh.shape, dtype=hidden_dtype),
+        dw.new_empty(dw.shape, dtype=weight_dtype),
+        db.new_empty(db.shape if with_bias else (0,), dtype=bias_dtype or torch.float32),
+    )
+
+
+def _make_backward(backward_op):
+    """The autograd backward of the Triton forward, scaling on ``backward_op``."""
+
+    def backward(ctx, dloss, _dstatistics, _dh, _dw, _db):
+        if not ctx.compute_grad:
+            raise RuntimeError("linear_cross_entropy ran with compute_grad=False: no gradient kept")
+        if dloss is None:  # the loss was not used
+            return (None,) * 9
+        grad_h, grad_w, grad_b = backward_op(dloss, *ctx.saved_tensors, ctx.mean, *ctx.grad_dtypes)
+        return grad_h, grad_w, (None if ctx.grad_dtypes[2] is None else grad_b), *(None,) * 6
+
+    return backward
 
 
 # The Triton op's autograd in Python; the C++ op (csrc/cross_entropy.cpp: the same driver and the
 # same backward, in C++) registers its own, so a CPU step never enters Python below the op call.
 torch.library.register_fake(_triton_op)(_fake)
-_triton_op.register_autograd(_backward, setup_context=_setup_context)
+_triton_op.register_autograd(_make_backward(_triton_backward_op), setup_context=_setup_context)
 _triton_eager = registration.eager_function(
-    "linear_cross_entropy_triton", _chunked, _setup_context, _backward
+    "linear_cross_entropy_triton", _chunked, _setup_context, _make_backward(_scale_gradients)
 )
 if extension_available():
     _cpp_op = torch.ops.fastnmt.linear_cross_entropy_cpp.default

@@ -183,6 +183,24 @@ def test_fused_backward_scales_by_dloss_and_keeps_its_saved_gradients(fused, dlo
         torch.testing.assert_close(param.grad, 2 * oracle, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mean", [False, True])
+def test_triton_backward_scales_each_gradient_over_its_blocks(triton_device, dtype, mean):
+    """The scaling kernel's programs cover dh's blocks, then dw's, then db's: sizes that end
+    each region in a partial block, every output element written (outputs start poisoned)."""
+    dh = torch.randn(3001, device=triton_device).to(dtype)
+    dw, db = torch.randn(4099, device=triton_device), torch.randn(2050, device=triton_device)
+    sums = torch.tensor([1.0, 2.0, 7.0], dtype=torch.float64, device=triton_device)
+    dloss = torch.tensor(-2.5, device=triton_device)
+    grads = op_module._scale_gradients(dloss, sums, dh, dw, db, mean, dtype, dtype, dtype)
+    factor = dloss / 7 if mean else dloss
+    for got, summed in zip(grads, (dh, dw, db), strict=True):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, (summed.float() * factor).to(dtype))
+    without_bias = op_module._scale_gradients(dloss, sums, dh, dw, db, mean, dtype, dtype, None)
+    assert without_bias[2].numel() == 0
+
+
 def test_fused_one_chunk_equals_many_chunks(fused, monkeypatch):
     inputs = _inputs(70, 32, 300, device=device_of(fused))
     whole, whole_grads = _loss_and_grads(*inputs, 0.1, "sum")
@@ -366,17 +384,20 @@ def test_fused_backends_refuse_float64():
 _NO_LAUNCH = {"t", "slice", "select", "detach", "unbind", "empty", "full"}
 
 
-def _triton_launches(tokens: int, vocab: int) -> list[str]:
+_KERNELS = ["_cross_entropy_rows_kernel", "_sum_statistics_kernel", "_scale_gradients_kernel"]
+
+
+def _triton_launches(tokens: int, vocab: int, dtype=torch.float32) -> list[str]:
     """The kernels (aten ops that launch one on a GPU, and Triton kernels) of a forward +
     backward (mean, with a bias) on the Triton backend at the GPU's chunking, its choice
     cached; the gradients start as None, as after ``zero_grad()``."""
-    hidden, weight, bias, target = _inputs(tokens, 24, vocab, device=TRITON_DEVICE)
+    hidden, weight, bias, target = _inputs(tokens, 24, vocab, dtype, device=TRITON_DEVICE)
     seed = torch.ones((), device=TRITON_DEVICE)
     with fastnmt.backend("triton"), gpu_tiles():
         linear_cross_entropy(hidden, weight, bias, target, 0.1, IGNORE, "mean").loss.backward()
         for param in (hidden, weight, bias):
             param.grad = None
-        with HostOps(op_module, ["_cross_entropy_rows_kernel"]) as host:
+        with HostOps(op_module, _KERNELS) as host:
             out = linear_cross_entropy(hidden, weight, bias, target, 0.1, IGNORE, "mean")
             out.loss.backward(seed)
     # clone: CPU GEMMs get a contiguous transposed weight; cuBLAS takes the view.
@@ -384,15 +405,18 @@ def _triton_launches(tokens: int, vocab: int) -> list[str]:
     return host.launches + [op for op in host.aten if op not in _NO_LAUNCH | cpu_only]
 
 
-def test_triton_launches_are_few_and_do_not_grow_with_the_vocabulary():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_launches_are_few_and_do_not_grow_with_the_vocabulary(dtype):
     """On a GPU a call's wall time is its launches (the host-path issue counted 348 at 4,096
-    tokens x 32k words): one chunk there, and per call the three GEMMs of the unfused loss, the
-    row kernel, the column sum of db, one reduction of the row statistics and a few scalar
-    ops; no zero-filled buffer or gradient, the same count for 17 words as for 3,000."""
+    tokens x 32k words, and asks for at most 8): one chunk there, and per call the three GEMMs
+    of the unfused loss, the row kernel, the column sum of db, the kernel that sums the row
+    statistics into the loss, the backward's scaling kernel, and in half precision the cast of
+    dw's GEMM to fp32; no zero-filled buffer or gradient, the same count for 17 words as for
+    3,000."""
     with gpu_tiles():
         assert op_module.chunk_rows(32000) >= 4096
-    launches = _triton_launches(40, 17)
-    assert launches == _triton_launches(40, 3000) == _triton_launches(300, 3000)
-    assert launches.count("_cross_entropy_rows_kernel") == 1
-    assert not {"zeros", "zero_", "fill_", "zeros_like"} & set(launches), launches
-    assert len(launches) <= 16, launches
+    launches = _triton_launches(40, 17, dtype)
+    assert launches == _triton_launches(40, 3000, dtype) == _triton_launches(300, 3000, dtype)
+    assert sorted(launches[:3]) == sorted(_KERNELS), launches
+    half = dtype != torch.float32
+    assert sorted(launches[3:]) == sorted(["addmm", "mm", "mm", "sum"] + ["_to_copy"] * half)
