@@ -370,29 +370,26 @@ def _scale_gradients(
     # The interpreter's bf16 is wrong: fp32 copies in, fp32 gradients out, cast by torch.
     if triton_common.upcast_in_interpreter(dh.dtype):
         dh = dh.float()
+
+    def gradient(summed, dtype):
+        return triton_common.new_output(
+            summed.shape, triton_common.kernel_output_dtype(dtype), summed.device
+        )
+
+    grad_h, grad_w = gradient(dh, hidden_dtype), gradient(dw, weight_dtype)
+    # Without a bias no program reaches db's branch: dw's buffers stand in for its pointers (an
+    # empty tensor's pointer is null).
+    grad_b, db = (gradient(db, bias_dtype), db) if bias_dtype is not None else (grad_w, dw)
     n_b = db.numel() if bias_dtype is not None else 0
-    grads = (
-        triton_common.new_output(
-            dh.shape, triton_common.kernel_output_dtype(hidden_dtype), dh.device
-        ),
-        triton_common.new_output(
-            dw.shape, triton_common.kernel_output_dtype(weight_dtype), dw.device
-        ),
-        triton_common.new_output(
-            (n_b,), triton_common.kernel_output_dtype(bias_dtype or torch.float32), dw.device
-        ),
-    )
-    blocks = triton.cdiv(dh.numel(), _SCALE_BLOCK) + triton.cdiv(dw.numel(), _SCALE_BLOCK)
+    blocks = [triton.cdiv(n, _SCALE_BLOCK) for n in (dh.numel(), dw.numel(), n_b)]
     with triton_common.device_guard(dw.device):
-        _scale_gradients_kernel[(blocks + triton.cdiv(n_b, _SCALE_BLOCK),)](
-            dloss, sums, dh, grads[0], dh.numel(), dw, grads[1], dw.numel(), db, grads[2], n_b,
+        _scale_gradients_kernel[(sum(blocks),)](
+            dloss, sums, dh, grad_h, dh.numel(), dw, grad_w, dw.numel(), db, grad_b, n_b,
             MEAN=mean, BLOCK=_SCALE_BLOCK, num_warps=_SCALE_WARPS,
         )  # fmt: skip
-    return (
-        grads[0].to(hidden_dtype),
-        grads[1].to(weight_dtype),
-        grads[2].to(bias_dtype or torch.float32),
-    )
+    if bias_dtype is None:
+        grad_b = dw.new_empty(0)
+    return grad_h.to(hidden_dtype), grad_w.to(weight_dtype), grad_b.to(bias_dtype or dw.dtype)
 
 
 def _fp32_sum(total, g, h=None):
