@@ -370,26 +370,26 @@ def _scale_gradients(
     # The interpreter's bf16 is wrong: fp32 copies in, fp32 gradients out, cast by torch.
     if triton_common.upcast_in_interpreter(dh.dtype):
         dh = dh.float()
-
-    def gradient(summed, dtype):
-        return triton_common.new_output(
-            summed.shape, triton_common.kernel_output_dtype(dtype), summed.device
-        )
-
-    grad_h, grad_w = gradient(dh, hidden_dtype), gradient(dw, weight_dtype)
+    with_bias = bias_dtype is not None
+    grad_h, grad_w = _gradient_buffer(dh, hidden_dtype), _gradient_buffer(dw, weight_dtype)
+    grad_b = _gradient_buffer(db, bias_dtype) if with_bias else dw.new_empty(0)
     # Without a bias no program reaches db's branch: dw's buffers stand in for its pointers (an
-    # empty tensor's pointer is null).
-    grad_b, db = (gradient(db, bias_dtype), db) if bias_dtype is not None else (grad_w, dw)
-    n_b = db.numel() if bias_dtype is not None else 0
+    # empty tensor's is null).
+    db_in, db_out, n_b = (db, grad_b, db.numel()) if with_bias else (dw, grad_w, 0)
     blocks = [triton.cdiv(n, _SCALE_BLOCK) for n in (dh.numel(), dw.numel(), n_b)]
     with triton_common.device_guard(dw.device):
         _scale_gradients_kernel[(sum(blocks),)](
-            dloss, sums, dh, grad_h, dh.numel(), dw, grad_w, dw.numel(), db, grad_b, n_b,
+            dloss, sums, dh, grad_h, dh.numel(), dw, grad_w, dw.numel(), db_in, db_out, n_b,
             MEAN=mean, BLOCK=_SCALE_BLOCK, num_warps=_SCALE_WARPS,
         )  # fmt: skip
-    if bias_dtype is None:
-        grad_b = dw.new_empty(0)
     return grad_h.to(hidden_dtype), grad_w.to(weight_dtype), grad_b.to(bias_dtype or dw.dtype)
+
+
+def _gradient_buffer(summed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The scaling kernel's output for ``summed``: ``dtype``, fp32 where the interpreter upcasts."""
+    return triton_common.new_output(
+        summed.shape, triton_common.kernel_output_dtype(dtype), summed.device
+    )
 
 
 def _fp32_sum(total, g, h=None):
