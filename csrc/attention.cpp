@@ -346,12 +346,22 @@ inline float softmax_row(float* row, const float* bias, int64_t width, int64_t i
 }
 
 // Calls worker(next) once on each intra-op thread; next() hands out work units 0, 1, 2, ...
-// (a unit number past the last means none is left), so fast threads take more units.
+// (a unit number past the last means none is left), so fast threads take more units. A thread
+// claims `grain` consecutive units at a time from the shared counter (see forward_few_queries).
 template <typename Worker>
-void run_workers(const Worker& worker) {
+void run_workers(const Worker& worker, int64_t grain = 1) {
   std::atomic<int64_t> counter{0};
-  const auto next = [&counter] { return counter++; };
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) { worker(next); });
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    int64_t unit = 0, claimed_end = 0;
+    const auto next = [&] {
+      if (unit == claimed_end) {
+        unit = counter.fetch_add(grain);
+        claimed_end = unit + grain;
+      }
+      return unit++;
+    };
+    worker(next);
+  });
 }
 
 struct Shape {
@@ -446,6 +456,48 @@ void forward_kernel(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor
   });
 }
 
+// Up to this many vectors of q/k and of v per row (head dims of 256 with AVX-512, 128 with AVX2)
+// take forward_few_queries; wider heads, forward_kernel.
+constexpr int64_t kFewQueriesVectors = 16;
+
+// One query of a (b, h) against its keys (decoding), widths of at most NV vectors: q and the
+// output row stay in registers (NV a compile-time count, the loops unrolled); the scores go to
+// s and the output row to o (dv_vectors wide). Returns lse, as softmax_row. EXACT: both widths
+// are NV whole vectors (no bounds to check); else each vector is checked against the width.
+template <int NV, bool EXACT, typename T, typename KeyAt, typename ValueAt>
+float few_queries_row(const T* q_row, const KeyAt& key_at, const ValueAt& value_at,
+                      const Shape& n, int64_t keys, const float* bias, int64_t i, float scale,
+                      bool causal, const DropoutStream& drop, uint32_t first, float* s,
+                      float* factors, float* o) {
+  // Vector x of a row of `width` values (zeros past it), and whether it holds any.
+  const auto part = [](const T* row, int x, int64_t width) {
+    if constexpr (EXACT) return load_float(row + x * kLanes);
+    const int64_t start = x * kLanes;
+    return start < width ? load_float(row + start, std::min(kLanes, width - start)) : Vec{};
+  };
+  const auto inside = [](int x, int64_t width) { return EXACT || x * kLanes < width; };
+  Vec qv[NV];
+  for (int x = 0; x < NV; ++x) qv[x] = part(q_row, x, n.d);
+  for (int64_t j = 0; j < keys; ++j) {
+    const T* key = key_at(j);
+    Vec dot = Vec{};
+    for (int x = 0; x < NV && inside(x, n.d); ++x) dot += qv[x] * part(key, x, n.d);
+    s[j] = horizontal_sum(dot);
+  }
+  const int64_t width = whole_vectors(keys);
+  std::fill(s + keys, s + width, 0.0f);
+  const float lse = softmax_row(s, bias, width, i, scale, causal, drop, first, factors);
+  Vec acc[NV] = {};
+  for (int64_t j = 0; j < keys; ++j) {
+    if (s[j] == 0.0f) continue;  // hidden (or dropped) key
+    const T* value = value_at(j);
+    const Vec p = splat(s[j]);
+    for (int x = 0; x < NV && inside(x, n.dv); ++x) acc[x] += p * part(value, x, n.dv);
+  }
+  for (int x = 0; x < NV && inside(x, n.dv); ++x) store(o + x * kLanes, acc[x]);
+  return lse;
+}
+
 // Few queries per (b, h) (decoding: the new token of each hypothesis against its cache, or the
 // K beams of a sentence against its source): converting K and V to panels would cost more than
 // the products, so each score is a dot product of q_i with a key row read in place, and O_i the
@@ -458,44 +510,46 @@ void forward_few_queries(const at::Tensor& q_, const at::Tensor& k_, const at::T
   const Rows<T> q(q_), k(k_, cache_rows), v(v_, cache_rows);
   T* out = out_.data_ptr<T>();
   float* lse = lse_.data_ptr<float>();
-  const int64_t lk_vectors = whole_vectors(n.lk), d_vectors = whole_vectors(n.d),
-                dv_vectors = whole_vectors(n.dv);
+  const int64_t lk_vectors = whole_vectors(n.lk), dv_vectors = whole_vectors(n.dv);
+  const int64_t widest = whole_vectors(std::max(n.d, n.dv)) / kLanes;
+  // The common head dims (the same for q, k and v, whole vectors) without bounds checks.
+  const int64_t exact = n.d == n.dv && n.d % kLanes == 0 ? n.d / kLanes : 0;
+  // A (b, h) takes a fraction of a microsecond: claimed one at a time, the shared counter's cache
+  // line would pass between the cores at every one (1.3-1.6x slower at beam-search shapes). A
+  // thread claims an eighth of its share at a time.
+  const int64_t grain = std::max<int64_t>(1, n.batch * n.heads / (8 * at::get_num_threads()));
   run_workers([&](const auto& next) {
-    // Workspace: one query row, its scores, bias, factors and output row.
-    std::vector<float> work(d_vectors + 3 * lk_vectors + dv_vectors);
-    float* qb = work.data();
-    float* s = qb + d_vectors;
+    // Workspace: one query's scores, bias, dropout factors and output row.
+    std::vector<float> work(3 * lk_vectors + dv_vectors);
+    float* s = work.data();
     float* bias = s + lk_vectors;
     float* factors = bias + lk_vectors;
     float* o = factors + lk_vectors;
     for (int64_t bh = next(); bh < n.batch * n.heads; bh = next()) {
       const int64_t b = bh / n.heads, h = bh % n.heads;
       mask.bias(b, bias, whole_vectors(mask.key_end[b]));
+      const auto key_at = [&](int64_t j) { return k.at(b, h, j); };
+      const auto value_at = [&](int64_t j) { return v.at(b, h, j); };
       for (int64_t i = 0; i < n.lq; ++i) {
-        const int64_t keys = mask.keys_of_block(b, i + 1), width = whole_vectors(keys);
-        load_rows(q, b, h, i, 1, n.d, qb, d_vectors);
-        for (int64_t j = 0; j < keys; ++j) {
-          const T* key = k.at(b, h, j);
-          Vec dot = Vec{};
-          for (int64_t d = 0; d < n.d; d += kLanes)
-            dot += load(qb + d) * load_float(key + d, std::min(kLanes, n.d - d));
-          s[j] = horizontal_sum(dot);
-        }
-        std::fill(s + keys, s + width, 0.0f);
-        lse[bh * n.lq + i] = softmax_row(s, bias, width, i, scale, mask.causal, drop,
-                                         element_index(bh, i, n.lq, n.lk), factors);
-        std::fill(o, o + dv_vectors, 0.0f);
-        for (int64_t j = 0; j < keys; ++j) {
-          if (s[j] == 0.0f) continue;  // hidden (or dropped) key
-          const T* value = v.at(b, h, j);
-          const Vec p = splat(s[j]);
-          for (int64_t d = 0; d < n.dv; d += kLanes)
-            store(o + d, load(o + d) + p * load_float(value + d, std::min(kLanes, n.dv - d)));
-        }
+        const auto row = [&](auto vectors, auto exact) {
+          return few_queries_row<decltype(vectors)::value, decltype(exact)::value>(
+              q.at(b, h, i), key_at, value_at, n, mask.keys_of_block(b, i + 1), bias, i, scale,
+              mask.causal, drop, element_index(bh, i, n.lq, n.lk), s, factors, o);
+        };
+        using Exact = std::true_type;
+        using Checked = std::false_type;
+        lse[bh * n.lq + i] =
+            exact == 1   ? row(std::integral_constant<int, 1>{}, Exact{})
+            : exact == 2 ? row(std::integral_constant<int, 2>{}, Exact{})
+            : exact == 4 ? row(std::integral_constant<int, 4>{}, Exact{})
+            : exact == 8 ? row(std::integral_constant<int, 8>{}, Exact{})
+            : widest <= 4 ? row(std::integral_constant<int, 4>{}, Checked{})
+            : widest <= 8 ? row(std::integral_constant<int, 8>{}, Checked{})
+                          : row(std::integral_constant<int, kFewQueriesVectors>{}, Checked{});
         store_rows(o, dv_vectors, out, bh, n.lq, i, 1, i + 1, n.dv);
       }
     }
-  });
+  }, grain);
 }
 
 template <typename T>
@@ -609,7 +663,7 @@ std::tuple<at::Tensor, at::Tensor> attention_cpp(
   const auto rows = checked_cache_rows(cache_rows, k.size(0));
   dispatch_float(q.scalar_type(), "attention_cpp", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    if (n.lq <= kFewQueries) {
+    if (n.lq <= kFewQueries && std::max(n.d, n.dv) <= kFewQueriesVectors * kLanes) {
       forward_few_queries<T>(q, k, v, rows, mask, static_cast<float>(scale), drop, out, lse);
     } else {
       forward_kernel<T>(q, k, v, rows, mask, static_cast<float>(scale), drop, out, lse);

@@ -623,6 +623,13 @@ class TestCpp:
     def test_matches_float64_oracle(self, case):
         _check_case("cpp", *case)
 
+    # Up to 8 queries: head dims with and without bounds checks (q/k and v whole vectors and
+    # equal, or not), up to 16 vectors wide, and wider ones, which take the panel kernel.
+    @pytest.mark.parametrize("head_dim, value_dim", [(64, 40), (96, 96), (200, 136), (300, 64)])
+    @pytest.mark.parametrize("dtype", [FP32, BF16])
+    def test_few_queries_head_dims(self, head_dim, value_dim, dtype):
+        _check_case("cpp", 3, 2, 4, 21, head_dim, False, "lengths", dtype, 0.0, value_dim)
+
     def test_chosen_for_cpu_tensors(self):
         q, k, v = _qkv(2, 2, 3, 5, 16)
         lengths = torch.tensor([5, 2])
