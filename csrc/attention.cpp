@@ -469,7 +469,7 @@ float few_queries_row(const T* q_row, const KeyAt& key_at, const ValueAt& value_
                       const Shape& n, int64_t keys, const float* bias, int64_t i, float scale,
                       bool causal, const DropoutStream& drop, uint32_t first, float* s,
                       float* factors, float* o) {
-  // Vector x of a row of `width` values (zeros past it), and whether it holds any.
+  // Vector x of a row of `width` values (zeros past it); `inside`: whether it holds any.
   const auto part = [](const auto* row, int x, int64_t width) {
     if constexpr (EXACT) return load_float(row + x * kLanes);
     const int64_t start = x * kLanes;
@@ -499,9 +499,9 @@ float few_queries_row(const T* q_row, const KeyAt& key_at, const ValueAt& value_
 }
 
 // Few queries per (b, h) (decoding: the new token of each hypothesis against its cache, or the
-// K beams of a sentence against its source): converting K and V to panels would cost more than
-// the products, so each score is a dot product of q_i with a key row read in place, and O_i the
-// P-weighted sum of value rows, all in fp32.
+// K beams of a sentence against its source): transposing K and V into panels would cost more
+// than the products, so each score is a dot product of q_i with a key row (read in place, or from
+// one fp32 copy that the queries share), and O_i the P-weighted sum of value rows, in fp32.
 template <typename T>
 void forward_few_queries(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
                          const at::Tensor& cache_rows, const KeyMask& mask, float scale,
