@@ -315,8 +315,8 @@ def _chunked(
     unless compute_grad (dbias also without a bias).
 
     Its launches are per chunk a GEMM for the logits, the row kernel and one or two GEMMs for
-    dh and dw (and a column sum for db), then one reduction of every row's statistics: nothing
-    is zero-filled and nothing reduced per chunk."""
+    dh and dw (and a column sum for db), then one kernel that sums every row's statistics into
+    the loss: nothing is zero-filled and nothing reduced per chunk."""
     with triton_common.device_guard(hidden.device):
         return _chunked_on_device(
             hidden, weight, bias, target, label_smoothing, ignore_index, mean, compute_grad, dtype
@@ -376,10 +376,12 @@ def _scale_gradients(
     # Without a bias no program reaches db's branch: dw's buffers stand in for its pointers (an
     # empty tensor's is null).
     db_in, db_out, n_b = (db, grad_b, db.numel()) if with_bias else (dw, grad_w, 0)
-    blocks = [triton.cdiv(n, _SCALE_BLOCK) for n in (dh.numel(), dw.numel(), n_b)]
+    n_h, n_w = dh.numel(), dw.numel()
+    cdiv = triton.cdiv
+    programs = cdiv(n_h, _SCALE_BLOCK) + cdiv(n_w, _SCALE_BLOCK) + cdiv(n_b, _SCALE_BLOCK)
     with triton_common.device_guard(dw.device):
-        _scale_gradients_kernel[(sum(blocks),)](
-            dloss, sums, dh, grad_h, dh.numel(), dw, grad_w, dw.numel(), db_in, db_out, n_b,
+        _scale_gradients_kernel[(programs,)](
+            dloss, sums, dh, grad_h, n_h, dw, grad_w, n_w, db_in, db_out, n_b,
             MEAN=mean, BLOCK=_SCALE_BLOCK, num_warps=_SCALE_WARPS,
         )  # fmt: skip
     return grad_h.to(hidden_dtype), grad_w.to(weight_dtype), grad_b.to(bias_dtype or dw.dtype)
