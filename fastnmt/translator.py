@@ -387,9 +387,11 @@ class Translator:
     @contextlib.contextmanager
     def _inference(self):
         """Eval mode for the block; the model's mode is restored after it."""
-        was_training = self.model.training
+        if not self.model.training:  # setting every module's mode is a tree walk per call
+            yield
+            return
         self.model.eval()
         try:
             yield
         finally:
-            self.model.train(was_training)
+            self.model.train()

@@ -46,6 +46,21 @@ def test_order_and_batching_do_not_change_translations(translator):
     assert all(together[i] for i in (0, 2, 4, 5)), "a random model still says something"
 
 
+def test_a_model_in_training_mode_is_translated_in_eval_mode_and_given_back(translator):
+    """Dropout off while translating (the same translations as in eval mode); the mode each
+    module had is restored, and a model already in eval mode is left as it is."""
+    expected = translator.translate(SENTENCES, beam=2)
+    model = translator.model
+    try:
+        model.train()
+        assert translator.translate(SENTENCES, beam=2) == expected
+        assert all(m.training for m in model.modules())
+    finally:
+        model.eval()
+    translator.translate(SENTENCES[:1], beam=1)
+    assert not any(m.training for m in model.modules())
+
+
 def test_greedy_is_beam_1_of_the_search(translator):
     greedy_texts = translator.translate(SENTENCES, beam=1)
     [beam_1] = translator.translate_full([SENTENCES[0]], beam=1, nbest=1)
