@@ -47,7 +47,6 @@ except ImportError as error:  # an optional extra: the error says how to get it
     ) from None
 
 MAX_BEAM = 16
-DISCONNECT_POLL_S = 0.05  # how often a waiting request checks that its client is still there
 
 
 class Rejected(Exception):
@@ -355,18 +354,28 @@ class Server:
         ]
         self.batcher.submit(jobs)
         waiting = asyncio.gather(*(job.future for job in jobs))
-        while not waiting.done():
-            await asyncio.wait([waiting], timeout=DISCONNECT_POLL_S)
-            if not waiting.done() and await request.is_disconnected():
-                waiting.cancel()  # cancels the jobs: the batcher drops them
-                self.metrics.requests.labels(status="disconnected").inc()
-                return None
+        gone = asyncio.ensure_future(_client_gone(request))
+        await asyncio.wait([waiting, gone], return_when=asyncio.FIRST_COMPLETED)
+        if not waiting.done():
+            waiting.cancel()  # cancels the jobs: the batcher drops them
+            self.metrics.requests.labels(status="disconnected").inc()
+            return None
+        gone.cancel()
         try:
             translations = waiting.result()
         except Exception as error:  # the batch failed: its requests say why
             raise Rejected(500, f"translation failed: {str(error).splitlines()[0]}") from None
         items = [_item(t, query.n_best) for t in translations]
         return JSONResponse({"translations": items[0] if query.single else items})
+
+
+async def _client_gone(request: Request) -> None:
+    """Return when the client disconnects. Once the body is read, the ASGI server's receive()
+    waits until then and answers http.disconnect: no polling, which woke the event loop 20 times
+    a second for each waiting request and took the interpreter lock from the translating thread
+    (64 clients: 1,280 wake-ups a second)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _item(translation: Translation, n_best: int):
