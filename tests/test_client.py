@@ -32,6 +32,12 @@ class Handler(BaseHTTPRequestHandler):
         self._send(200, json.dumps({"translations": reversed_}).encode())
         self.close_connection = self.forget
 
+    def setup(self):
+        """Once per accepted connection: counted, not named by the peer's port, which the
+        kernel may give a later connection again."""
+        super().setup()
+        self.server.connections.append(self.client_address)
+
     def do_GET(self):
         self._send(200 if self.path == "/ready" else 404, b"{}")
 
@@ -40,7 +46,6 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
-        self.server.connections.add(self.connection.getpeername())
 
     def log_message(self, *args):
         pass
@@ -50,7 +55,7 @@ class Handler(BaseHTTPRequestHandler):
 def serving(forget: bool = False):
     handler = type("H", (Handler,), {"forget": forget})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    server.connections = set()
+    server.connections = []
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
