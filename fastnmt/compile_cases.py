@@ -123,10 +123,18 @@ def _layer_norm_case(kernel, tensors: tuple[str, ...], flags: tuple[str, ...], w
 
 def layer_norm_cases() -> list[CompileCase]:
     """Forward and backward with every input and dropout, at the tiles of widths 64, 1024 and
-    the widest row (MAX_WIDTH)."""
+    the widest row (MAX_WIDTH); the sums of dweight and dbias over the backward's programs."""
     forward = ("X", "R", "W", "B", "Y", "H", "MEAN", "RSTD")
     backward = ("DY", "DH_OUT", "H", "W", "MEAN", "RSTD", "DX", "DH", "DW_PARTIAL", "DB_PARTIAL")
-    return [
+    sums = CompileCase(
+        norm_op._sum_partials_kernel,
+        dict.fromkeys(("DW_PARTIAL", "DB_PARTIAL", "DW", "DB"), "*fp32")
+        | {"programs": "i32", "N": "i32"}
+        | dict.fromkeys(("HAS_WEIGHT", "HAS_BIAS", "BLOCK"), "constexpr"),
+        {"HAS_WEIGHT": True, "HAS_BIAS": True, "BLOCK": norm_op._SUM_BLOCK},
+        label=f"BLOCK {norm_op._SUM_BLOCK}",
+    )
+    return [sums] + [
         case
         for width in (64, 1024, norm_op.MAX_WIDTH)
         for case in (

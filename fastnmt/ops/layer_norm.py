@@ -21,8 +21,9 @@ The Triton kernels work on tiles of BLOCK_M rows x BLOCK_N >= N columns (a whole
 the statistics need one pass); lanes past N load 0 and are excluded from mean and variance
 (Liger #518). The dropout mask is never stored: keep = rand(seed, offset + row * N + column) >= p
 is regenerated in the backward. The forward saves h (returned anyway), mean and rstd. The backward
-keeps per-program fp32 partial sums of dweight/dbias over the rows it visits and a torch sum over
-the programs finishes them: deterministic, no atomics.
+keeps per-program fp32 partial sums of dweight/dbias over the rows it visits, and one more kernel
+sums them over the programs in a fixed order, both at once: deterministic, no atomics, and a
+forward + backward is three launches.
 """
 
 from __future__ import annotations
@@ -158,6 +159,33 @@ def _add_layer_norm_backward_kernel(
         tl.store(DB_PARTIAL + partial, dbias, mask=tl.arange(0, BLOCK_N) < N)
 
 
+@triton.jit
+def _sum_partials_kernel(
+    DW_PARTIAL,  # (programs, N) fp32: the backward programs' sums of dy * xhat (when HAS_WEIGHT)
+    DB_PARTIAL,  # (programs, N) fp32: their sums of dy (when HAS_BIAS)
+    DW,  # (N,) fp32 output: dweight
+    DB,  # (N,) fp32 output: dbias
+    programs,  # rows of the partial sums
+    N,  # row width
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,  # columns per program
+):
+    column = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = column < N
+    dweight = tl.zeros((BLOCK,), tl.float32)
+    dbias = tl.zeros((BLOCK,), tl.float32)
+    for program in range(0, programs):  # in order: the same sums at every call
+        if HAS_WEIGHT:
+            dweight += tl.load(DW_PARTIAL + program * N + column, mask=inside, other=0.0)
+        if HAS_BIAS:
+            dbias += tl.load(DB_PARTIAL + program * N + column, mask=inside, other=0.0)
+    if HAS_WEIGHT:
+        tl.store(DW + column, dweight, mask=inside)
+    if HAS_BIAS:
+        tl.store(DB + column, dbias, mask=inside)
+
+
 # ---------------------------------------------------------------------------------------------
 # PyTorch reference: dropout, add and LayerNorm as three separate passes.
 # ---------------------------------------------------------------------------------------------
@@ -205,7 +233,9 @@ def _backward_programs(row_tiles: int, device: torch.device) -> int:
 def _h_dtype(x, residual, residual_in_fp32: bool) -> torch.dtype:
     if residual_in_fp32:
         return torch.float32
-    return x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    if residual is None or residual.dtype == x.dtype:  # promote_types is an aten call
+        return x.dtype
+    return torch.promote_types(x.dtype, residual.dtype)
 
 
 def _contiguous(tensor):
@@ -286,7 +316,37 @@ def _launch_backward(dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_res
             BLOCK_N=block_n,
             num_warps=num_warps,
         )
-    return dx, dh, dweight_partial, dbias_partial
+        dweight, dbias = _sum_partials(dweight_partial, dbias_partial)
+    return dx, dh, dweight, dbias
+
+
+_SUM_BLOCK = 1024  # columns a program of the partial sums' kernel covers
+
+
+def _sum_partials(dweight_partial, dbias_partial):
+    """(dweight, dbias) fp32 (N,) from the backward programs' partial sums (each None if there
+    is no such parameter), in one launch."""
+    partial = dweight_partial if dweight_partial is not None else dbias_partial
+    if partial is None:
+        return None, None
+    programs, width = partial.shape
+    output = triton_common.new_output
+    dweight, dbias = (
+        None if summed is None else output((width,), torch.float32, partial.device)
+        for summed in (dweight_partial, dbias_partial)
+    )
+    _sum_partials_kernel[(triton.cdiv(width, _SUM_BLOCK),)](
+        dweight_partial,
+        dbias_partial,
+        dweight,
+        dbias,
+        programs,
+        width,
+        HAS_WEIGHT=dweight_partial is not None,
+        HAS_BIAS=dbias_partial is not None,
+        BLOCK=_SUM_BLOCK,
+    )
+    return dweight, dbias
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,14 +378,14 @@ def _forward_fake(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, s
 
 def _backward(dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_residual, has_bias):
     """(dx, dresidual, dweight, dbias), the sums in fp32; empty where there is no such input."""
-    dx, dh, dweight_partial, dbias_partial = _launch_backward(
+    dx, dh, dweight, dbias = _launch_backward(
         dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_residual, has_bias
     )
     return (
         dx.to(dy.dtype).view_as(h),
         h.new_empty(0) if dh is None else dh.to(h.dtype).view_as(h),
-        h.new_empty(0) if weight is None else dweight_partial.sum(0),
-        h.new_empty(0) if not has_bias else dbias_partial.sum(0),
+        h.new_empty(0) if dweight is None else dweight,
+        h.new_empty(0) if dbias is None else dbias,
     )
 
 

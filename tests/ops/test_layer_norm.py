@@ -10,7 +10,13 @@ import torch
 
 import fastnmt
 from fastnmt.ops import add_layer_norm, triton_common
-from tests.helpers import TRITON_CPU_REASON, assert_error_within, device_of, require_backend
+from tests.helpers import (
+    TRITON_CPU_REASON,
+    HostOps,
+    assert_error_within,
+    device_of,
+    require_backend,
+)
 
 layer_norm_module = importlib.import_module("fastnmt.ops.layer_norm")
 
@@ -322,6 +328,34 @@ def test_triton_at_gpu_tiles(triton_device, width, dtype, prenorm):
         _assert_within_error_rule("triton", inputs, prenorm, ATOL[dtype])
         with fastnmt.backend("triton"):
             _assert_dropout_backward_matches_oracle(rows, width, prenorm, triton_device)
+
+
+_KERNELS = ["_add_layer_norm_forward_kernel", "_add_layer_norm_backward_kernel"]
+_KERNELS += ["_sum_partials_kernel"]
+# aten ops that launch no GPU kernel: views, and allocations (the interpreter fills new outputs
+# with NaN, a GPU leaves them empty).
+_NO_LAUNCH = {"view", "_unsafe_view", "reshape", "detach", "empty", "full", "new_empty"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("parameters", ["weight and bias", "weight", "none"])
+def test_triton_forward_and_backward_launch_three_kernels(triton_device, dtype, parameters):
+    """On a GPU a call's wall time is its launches: the forward, the backward and one kernel
+    summing dweight and dbias over the backward's programs (none without either); in fp32 no
+    aten op launches a kernel (in bf16 the interpreter's fp32 buffers are cast with aten ops a
+    GPU does not make). Both outputs take a gradient, as in a pre-norm stack."""
+    x, residual, weight, bias = _inputs(9, 100, dtype, requires_grad=True, device=triton_device)
+    weight, bias = {"weight and bias": (weight, bias), "weight": (weight, None)}.get(
+        parameters, (None, None)
+    )
+    seeds = torch.ones_like(x), torch.ones_like(x)
+    with fastnmt.backend("triton"), triton_common.gpu_tiles():
+        add_layer_norm(x, residual, weight, bias)  # the backend's choice, cached
+        with HostOps(layer_norm_module, _KERNELS) as host:
+            torch.autograd.backward(add_layer_norm(x, residual, weight, bias), seeds)
+    assert host.launches == (_KERNELS if weight is not None else _KERNELS[:2])
+    if dtype == torch.float32:
+        assert not [op for op in host.aten if op not in _NO_LAUNCH], host.aten
 
 
 def test_triton_reasons(triton_device):
