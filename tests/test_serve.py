@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -198,7 +199,7 @@ def test_bad_arguments_and_checkpoints_exit_2(tmp_path):
 def _closed_loop_batch_sizes(return_wait: float) -> list[int]:
     """Batch sizes the Batcher forms for 8 clients that each send their next sentence once
     answered, client i after i x 5 ms (arrivals spread over 35 ms, max_wait is 5 ms)."""
-    from fastnmt.serve import Batcher, Job, Limits, Metrics
+    from fastnmt.serve import Batcher, Job, Limits, Metrics, ModelThread
     from fastnmt.translator import Translation
 
     sizes = []
@@ -211,7 +212,7 @@ def _closed_loop_batch_sizes(return_wait: float) -> list[int]:
     async def scenario():
         loop = asyncio.get_running_loop()
         batcher = Batcher(
-            translate, max_tokens=1000, max_wait=0.005, return_wait=return_wait,
+            translate, ModelThread(), max_tokens=1000, max_wait=0.005, return_wait=return_wait,
             limits=Limits(), metrics=Metrics(),
         )  # fmt: skip
         worker = asyncio.create_task(batcher.run())
@@ -234,6 +235,57 @@ def test_clients_answered_together_come_back_into_one_batch():
     assert _closed_loop_batch_sizes(return_wait=0.5) == [8, 8, 8, 8]
     # Without the return wait the clients split into groups that arrive within max_wait.
     assert max(_closed_loop_batch_sizes(return_wait=0.0)[1:]) < 8
+
+
+def test_the_model_is_loaded_and_run_on_one_thread_off_the_event_loop():
+    """Loading and every batch share one thread, however short the batches: on more threads,
+    PyTorch's OpenMP teams made the unbatched server half as fast (ModelThread)."""
+    from fastnmt.serve import Job, Limits, Server
+    from fastnmt.translator import Translation
+
+    threads = []
+
+    class Recording:
+        def translate_full(self, texts, beam, nbest):
+            threads.append(threading.get_ident())
+            return [Translation(text, []) for text in texts]
+
+    def load():
+        threads.append(threading.get_ident())
+        return Recording()
+
+    server = Server(
+        load, max_tokens=100, max_wait=0.0, return_wait=0.0, limits=Limits(), batching=False
+    )
+
+    async def scenario():
+        async with server.app.router.lifespan_context(server.app):
+            loop = asyncio.get_running_loop()
+            while server.translator is None:
+                await asyncio.sleep(0.01)
+            for i in range(50):
+                job = Job(f"sentence {i}", 3, (1, 1, i), loop.create_future())
+                server.batcher.submit([job])
+                assert (await job.future).source == f"sentence {i}"
+
+    asyncio.run(scenario())
+    assert len(threads) == 51 and len(set(threads)) == 1
+    assert threads[0] != threading.get_ident()
+
+
+def test_a_call_cancelled_before_it_ran_is_skipped_and_the_model_thread_goes_on():
+    from fastnmt.serve import ModelThread
+
+    model_thread, started = ModelThread(), threading.Event()
+    release = threading.Event()
+    first = model_thread.submit(lambda: (started.set(), release.wait(5))[1])
+    started.wait(5)
+    skipped = model_thread.submit(lambda: pytest.fail("a cancelled call ran"))
+    assert skipped.cancel() and not first.cancel()  # the first is running
+    release.set()
+    assert first.result(5) is True
+    assert model_thread.submit(lambda: 1 / 0).exception(5).__class__ is ZeroDivisionError
+    assert model_thread.submit(lambda: "still serving").result(5) == "still serving"
 
 
 def test_without_batching_a_request_waits_for_nothing():
