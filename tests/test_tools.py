@@ -4,7 +4,10 @@ import importlib.util
 import json
 import subprocess
 import sys
+import weakref
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,3 +65,20 @@ def test_training_run_summary_reads_the_metrics_log(tmp_path):
     )
     metrics.write_text(json.dumps(records[0]) + "\n")  # stopped before the test
     assert _gpu_bench().run_summary(metrics, "x").endswith("| 100 | 5,000 | not reached |")
+
+
+def test_each_step_row_is_built_after_the_last_rows_step_is_freed():
+    """A row's peak memory is its own: the previous row's model and optimizer state are garbage
+    before the next step is built (they were still referenced, and counted in its peak)."""
+    bench = _gpu_bench()
+    built = []
+
+    def build():
+        assert all(ref() is None for ref in built), "the last row's model is still alive"
+        model = torch.nn.Linear(4, 4)
+        built.append(weakref.ref(model))
+        return lambda: model(torch.ones(4)).sum().backward()
+
+    rows = [bench.step_row("a step", name, build, torch.device("cpu")) for name in "ab"]
+    assert [row.name for row in rows] == ["a", "b"] and len(built) == 2
+    assert all(row.ms > 0 and row.peak_mib is None for row in rows)  # no peak off CUDA

@@ -246,12 +246,26 @@ def training_rows(sizes: Sizes, dtype, device, modes: tuple[str, ...]) -> list[R
     for name, mode in itertools.product(sizes.presets, modes):
         label = f"training step {name} ({sizes.train_batch} x {sizes.train_length} tokens), {mode}"
         for backend in ("auto", "reference"):
-            gc.collect()
             with fastnmt.backend(backend):  # also where a graph is captured or a step compiled
-                step = training_step(name, sizes, dtype, device, mode)
-                ms = milliseconds(step, device)
-                rows.append(Row(label, f"fastnmt ops ({backend})", ms, peak_mib(step, device)))
+                build = functools.partial(training_step, name, sizes, dtype, device, mode)
+                rows.append(step_row(label, f"fastnmt ops ({backend})", build, device))
     return rows
+
+
+def step_row(what: str, name: str, build: Callable[[], Callable], device, snapshot=None) -> Row:
+    """Time and peak memory of the training step ``build()`` makes (and its allocator history
+    at ``snapshot``, on CUDA). The step is built here and dropped on return: it holds its model
+    and optimizer state, which, still referenced while the next row's step was built, counted in
+    that row's peak."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    step = build()
+    step()  # the optimizer's state exists before memory is measured
+    row = Row(what, name, milliseconds(step, device), peak_mib(step, device))
+    if snapshot is not None and device.type == "cuda":
+        memory_snapshot(step, snapshot)
+    return row
 
 
 def hf_rows(sizes: Sizes, dtype, device, snapshots: Path | None = None) -> list[Row]:
@@ -261,16 +275,10 @@ def hf_rows(sizes: Sizes, dtype, device, snapshots: Path | None = None) -> list[
         return []
     rows = []
     for batch, variant in itertools.product(sizes.hf_batches, ("hf sdpa", "apply_fastnmt")):
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        step = hf_step(batch, sizes.train_length, variant, dtype, device)
-        step()  # AdamW's state exists before memory is measured
         label = f"HF Marian-base fine-tuning step ({batch} x {sizes.train_length} tokens)"
-        ms = milliseconds(step, device)
-        rows.append(Row(label, variant, ms, peak_mib(step, device)))
-        if snapshots is not None and device.type == "cuda":
-            memory_snapshot(step, snapshots / f"hf-{variant.replace(' ', '-')}-{batch}.pickle")
+        build = functools.partial(hf_step, batch, sizes.train_length, variant, dtype, device)
+        name = f"hf-{variant.replace(' ', '-')}-{batch}.pickle"
+        rows.append(step_row(label, variant, build, device, snapshots and snapshots / name))
     return rows
 
 
