@@ -48,13 +48,15 @@ class Packing(NamedTuple):
         return padded.flatten(0, 1).index_select(0, self.rows).unsqueeze(0)
 
     def unpack(self, packed: torch.Tensor, fill: torch.Tensor | None = None) -> torch.Tensor:
-        """(1, tokens, ...) -> (B, L, ...); the dropped positions from ``fill`` (else zeros)."""
+        """(1, tokens, ...) -> (B, L, ...); the dropped positions from ``fill`` (else zeros).
+        index_put, not index_copy: index_copy's backward keeps the packed rows themselves (for
+        their shape), index_put's only the row indices."""
         rows = packed[0]
         if fill is None:
             flat = rows.new_zeros(self.batch * self.length, *rows.shape[1:])
         else:
             flat = fill.flatten(0, 1).to(rows.dtype)
-        return flat.index_copy(0, self.rows, rows).unflatten(0, (self.batch, self.length))
+        return flat.index_put((self.rows,), rows).unflatten(0, (self.batch, self.length))
 
     def unpack_heads(self, packed: torch.Tensor) -> torch.Tensor:
         """(1, H, tokens, D) -> (B, H, L, D), zeros at the dropped positions."""

@@ -95,6 +95,26 @@ def test_output_attentions_are_the_probabilities(family):
     assert (found.cross_attentions[0][2, :, :, 1:] == 0).all()
 
 
+@pytest.mark.parametrize("fill", [False, True])
+def test_unpacking_keeps_only_the_row_indices_for_backward(fill):
+    """The packed rows are the layer's activations: keeping them for the backward (index_copy
+    did, for their shape) doubled what a layer saved of them. The gradient still reaches them,
+    and the fill's kept positions."""
+    packing = fastnmt_hf.Packing.of(torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool))
+    packed = torch.randn(1, 3, 4, requires_grad=True)
+    padded = torch.randn(2, 3, 4, requires_grad=True) if fill else None
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        unpacked = packing.unpack(packed, fill=padded)
+    assert [tuple(t.shape) for t in saved] == [(3,)] and saved[0].dtype == torch.int64
+    upstream = torch.randn(2, 3, 4)
+    (unpacked * upstream).sum().backward()
+    torch.testing.assert_close(packed.grad[0], upstream.flatten(0, 1)[packing.rows])
+    if fill:
+        dropped = torch.tensor([[0, 0, 1], [0, 1, 1]], dtype=torch.bool)
+        torch.testing.assert_close(padded.grad, upstream * dropped[..., None])
+
+
 class _Module(torch.nn.Module):
     def __init__(self, causal: bool):
         super().__init__()
