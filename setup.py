@@ -28,6 +28,26 @@ ROOT = Path(__file__).parent
 SOURCES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.cpp"))
 
 
+def shared_libstdcxx():
+    """The link argument that puts the shared libstdc++ (the one torch runs on) into _C.
+
+    Where the compiler's libstdc++.so development link is missing or dangling, g++ quietly links
+    libstdc++.a into the extension instead. That second copy's locale is never initialised, so
+    the first error message that formats a number (TORCH_CHECK(ok, "got ", value)) crashes the
+    process (seen on Ubuntu 24.04, gcc 13.3, torch 2.11). Naming the runtime library's path
+    resolves every libstdc++ symbol there whatever the compiler would pick; nothing when the
+    compiler cannot say where it is.
+    """
+    compiler = os.environ.get("CXX", "c++")
+    try:
+        found = subprocess.run(
+            [compiler, "-print-file-name=libstdc++.so.6"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    return [found] if os.path.isabs(found) and os.path.exists(found) else []
+
+
 def extension_build():
     """setup() keyword arguments that build fastnmt._C; {} when there is nothing to build."""
     if os.environ.get("FASTNMT_SKIP_EXTENSION") == "1" or not SOURCES:
@@ -52,7 +72,7 @@ def extension_build():
         "fastnmt._C",
         SOURCES,
         extra_compile_args=["-O3", "-fopenmp", *target],
-        extra_link_args=["-fopenmp"],
+        extra_link_args=["-fopenmp", *shared_libstdcxx()],
     )
     return {
         "ext_modules": [extension],

@@ -52,12 +52,12 @@ def attention_oracle(q, k, v, *, key_lengths=None, causal=False, scale=None, att
     lk = k.shape[2]
     scale = head_dim**-0.5 if scale is None else scale
     scores = torch.einsum("bhid,bhjd->bhij", q, k) * scale
-    visible = torch.ones(batch, 1, lq, lk, dtype=torch.bool)
+    visible = torch.ones(batch, 1, lq, lk, dtype=torch.bool, device=q.device)
     if key_lengths is not None:
         for b, length in enumerate(key_lengths.tolist()):
             visible[b, :, :, length:] = False
     if causal:
-        visible = visible & torch.ones(lq, lk, dtype=torch.bool).tril()
+        visible = visible & torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
     if attn_mask is not None:
         visible = visible & attn_mask
     scores = scores.masked_fill(~visible, float("-inf"))

@@ -1,6 +1,8 @@
 """The compiled extension: built by the install, loaded in one place, explained in one line."""
 
 import os
+import subprocess
+import sys
 
 import torch
 
@@ -22,10 +24,28 @@ def test_the_install_built_the_cpp_kernels():
         assert hasattr(torch.ops.fastnmt, op)
 
 
-def test_a_missing_extension_warns_once_at_import_and_the_package_works():
-    import subprocess
-    import sys
+def test_a_kernel_error_that_formats_a_number_reaches_python_as_runtime_error():
+    """TORCH_CHECK(ok, "got ", value) formats with libstdc++'s locale. When g++ linked a second,
+    static libstdc++ into _C (an Ubuntu 24.04 H100 machine did), that copy's locale was never set
+    up and this call killed the process; setup.py now names the shared runtime. A child process
+    runs it so that a crash fails this test instead of the whole run."""
+    require_backend("cpp")
+    script = (
+        "import torch, fastnmt\n"
+        "assert fastnmt.extension_available()\n"
+        "try:\n"
+        "    torch.ops.fastnmt.log_softmax_topk_cpp(torch.zeros(2, 5), 2, torch.tensor([7]))\n"
+        "except RuntimeError as error:\n"
+        "    print(str(error).splitlines()[0])\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, f"exit {result.returncode}: {result.stderr[-2000:]}"
+    assert "banned id 7 is outside [0, 5)" in result.stdout
 
+
+def test_a_missing_extension_warns_once_at_import_and_the_package_works():
     script = (
         "import sys, torch; sys.modules['fastnmt._C'] = None\n"  # as if the build had failed
         "import fastnmt\n"

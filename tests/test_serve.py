@@ -11,13 +11,19 @@ import sys
 import threading
 import time
 
-import httpx
 import pytest
 
 from fastnmt.client import Client, ServerError
 from fastnmt.translator import Translator
 from tests.helpers import tiny_checkpoint
 from tests.test_translator import SENTENCES
+
+# The serve extra and its test client; a machine without them (the GPU machine has no internet)
+# skips this file for that reason.
+SERVE_EXTRA = 'the serve extra is not installed: pip install "fastnmt[serve]"'
+for _module in ("fastapi", "uvicorn", "prometheus_client"):
+    pytest.importorskip(_module, reason=SERVE_EXTRA)
+httpx = pytest.importorskip("httpx", reason=SERVE_EXTRA)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import fastnmt
 import fastnmt.integrations.transformers as fastnmt_hf
-from tests.helpers import require_backend
+from tests.helpers import device_of, require_backend
 from tests.integrations.transformers.models import FAMILIES, tiny_model
 from tests.integrations.transformers.test_attention import padded_batch
 
@@ -233,7 +233,8 @@ def test_a_training_step_keeps_less_for_backward_than_sdpa(backend):
     step saves well under transformers' SDPA step (README: at Marian-base, about half), on each
     fused backend."""
     require_backend(backend)
-    sdpa = tiny_model("marian", vocab_size=1000).train()
+    device = device_of(backend)
+    sdpa = tiny_model("marian", vocab_size=1000).train().to(device)
     sdpa.set_attn_implementation("sdpa")
     fused = fastnmt_hf.apply_fastnmt(copy.deepcopy(sdpa))
     generator = torch.Generator().manual_seed(6)
@@ -246,6 +247,7 @@ def test_a_training_step_keeps_less_for_backward_than_sdpa(backend):
             positions >= lengths[:, 1:], -100
         ),
     )
+    batch = {name: tensor.to(device) for name, tensor in batch.items()}
     with fastnmt.backend(backend):
         fused_bytes = _saved_bytes(fused, batch)
     assert fused_bytes < 0.75 * _saved_bytes(sdpa, batch)  # 0.68 (0.84 when unpacking kept rows)
