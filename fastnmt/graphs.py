@@ -21,7 +21,8 @@ the device: a captured draw advances the generator at each replay (the same mask
 calls would draw, never a frozen one).
 
 On CUDA (``capture_reasons`` empty) the programs are captured once each, after warm-up calls
-on a side stream whose effect on the model, the optimizer and the random state is undone
+on a side stream whose effect on the model, the optimizer, the update's own device state (its
+step count, learning rate and accumulators) and the random state is undone
 (``state_preserved``); every graph shares one memory pool, which is safe in any replay order
 because no tensor allocated inside a program outlives it (inputs, gradients and accumulators
 are allocated outside). Elsewhere (a CPU, loss scaling) the same programs are called: that is
@@ -78,14 +79,19 @@ class Program:
 
 
 @contextlib.contextmanager
-def state_preserved(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """Undo what the calls inside do to the parameters, the optimizer's state and the random
-    state of the model's device: warm-up calls before a capture run real updates. A state the
-    optimizer creates inside (its first step) is zeroed after, which is a fresh state for
-    Adam (zero moments, step 0)."""
+def state_preserved(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    tensors: tuple[torch.Tensor, ...] = (),
+) -> Iterator[None]:
+    """Undo what the calls inside do to the parameters, the optimizer's state, ``tensors`` (the
+    update's other device state) and the random state of the model's device: warm-up calls
+    before a capture run real updates. A state the optimizer creates inside (its first step) is
+    zeroed after, which is a fresh state for Adam (zero moments, step 0)."""
     device = next(model.parameters()).device
     parameters = [p.detach().clone() for p in model.parameters()]
     states = {p: {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()}
+    saved_tensors = [t.clone() for t in tensors]
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     try:
@@ -100,30 +106,45 @@ def state_preserved(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
                         value.copy_(states[p][key])
                     elif isinstance(value, torch.Tensor):
                         value.zero_()
+            for tensor, saved in zip(tensors, saved_tensors, strict=True):
+                tensor.copy_(saved)
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state(cuda_rng, device)
+
+
+def warm_up(
+    programs: list[Program],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    tensors: tuple[torch.Tensor, ...],
+) -> None:
+    """WARMUP_CALLS calls of every program, whose effects are undone (``state_preserved``)."""
+    with state_preserved(model, optimizer, tensors):
+        for _ in range(WARMUP_CALLS):
+            for program in programs:
+                program()
 
 
 def capture(
     programs: list[Program],
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
+    tensors: tuple[torch.Tensor, ...],
     captured: Callable[[int], None] = lambda i: None,
 ) -> None:
     """Capture ``programs`` as CUDA graphs sharing one memory pool, after warm-up calls on a
-    side stream whose effects are undone; ``captured(i)`` after the i-th. Raises RuntimeError
-    (every program left a call) when one cannot be captured."""
+    side stream (``warm_up``; ``tensors``: the update's device state besides the model and the
+    optimizer); ``captured(i)`` after the i-th. Raises RuntimeError (every program left a call)
+    when one cannot be captured."""
     device = next(model.parameters()).device
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
-    with state_preserved(model, optimizer), torch.cuda.stream(side):
-        for _ in range(WARMUP_CALLS):
-            for program in programs:
-                program()
+    with torch.cuda.stream(side):
+        warm_up(programs, model, optimizer, tensors)
     torch.cuda.current_stream(device).wait_stream(side)
     try:
-        with state_preserved(model, optimizer):  # capture draws random offsets too
+        with state_preserved(model, optimizer, tensors):  # capture draws random offsets too
             pool = torch.cuda.graph_pool_handle()
             for i, program in enumerate(programs):
                 program.capture(pool)
@@ -141,7 +162,8 @@ class BucketedUpdates:
     ``piece(batch)`` runs forward + backward of one piece (scaling its loss by a device tensor
     the caller owns and adding its statistics to a device accumulator); ``update()`` is the
     update program; ``reduce(flat)`` sums the flat gradient over ranks in place (None: one
-    rank)."""
+    rank); ``state``: the device tensors the programs read and write besides the model and the
+    optimizer (step count, learning rate, accumulators), which warm-up calls must leave."""
 
     def __init__(
         self,
@@ -151,14 +173,16 @@ class BucketedUpdates:
         update: Callable[[], None],
         reduce: Callable[[torch.Tensor], None] | None,
         device: torch.device,
+        state: tuple[torch.Tensor, ...] = (),
     ):
-        self.model, self.buckets, self.device = model, buckets, device
+        self.model, self.buckets, self.device, self.state = model, buckets, device, state
         self.gradients = self._static_gradients(model)
         self.inputs = {shape: self._static_batch(shape) for shape in buckets.shapes}
         self.pieces = {
             shape: Program(lambda batch=batch: piece(batch)) for shape, batch in self.inputs.items()
         }
         self.update = Program(self._reduced(update, reduce))
+        self.programs = [*self.pieces.values(), self.update]
         self.captured_bytes = 0
 
     def _static_gradients(self, model: torch.nn.Module) -> torch.Tensor:
@@ -219,13 +243,14 @@ class BucketedUpdates:
     def capture(self, optimizer: torch.optim.Optimizer, report: Callable[[str], None]) -> None:
         """Capture every program as a CUDA graph (``capture``); on failure they stay calls."""
         started = time.monotonic()
-        programs = [*self.pieces.values(), self.update]
+        programs = self.programs
         before = torch.cuda.memory_reserved(self.device)
         try:
             capture(
                 programs,
                 self.model,
                 optimizer,
+                self.state,
                 lambda i: report(f"captured CUDA graph {i + 1}/{len(programs)}"),
             )
         except RuntimeError as error:  # training goes on, as calls of the same programs

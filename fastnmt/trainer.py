@@ -228,6 +228,7 @@ class Trainer:
         self.loss_scale = torch.zeros((), dtype=torch.float32, device=device)  # 1 / tokens
         self.sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, nll, correct
         self.statistics = torch.zeros(5, dtype=torch.float64, device=device)  # Window.add's
+        self.update_state = (self.updates, self.lr, self.loss_scale, self.sums, self.statistics)
         # fused: one pass over each parameter per update instead of six elementwise ops; on a
         # CPU the unfused update of a tiny model costs a good share of its step. capturable
         # with a tensor learning rate: its step can be replayed in a CUDA graph.
@@ -262,6 +263,7 @@ class Trainer:
                 self.apply_update,
                 world.sum_on_device if world.world_size > 1 else None,
                 device,
+                self.update_state,
             )
             if args.shape_buckets
             else None

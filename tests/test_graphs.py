@@ -78,6 +78,26 @@ def test_state_preserved_undoes_updates_and_random_draws(fresh):
         assert torch.equal(p, q)
 
 
+def test_warm_up_leaves_a_trainers_whole_update_state(corpus, tmp_path):
+    """The warm-up before a capture runs real updates of the trainer's programs: afterwards its
+    parameters, optimizer and device update state (step count, learning rate, accumulators) are
+    as before. The step count once was not: captured training ran its learning-rate schedule
+    three updates ahead of eager training (caught on an H100)."""
+    args = train.build_parser().parse_args(_arguments(corpus, tmp_path, *BUCKETS))
+    trainer = train.prepare(args)
+    bucketed = trainer.bucketed
+    trainer.loss_scale.fill_(0.5)  # as the host sets it before an update
+    trainer.updates.fill_(7)  # as a resumed run's
+    names = ("updates", "lr", "loss_scale", "sums", "statistics")
+    before = {name: getattr(trainer, name).clone() for name in names}
+    parameters = [p.detach().clone() for p in trainer.model.parameters()]
+    graphs.warm_up(bucketed.programs, trainer.model, trainer.optimizer, bucketed.state)
+    for name in names:
+        assert torch.equal(getattr(trainer, name), before[name]), name
+    for kept, now in zip(parameters, trainer.model.parameters(), strict=True):
+        assert torch.equal(kept, now)
+
+
 def test_gradients_are_views_of_one_buffer_and_inputs_are_padding():
     model = Transformer(ModelConfig(vocab_size=30, d_model=16, heads=2, d_ff=32))
     buckets = ShapeBuckets(max_tokens=60, max_len=11, count=3, pad_id=0)
