@@ -268,8 +268,10 @@ def _attention_forward_kernel(
             v_rows = entries * stride_vb + offs_n * stride_vn
         else:
             k_rows, v_rows = offs_n * stride_kn, offs_n * stride_vn
-        k = _load_rows(K, k_rows, offs_n, offs_d, stride_kd, Lk, D, UPCAST)
-        v = _load_rows(V, v_rows, offs_n, offs_dv, stride_vd, Lk, Dv, UPCAST)
+        # Loads stop at key_end, not Lk: a decoding cache past its filled length holds whatever
+        # its memory held (NaN included), and a hidden key's p = 0 times a NaN value is NaN.
+        k = _load_rows(K, k_rows, offs_n, offs_d, stride_kd, key_end, D, UPCAST)
+        v = _load_rows(V, v_rows, offs_n, offs_dv, stride_vd, key_end, Dv, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         visible = _visible_keys(
             PADDING, stride_pb, stride_pn, b, offs_m, offs_n, Lq, key_end, CAUSAL, HAS_PADDING
@@ -435,8 +437,8 @@ def _attention_backward_dkdv_kernel(
     if DROPOUT:
         seed, offset = tl.load(SEED), tl.load(SEED + 1)
 
-    k = _load_tile(K, offs_n, offs_d, stride_kn, stride_kd, Lk, D, UPCAST)
-    v = _load_tile(V, offs_n, offs_dv, stride_vn, stride_vd, Lk, Dv, UPCAST)
+    k = _load_tile(K, offs_n, offs_d, stride_kn, stride_kd, key_end, D, UPCAST)
+    v = _load_tile(V, offs_n, offs_dv, stride_vn, stride_vd, key_end, Dv, UPCAST)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     for start_m in range(loop_start, Lq, BLOCK_M):
@@ -550,8 +552,8 @@ def _attention_backward_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start_n in range(0, loop_end, BLOCK_N):
         offs_n = start_n + offs_n0
-        k = _load_tile(K, offs_n, offs_d, stride_kn, stride_kd, Lk, D, UPCAST)
-        v = _load_tile(V, offs_n, offs_dv, stride_vn, stride_vd, Lk, Dv, UPCAST)
+        k = _load_tile(K, offs_n, offs_d, stride_kn, stride_kd, key_end, D, UPCAST)
+        v = _load_tile(V, offs_n, offs_dv, stride_vn, stride_vd, key_end, Dv, UPCAST)
         visible = _visible_keys(
             PADDING, stride_pb, stride_pn, b, offs_m, offs_n, Lq, key_end, CAUSAL, HAS_PADDING
         )

@@ -62,6 +62,25 @@ def test_matches_float64_oracle(shape, causal, dtype):
     torch.testing.assert_close(lse.double()[finite], expected_lse[finite], atol=tolerance, rtol=0)
 
 
+def test_keys_past_the_key_lengths_are_never_read(fused):
+    """A decoding cache past its filled length holds whatever its memory held: NaN there must
+    change nothing, forward or backward (a Triton tile that loaded it once multiplied the NaN by
+    a zero probability, and static beam search on an H100 lost whole hypotheses)."""
+    device = device_of(fused)
+    q, k, v = _qkv(2, 2, 5, 40, 16, device=device)
+    lengths = torch.tensor([7, 33], device=device)
+    hidden = torch.arange(40, device=device)[None, None, :, None] >= lengths[:, None, None, None]
+    results = []
+    for fill in (0.0, float("nan")):
+        leaves = [x.masked_fill(hidden, fill).requires_grad_() for x in (k, v)]
+        query = q.clone().requires_grad_()
+        out = attention(query, *leaves, key_lengths=lengths, causal=False)
+        out.backward(torch.ones_like(out))
+        results.append([out, query.grad, *(leaf.grad.masked_fill(hidden, 0) for leaf in leaves)])
+    for with_zeros, with_nan in zip(*results, strict=True):
+        assert torch.equal(with_zeros, with_nan)
+
+
 def test_gradcheck_with_padding_causal_and_empty_rows():
     q, k, v = _qkv(2, 2, 5, 6, 3, dtype=torch.float64, requires_grad=True)
     lengths = torch.tensor([0, 4])
