@@ -26,14 +26,21 @@ def device_of(backend: str) -> torch.device:
     return torch.device("cpu") if backend == "cpp" else TRITON_DEVICE
 
 
-def assert_error_within(candidate, same_dtype_torch, oracle, factor, atol):
+def assert_error_within(candidate, same_dtype_torch, oracle, factor, atol, name="output"):
     """FlashAttention's rule: the candidate is at most ``factor`` times as far from the float64
-    oracle as plain PyTorch in the same dtype, plus ``atol``."""
+    oracle as plain PyTorch in the same dtype, plus ``atol``. The message names the tensor and
+    where its largest error is (what tells a wrong tile from rounding)."""
     oracle = oracle.double()
-    candidate_error = (candidate.double() - oracle).abs().max().item()
+    errors = (candidate.double() - oracle).abs()
+    candidate_error = errors.max().item()
     torch_error = (same_dtype_torch.double() - oracle).abs().max().item()
-    assert candidate_error <= factor * torch_error + atol, (
-        f"error {candidate_error:.3g} > {factor} x torch's {torch_error:.3g} + {atol}"
+    if candidate_error <= factor * torch_error + atol:
+        return
+    where = tuple(int(i) for i in torch.unravel_index(errors.argmax(), errors.shape))
+    wrong = int((errors > factor * torch_error + atol).sum())
+    raise AssertionError(
+        f"{name}: error {candidate_error:.3g} at {where} > {factor} x torch's {torch_error:.3g} "
+        f"+ {atol}; {wrong} of {errors.numel()} elements {tuple(errors.shape)} over"
     )
 
 

@@ -364,8 +364,9 @@ def _check_case(
     assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
     assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
     assert_error_within(out, plain, expected, 2, ATOL[dtype])
-    for grad, plain_grad, expected_grad in zip(grads, plain_grads, expected_grads, strict=True):
-        assert_error_within(grad, plain_grad, expected_grad, 3, ATOL[dtype])
+    named = zip(("dq", "dk", "dv"), grads, plain_grads, expected_grads, strict=True)
+    for name, grad, plain_grad, expected_grad in named:
+        assert_error_within(grad, plain_grad, expected_grad, 3, ATOL[dtype], name)
     finite = torch.isfinite(expected_lse)
     assert lse.dtype == torch.float32 and torch.equal(torch.isfinite(lse), finite)
     torch.testing.assert_close(lse.double()[finite], expected_lse[finite], atol=1e-4, rtol=1e-4)
