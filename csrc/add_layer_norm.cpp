@@ -271,55 +271,36 @@ namespace {
 // Autograd in C++, so that the CPU path of a training step never enters Python: forward and
 // backward call the registered ops below autograd (under torch.compile they are traced through
 // their fake implementations, fastnmt/ops/layer_norm.py). The gradients are those of the Python
-// autograd of the Triton ops (layer_norm.py's _make_backward).
-class AddLayerNormFunction : public torch::autograd::Function<AddLayerNormFunction> {
- public:
-  static torch::autograd::variable_list forward(
-      torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-      const c10::optional<at::Tensor>& residual, const c10::optional<at::Tensor>& weight,
-      const c10::optional<at::Tensor>& bias, double eps, double dropout_p, bool residual_in_fp32,
-      const c10::optional<at::Tensor>& seed) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    static const auto op =
-        registered_op<decltype(add_layer_norm_forward)>("fastnmt::add_layer_norm_cpp");
-    auto [y, h, mean, rstd] =
-        op.call(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, seed);
-    ctx->save_for_backward({h, weight.value_or(at::Tensor()), mean, rstd,
-                            seed.value_or(at::Tensor())});
-    ctx->saved_data["dropout_p"] = dropout_p;
-    ctx->saved_data["x_dtype"] = x.scalar_type();
-    ctx->saved_data["has_residual"] = residual.has_value();
-    ctx->saved_data["bias_dtype"] =
-        bias.has_value() ? c10::IValue(bias->scalar_type()) : c10::IValue();
-    ctx->mark_non_differentiable({mean, rstd});
-    ctx->set_materialize_grads(false);  // post-norm stacks drop h: no zero-filled gradient
-    return {y, h, mean, rstd};
+// autograd of the Triton ops (layer_norm.py's _make_backward). A hand-made node, as PyTorch's
+// generated ones (common.h: make_node); its saved tensors are SavedVariables, so saved-tensor
+// hooks (offloading, memory accounting) see them.
+struct AddLayerNormBackward : public torch::autograd::Node {
+  torch::autograd::SavedVariable h, weight, mean, rstd, seed;
+  double dropout_p = 0.0;
+  at::ScalarType x_dtype = at::kFloat;
+  bool has_residual = false;
+  c10::optional<at::ScalarType> weight_dtype, bias_dtype;
+
+  std::string name() const override { return "AddLayerNormBackward"; }
+
+  void release_variables() override {
+    for (auto* saved : {&h, &weight, &mean, &rstd, &seed}) saved->reset_data();
   }
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
+  // grads: those of (y, h); undefined where nothing flowed back (post-norm stacks drop h).
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     static const auto op =
         registered_op<decltype(add_layer_norm_backward)>("fastnmt::add_layer_norm_cpp_backward");
-    const auto saved = ctx->get_saved_variables();
-    const auto &h = saved[0], &weight = saved[1], &mean = saved[2], &rstd = saved[3];
-    const auto& seed = saved[4];
-    const bool has_residual = ctx->saved_data["has_residual"].toBool();
-    const auto bias_dtype = ctx->saved_data["bias_dtype"];
+    const auto h_ = h.unpack(self_pointer(this)), weight_ = weight.unpack();
+    const auto mean_ = mean.unpack(), rstd_ = rstd.unpack(), seed_ = seed.unpack();
     auto dy = grads[0];
-    if (!dy.defined()) {
-      dy = at::zeros_like(h, h.options().dtype(ctx->saved_data["x_dtype"].toScalarType()));
-    }
+    if (!dy.defined()) dy = at::zeros_like(h_, h_.options().dtype(x_dtype));
     auto [dx, dh, dweight, dbias] =
-        op.call(dy, present(grads[1]), h, present(weight), mean, rstd, present(seed),
-                ctx->saved_data["dropout_p"].toDouble(), has_residual, !bias_dtype.isNone());
-    return {dx,
-            has_residual ? dh : at::Tensor(),
-            weight.defined() ? dweight.to(weight.scalar_type()) : at::Tensor(),
-            bias_dtype.isNone() ? at::Tensor() : dbias.to(bias_dtype.toScalarType()),
-            at::Tensor(),
-            at::Tensor(),
-            at::Tensor(),
-            at::Tensor()};
+        op.call(dy, present(grads[1]), h_, present(weight_), mean_, rstd_, present(seed_),
+                dropout_p, has_residual, bias_dtype.has_value());
+    return {dx, has_residual ? dh : at::Tensor(),
+            weight_dtype ? dweight.to(*weight_dtype) : at::Tensor(),
+            bias_dtype ? dbias.to(*bias_dtype) : at::Tensor()};
   }
 };
 
@@ -327,16 +308,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_autogr
     const at::Tensor& x, const c10::optional<at::Tensor>& residual,
     const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias, double eps,
     double dropout_p, bool residual_in_fp32, const c10::optional<at::Tensor>& seed) {
-  if (!needs_grad({x, residual.value_or(at::Tensor()), weight.value_or(at::Tensor()),
-                   bias.value_or(at::Tensor())})) {
-    static const auto op =
-        registered_op<decltype(add_layer_norm_forward)>("fastnmt::add_layer_norm_cpp");
+  static const auto op =
+      registered_op<decltype(add_layer_norm_forward)>("fastnmt::add_layer_norm_cpp");
+  const auto residual_ = residual.value_or(at::Tensor()), weight_ = weight.value_or(at::Tensor());
+  const auto bias_ = bias.value_or(at::Tensor());
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> out;
+  {
     at::AutoDispatchBelowADInplaceOrView guard;
-    return op.call(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, seed);
+    out = op.call(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, seed);
   }
-  auto out = AddLayerNormFunction::apply(x, residual, weight, bias, eps, dropout_p,
-                                         residual_in_fp32, seed);
-  return {out[0], out[1], out[2], out[3]};
+  if (!torch::autograd::compute_requires_grad(x, residual_, weight_, bias_)) return out;
+  auto& [y, h, mean, rstd] = out;
+  const auto node = make_node<AddLayerNormBackward>();
+  auto& backward = static_cast<AddLayerNormBackward&>(*node);
+  backward.set_next_edges(torch::autograd::collect_next_edges(x, residual_, weight_, bias_));
+  torch::autograd::set_history(y, node);
+  torch::autograd::set_history(h, node);
+  backward.h = torch::autograd::SavedVariable(h, true);
+  backward.weight = torch::autograd::SavedVariable(weight_, false);
+  backward.mean = torch::autograd::SavedVariable(mean, false);  // not differentiable
+  backward.rstd = torch::autograd::SavedVariable(rstd, false);
+  backward.seed = torch::autograd::SavedVariable(seed.value_or(at::Tensor()), false);
+  backward.dropout_p = dropout_p;
+  backward.x_dtype = x.scalar_type();
+  backward.has_residual = residual.has_value();
+  if (weight) backward.weight_dtype = weight->scalar_type();
+  if (bias) backward.bias_dtype = bias->scalar_type();
+  return out;
 }
 
 }  // namespace
