@@ -736,42 +736,33 @@ at::Tensor attention_cpp_dropout_mask(const at::Tensor& seed, int64_t batch, int
 namespace {
 
 // Autograd in C++ (see add_layer_norm.cpp): the gradients of attention.py's _make_backward.
-class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
- public:
-  static torch::autograd::variable_list forward(
-      torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-      const at::Tensor& v, const c10::optional<at::Tensor>& key_lengths,
-      const c10::optional<at::Tensor>& key_padding_mask, const c10::optional<at::Tensor>& seed,
-      bool causal, double dropout_p, double scale, const c10::optional<at::Tensor>& cache_rows) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    static const auto op = registered_op<decltype(attention_cpp)>("fastnmt::attention_cpp");
-    auto [out, lse] = op.call(q, k, v, key_lengths, key_padding_mask, seed, causal, dropout_p,
-                              scale, cache_rows);
-    ctx->save_for_backward({q, k, v, out, lse, key_lengths.value_or(at::Tensor()),
-                            key_padding_mask.value_or(at::Tensor()), seed.value_or(at::Tensor())});
-    ctx->saved_data["causal"] = causal;
-    ctx->saved_data["dropout_p"] = dropout_p;
-    ctx->saved_data["scale"] = scale;
-    ctx->set_materialize_grads(false);  // an unused LSE gets no zero-filled gradient
-    return {out, lse};
+// A hand-made autograd node (common.h: make_node); out and lse are both differentiable (a
+// caller may use the LSE), saved as outputs of this node.
+struct AttentionBackward : public torch::autograd::Node {
+  torch::autograd::SavedVariable q, k, v, out, lse, key_lengths, key_padding_mask, seed;
+  bool causal = false;
+  double dropout_p = 0.0, scale = 1.0;
+
+  std::string name() const override { return "AttentionBackward"; }
+
+  void release_variables() override {
+    for (auto* saved : {&q, &k, &v, &out, &lse, &key_lengths, &key_padding_mask, &seed}) {
+      saved->reset_data();
+    }
   }
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
+  // grads: those of (out, lse); undefined where nothing flowed back (an unused LSE).
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     static const auto op =
         registered_op<decltype(attention_cpp_backward)>("fastnmt::attention_cpp_backward");
-    const auto saved = ctx->get_saved_variables();
-    const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
-    const auto grad_out = grads[0].defined() ? grads[0] : at::zeros_like(out);  // LSE only
-    auto [dq, dk, dv] =
-        op.call(grad_out, present(grads[1]), q, k, v, out, lse, present(saved[5]),
-                present(saved[6]), present(saved[7]), ctx->saved_data["causal"].toBool(),
-                ctx->saved_data["dropout_p"].toDouble(), ctx->saved_data["scale"].toDouble());
-    torch::autograd::variable_list result(10);  // key_lengths ... cache_rows: no gradient
-    result[0] = dq;
-    result[1] = dk;
-    result[2] = dv;
-    return result;
+    const auto self = self_pointer(this);
+    const auto out_ = out.unpack(self);
+    const auto grad_out = grads[0].defined() ? grads[0] : at::zeros_like(out_);  // LSE only
+    auto [dq, dk, dv] = op.call(grad_out, present(grads[1]), q.unpack(), k.unpack(), v.unpack(),
+                                out_, lse.unpack(self), present(key_lengths.unpack()),
+                                present(key_padding_mask.unpack()), present(seed.unpack()),
+                                causal, dropout_p, scale);
+    return {dq, dk, dv};
   }
 };
 
@@ -780,15 +771,33 @@ std::tuple<at::Tensor, at::Tensor> attention_autograd(
     const c10::optional<at::Tensor>& key_lengths,
     const c10::optional<at::Tensor>& key_padding_mask, const c10::optional<at::Tensor>& seed,
     bool causal, double dropout_p, double scale, const c10::optional<at::Tensor>& cache_rows) {
-  if (!needs_grad({q, k, v})) {  // decoding
-    static const auto op = registered_op<decltype(attention_cpp)>("fastnmt::attention_cpp");
+  static const auto op = registered_op<decltype(attention_cpp)>("fastnmt::attention_cpp");
+  std::tuple<at::Tensor, at::Tensor> result;
+  {
     at::AutoDispatchBelowADInplaceOrView guard;
-    return op.call(q, k, v, key_lengths, key_padding_mask, seed, causal, dropout_p, scale,
-                   cache_rows);
+    result = op.call(q, k, v, key_lengths, key_padding_mask, seed, causal, dropout_p, scale,
+                     cache_rows);
   }
-  auto result = AttentionFunction::apply(q, k, v, key_lengths, key_padding_mask, seed, causal,
-                                         dropout_p, scale, cache_rows);
-  return {result[0], result[1]};
+  if (!torch::autograd::compute_requires_grad(q, k, v)) return result;  // decoding
+  auto& [out, lse] = result;
+  const auto node = make_node<AttentionBackward>();
+  auto& backward = static_cast<AttentionBackward&>(*node);
+  backward.set_next_edges(torch::autograd::collect_next_edges(q, k, v));
+  torch::autograd::set_history(out, node);
+  torch::autograd::set_history(lse, node);
+  backward.q = torch::autograd::SavedVariable(q, false);
+  backward.k = torch::autograd::SavedVariable(k, false);
+  backward.v = torch::autograd::SavedVariable(v, false);
+  backward.out = torch::autograd::SavedVariable(out, true);
+  backward.lse = torch::autograd::SavedVariable(lse, true);
+  backward.key_lengths = torch::autograd::SavedVariable(key_lengths.value_or(at::Tensor()), false);
+  backward.key_padding_mask =
+      torch::autograd::SavedVariable(key_padding_mask.value_or(at::Tensor()), false);
+  backward.seed = torch::autograd::SavedVariable(seed.value_or(at::Tensor()), false);
+  backward.causal = causal;
+  backward.dropout_p = dropout_p;
+  backward.scale = scale;
+  return result;
 }
 
 }  // namespace

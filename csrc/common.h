@@ -103,16 +103,6 @@ inline c10::optional<at::Tensor> present(const at::Tensor& t) {
   return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt;
 }
 
-// Whether autograd must record a call with these inputs (undefined tensors: absent ones); when
-// not (decoding, no_grad), the C++ autograd functions call their op directly.
-inline bool needs_grad(std::initializer_list<at::Tensor> inputs) {
-  if (!at::GradMode::is_enabled()) return false;
-  for (const auto& t : inputs) {
-    if (t.defined() && t.requires_grad()) return true;
-  }
-  return false;
-}
-
 // Autograd nodes written by hand, as PyTorch's generated ones are: torch::autograd::Function
 // costs about 6 us more per forward + backward on a CPU (a one-input op: 36.5 against 30.0 us),
 // which is a good share of a small op's call. PyTorch 2.13 holds nodes in c10::intrusive_ptr,
@@ -135,7 +125,7 @@ NodePtr self_pointer(T* node) {
   if constexpr (kSharedNodes) {
     return node->shared_from_this();
   } else {
-    return c10::intrusive_ptr<torch::autograd::Node>::reclaim_copy(node);
+    return c10::intrusive_ptr<T>::reclaim_copy(node);  // a type of T's: built only where used
   }
 }
 

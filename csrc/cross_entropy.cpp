@@ -244,43 +244,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
 }
 
 // Autograd in C++ (see add_layer_norm.cpp): the backward of linear_cross_entropy.py's _define.
-class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossEntropyFunction> {
- public:
-  static torch::autograd::variable_list forward(
-      torch::autograd::AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
-      const c10::optional<at::Tensor>& bias, const at::Tensor& target, double label_smoothing,
-      int64_t ignore_index, bool mean, bool compute_grad, c10::optional<at::ScalarType> dtype) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    static const auto op =
-        registered_op<decltype(linear_cross_entropy)>("fastnmt::linear_cross_entropy_cpp");
-    auto [loss, statistics, dh, dw, db] = op.call(hidden, weight, bias, target, label_smoothing,
-                                                  ignore_index, mean, compute_grad, dtype);
-    ctx->save_for_backward({statistics, dh, dw, db});
-    ctx->saved_data["compute_grad"] = compute_grad;
-    // whether the backward must apply s (see linear_cross_entropy above)
-    ctx->saved_data["apply_mean"] = mean && !folds_scale(dtype.value_or(hidden.scalar_type()));
-    ctx->saved_data["hidden_dtype"] = hidden.scalar_type();
-    ctx->saved_data["weight_dtype"] = weight.scalar_type();
-    ctx->saved_data["bias_dtype"] =
-        bias.has_value() ? c10::IValue(bias->scalar_type()) : c10::IValue();
-    ctx->mark_non_differentiable({statistics, dh, dw, db});
-    ctx->set_materialize_grads(false);  // no zero gradients for the outputs above
-    return {loss, statistics, dh, dw, db};
+// A hand-made autograd node (common.h: make_node): the forward computed the gradients, the
+// backward scales them by dloss.
+struct LinearCrossEntropyBackward : public torch::autograd::Node {
+  torch::autograd::SavedVariable statistics, dh, dw, db;
+  bool compute_grad = false;
+  bool apply_mean = false;  // whether the backward must apply s (see linear_cross_entropy above)
+  at::ScalarType hidden_dtype = at::kFloat, weight_dtype = at::kFloat;
+  c10::optional<at::ScalarType> bias_dtype;
+
+  std::string name() const override { return "LinearCrossEntropyBackward"; }
+
+  void release_variables() override {
+    for (auto* saved : {&statistics, &dh, &dw, &db}) saved->reset_data();
   }
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    TORCH_CHECK(ctx->saved_data["compute_grad"].toBool(),
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    TORCH_CHECK(compute_grad,
                 "fastnmt::linear_cross_entropy_cpp ran with compute_grad=False: no gradient kept");
-    torch::autograd::variable_list result(9);  // target ... dtype: no gradient
-    if (!grads[0].defined()) return result;  // the loss was not used
-    const auto saved = ctx->get_saved_variables();
+    torch::autograd::variable_list result(3);  // hidden, weight, bias
+    if (!grads[0].defined()) return result;    // the loss was not used
     // dloss read as a number (the op runs on the CPU: no device sync) unless traced. It is 1
-    // for a loss.backward(): the saved gradients are the answer, and the engine, which has
-    // released them from this node by then, hands them to .grad without a copy.
-    const bool apply_mean = ctx->saved_data["apply_mean"].toBool();
+    // for a loss.backward(): the saved gradients are the answer, and the engine, which releases
+    // them from this node before the gradients reach .grad, hands them over without a copy.
     const auto& dloss = grads[0];
-    const auto& tokens = saved[0][2];
+    const auto tokens = statistics.unpack()[2];
     const bool traced = dloss.key_set().has_any(
         c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize}));
     // Traced: the same product as tensor ops, in fp32 (fp16 s g would underflow).
@@ -291,16 +279,15 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
     const double factor =
         traced ? 0.0
                : dloss.item<double>() / (apply_mean ? std::max(tokens.item<double>(), 1.0) : 1.0);
-    const auto scaled = [&](const at::Tensor& grad, const c10::IValue& dtype) {
-      if (dtype.isNone()) return at::Tensor();
+    const auto scaled = [&](const at::Tensor& grad, at::ScalarType dtype) {
       // a tensor times a number computes in fp32 at least: no fp16 rounding before the product
       const auto product = traced ? grad.to(at::kFloat) * traced_factor()
                                   : (factor == 1.0 ? grad : grad.mul(factor));
-      return product.to(dtype.toScalarType());
+      return product.to(dtype);
     };
-    result[0] = scaled(saved[1], ctx->saved_data["hidden_dtype"]);
-    result[1] = scaled(saved[2], ctx->saved_data["weight_dtype"]);
-    result[2] = scaled(saved[3], ctx->saved_data["bias_dtype"]);
+    result[0] = scaled(dh.unpack(), hidden_dtype);
+    result[1] = scaled(dw.unpack(), weight_dtype);
+    if (bias_dtype) result[2] = scaled(db.unpack(), *bias_dtype);
     return result;
   }
 };
@@ -311,16 +298,32 @@ LossAndGradients linear_cross_entropy_autograd(
     const at::Tensor& hidden, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
     const at::Tensor& target, double label_smoothing, int64_t ignore_index, bool mean,
     bool compute_grad, c10::optional<at::ScalarType> dtype) {
-  if (!needs_grad({hidden, weight, bias.value_or(at::Tensor())})) {
-    static const auto op =
-        registered_op<decltype(linear_cross_entropy)>("fastnmt::linear_cross_entropy_cpp");
+  static const auto op =
+      registered_op<decltype(linear_cross_entropy)>("fastnmt::linear_cross_entropy_cpp");
+  const auto bias_ = bias.value_or(at::Tensor());
+  LossAndGradients out;
+  {
     at::AutoDispatchBelowADInplaceOrView guard;
-    return op.call(hidden, weight, bias, target, label_smoothing, ignore_index, mean,
-                   compute_grad, dtype);
+    out = op.call(hidden, weight, bias, target, label_smoothing, ignore_index, mean, compute_grad,
+                  dtype);
   }
-  auto out = LinearCrossEntropyFunction::apply(hidden, weight, bias, target, label_smoothing,
-                                               ignore_index, mean, compute_grad, dtype);
-  return {out[0], out[1], out[2], out[3], out[4]};
+  if (!torch::autograd::compute_requires_grad(hidden, weight, bias_)) return out;
+  auto& [loss, statistics, dh, dw, db] = out;
+  const auto node = make_node<LinearCrossEntropyBackward>();
+  auto& backward = static_cast<LinearCrossEntropyBackward&>(*node);
+  backward.set_next_edges(torch::autograd::collect_next_edges(hidden, weight, bias_));
+  torch::autograd::set_history(loss, node);
+  // the other outputs are not differentiable: no grad_fn, saved as plain tensors
+  backward.statistics = torch::autograd::SavedVariable(statistics, false);
+  backward.dh = torch::autograd::SavedVariable(dh, false);
+  backward.dw = torch::autograd::SavedVariable(dw, false);
+  backward.db = torch::autograd::SavedVariable(db, false);
+  backward.compute_grad = compute_grad;
+  backward.apply_mean = mean && !folds_scale(dtype.value_or(hidden.scalar_type()));
+  backward.hidden_dtype = hidden.scalar_type();
+  backward.weight_dtype = weight.scalar_type();
+  if (bias) backward.bias_dtype = bias->scalar_type();
+  return out;
 }
 
 }  // namespace

@@ -157,47 +157,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feed_forw
 namespace {
 
 // Autograd in C++ (see add_layer_norm.cpp): the gradients of feed_forward.py's _make_backward.
-class FeedForwardFunction : public torch::autograd::Function<FeedForwardFunction> {
- public:
-  static torch::autograd::variable_list forward(
-      torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w1,
-      const c10::optional<at::Tensor>& b1, const at::Tensor& w2,
-      const c10::optional<at::Tensor>& b2, c10::string_view activation, double dropout_p,
-      const c10::optional<at::Tensor>& seed) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    static const auto op =
-        registered_op<decltype(feed_forward_forward)>("fastnmt::feed_forward_cpp");
-    auto [y, z, a] = op.call(x, w1, b1, w2, b2, activation, dropout_p, seed);
-    ctx->save_for_backward({x, w1, w2, z, a, seed.value_or(at::Tensor())});
-    ctx->saved_data["activation"] = std::string(activation);
-    ctx->saved_data["dropout_p"] = dropout_p;
-    ctx->saved_data["has_b1"] = b1.has_value();
-    ctx->saved_data["has_b2"] = b2.has_value();
-    ctx->mark_non_differentiable({z, a});
-    ctx->set_materialize_grads(false);  // z and a get no zero-filled (N, d_ff) gradients
-    return {y, z, a};
+// A hand-made autograd node (common.h: make_node); z and a are outputs autograd does not see.
+struct FeedForwardBackward : public torch::autograd::Node {
+  torch::autograd::SavedVariable x, w1, w2, z, a, seed;
+  std::string activation;
+  double dropout_p = 0.0;
+  bool has_b1 = false, has_b2 = false;
+
+  std::string name() const override { return "FeedForwardBackward"; }
+
+  void release_variables() override {
+    for (auto* saved : {&x, &w1, &w2, &z, &a, &seed}) saved->reset_data();
   }
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    if (!grads[0].defined()) {  // y was not used
-      return torch::autograd::variable_list(8);
-    }
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    if (!grads[0].defined()) return torch::autograd::variable_list(5);  // y was not used
     static const auto op =
         registered_op<decltype(feed_forward_backward)>("fastnmt::feed_forward_cpp_backward");
-    const auto saved = ctx->get_saved_variables();
     auto [dx, dw1, db1, dw2, db2] =
-        op.call(grads[0], saved[0], saved[1], saved[2], saved[3], saved[4], present(saved[5]),
-                ctx->saved_data["activation"].toStringRef(),
-                ctx->saved_data["dropout_p"].toDouble());
-    return {dx,
-            dw1,
-            ctx->saved_data["has_b1"].toBool() ? db1 : at::Tensor(),
-            dw2,
-            ctx->saved_data["has_b2"].toBool() ? db2 : at::Tensor(),
-            at::Tensor(),
-            at::Tensor(),
-            at::Tensor()};
+        op.call(grads[0], x.unpack(), w1.unpack(), w2.unpack(), z.unpack(), a.unpack(),
+                present(seed.unpack()), activation, dropout_p);
+    return {dx, dw1, has_b1 ? db1 : at::Tensor(), dw2, has_b2 ? db2 : at::Tensor()};
   }
 };
 
@@ -205,14 +185,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> feed_forward_autograd(
     const at::Tensor& x, const at::Tensor& w1, const c10::optional<at::Tensor>& b1,
     const at::Tensor& w2, const c10::optional<at::Tensor>& b2, c10::string_view activation,
     double dropout_p, const c10::optional<at::Tensor>& seed) {
-  if (!needs_grad({x, w1, b1.value_or(at::Tensor()), w2, b2.value_or(at::Tensor())})) {
-    static const auto op =
-        registered_op<decltype(feed_forward_forward)>("fastnmt::feed_forward_cpp");
+  static const auto op =
+      registered_op<decltype(feed_forward_forward)>("fastnmt::feed_forward_cpp");
+  const auto b1_ = b1.value_or(at::Tensor()), b2_ = b2.value_or(at::Tensor());
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> out;
+  {
     at::AutoDispatchBelowADInplaceOrView guard;
-    return op.call(x, w1, b1, w2, b2, activation, dropout_p, seed);
+    out = op.call(x, w1, b1, w2, b2, activation, dropout_p, seed);
   }
-  auto out = FeedForwardFunction::apply(x, w1, b1, w2, b2, activation, dropout_p, seed);
-  return {out[0], out[1], out[2]};
+  if (!torch::autograd::compute_requires_grad(x, w1, b1_, w2, b2_)) return out;
+  auto& [y, z, a] = out;
+  const auto node = make_node<FeedForwardBackward>();
+  auto& backward = static_cast<FeedForwardBackward&>(*node);
+  backward.set_next_edges(torch::autograd::collect_next_edges(x, w1, b1_, w2, b2_));
+  torch::autograd::set_history(y, node);
+  backward.x = torch::autograd::SavedVariable(x, false);
+  backward.w1 = torch::autograd::SavedVariable(w1, false);
+  backward.w2 = torch::autograd::SavedVariable(w2, false);
+  backward.z = torch::autograd::SavedVariable(z, false);  // not differentiable: no grad_fn
+  backward.a = torch::autograd::SavedVariable(a, false);
+  backward.seed = torch::autograd::SavedVariable(seed.value_or(at::Tensor()), false);
+  backward.activation = std::string(activation);
+  backward.dropout_p = dropout_p;
+  backward.has_b1 = b1.has_value();
+  backward.has_b2 = b2.has_value();
+  return out;
 }
 
 }  // namespace
