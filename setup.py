@@ -41,7 +41,10 @@ def shared_libstdcxx():
     compiler = os.environ.get("CXX", "c++")
     try:
         found = subprocess.run(
-            [compiler, "-print-file-name=libstdc++.so.6"], capture_output=True, text=True, check=True
+            [compiler, "-print-file-name=libstdc++.so.6"],
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return []
