@@ -705,17 +705,19 @@ _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # and on the head dim: each bucket maps the widest head dim a config serves to the config (the
 # first that fits is used; a bucket a kernel lacks falls back to "short"). Wide heads need
 # narrower key blocks or more warps to stay in registers: every config below compiles without
-# spills with every mask feature and dropout on (python -m fastnmt.compile_check).
+# spills with every mask feature and dropout on (python -m fastnmt.compile_check), under triton
+# 3.6 (what the H100 machine runs; it spilled 8-456 bytes per thread in 28 of the configs before
+# 2026-11-26, whose key blocks were twice as wide) and 3.9.
 _GPU_CONFIGS = {
     "forward": {
-        "decode": {128: LaunchConfig(16, 64, 4, 2)},
-        "short": {64: LaunchConfig(64, 64, 4, 2), 128: LaunchConfig(64, 32, 4, 2)},
-        "long": {64: LaunchConfig(128, 64, 8, 3), 128: LaunchConfig(64, 64, 8, 2)},
+        "decode": {128: LaunchConfig(16, 32, 4, 2)},
+        "short": {64: LaunchConfig(64, 32, 4, 2), 128: LaunchConfig(64, 32, 8, 2)},
+        "long": {64: LaunchConfig(128, 64, 8, 3), 128: LaunchConfig(64, 32, 8, 2)},
     },
-    "dkdv": {"short": {64: LaunchConfig(32, 64, 4, 2), 128: LaunchConfig(32, 64, 8, 2)}},
+    "dkdv": {"short": {128: LaunchConfig(32, 64, 8, 2)}},
     "dq": {
-        "short": {64: LaunchConfig(64, 64, 4, 2), 128: LaunchConfig(64, 16, 4, 2)},
-        "long": {64: LaunchConfig(128, 64, 8, 2)},
+        "short": {64: LaunchConfig(64, 32, 4, 2), 128: LaunchConfig(64, 16, 8, 2)},
+        "long": {64: LaunchConfig(128, 32, 8, 2)},
     },
     # delta reads two (rows, Dv) tiles and reduces them (no keys): small blocks, few registers.
     "delta": {"short": {128: LaunchConfig(32, 0, 4, 1)}},
