@@ -312,18 +312,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_autogr
       registered_op<decltype(add_layer_norm_forward)>("fastnmt::add_layer_norm_cpp");
   const auto residual_ = residual.value_or(at::Tensor()), weight_ = weight.value_or(at::Tensor());
   const auto bias_ = bias.value_or(at::Tensor());
-  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> out;
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    out = op.call(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, seed);
-  }
+  auto out = call_below_autograd(op, x, residual, weight, bias, eps, dropout_p,
+                                 residual_in_fp32, seed);
   if (!torch::autograd::compute_requires_grad(x, residual_, weight_, bias_)) return out;
   auto& [y, h, mean, rstd] = out;
-  const auto node = make_node<AddLayerNormBackward>();
-  auto& backward = static_cast<AddLayerNormBackward&>(*node);
-  backward.set_next_edges(torch::autograd::collect_next_edges(x, residual_, weight_, bias_));
-  torch::autograd::set_history(y, node);
-  torch::autograd::set_history(h, node);
+  auto& backward = record_node<AddLayerNormBackward>({y, h}, x, residual_, weight_, bias_);
   backward.h = torch::autograd::SavedVariable(h, true);
   backward.weight = torch::autograd::SavedVariable(weight_, false);
   backward.mean = torch::autograd::SavedVariable(mean, false);  // not differentiable

@@ -772,19 +772,11 @@ std::tuple<at::Tensor, at::Tensor> attention_autograd(
     const c10::optional<at::Tensor>& key_padding_mask, const c10::optional<at::Tensor>& seed,
     bool causal, double dropout_p, double scale, const c10::optional<at::Tensor>& cache_rows) {
   static const auto op = registered_op<decltype(attention_cpp)>("fastnmt::attention_cpp");
-  std::tuple<at::Tensor, at::Tensor> result;
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    result = op.call(q, k, v, key_lengths, key_padding_mask, seed, causal, dropout_p, scale,
-                     cache_rows);
-  }
+  auto result = call_below_autograd(op, q, k, v, key_lengths, key_padding_mask, seed, causal,
+                                    dropout_p, scale, cache_rows);
   if (!torch::autograd::compute_requires_grad(q, k, v)) return result;  // decoding
   auto& [out, lse] = result;
-  const auto node = make_node<AttentionBackward>();
-  auto& backward = static_cast<AttentionBackward&>(*node);
-  backward.set_next_edges(torch::autograd::collect_next_edges(q, k, v));
-  torch::autograd::set_history(out, node);
-  torch::autograd::set_history(lse, node);
+  auto& backward = record_node<AttentionBackward>({out, lse}, q, k, v);
   backward.q = torch::autograd::SavedVariable(q, false);
   backward.k = torch::autograd::SavedVariable(k, false);
   backward.v = torch::autograd::SavedVariable(v, false);

@@ -129,6 +129,23 @@ NodePtr self_pointer(T* node) {
   }
 }
 
+// A registered op called below autograd (the autograd kernels record their own node).
+template <typename Op, typename... Args>
+auto call_below_autograd(const Op& op, const Args&... args) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return op.call(args...);
+}
+
+// A new node of type T recording a call: its differentiable `outputs` come from `inputs`
+// (undefined tensors: absent ones). The outputs hold the node; the caller fills in what it saves.
+template <typename T, typename... Inputs>
+T& record_node(std::initializer_list<at::Tensor> outputs, const Inputs&... inputs) {
+  const auto node = make_node<T>();
+  node->set_next_edges(torch::autograd::collect_next_edges(inputs...));
+  for (const auto& output : outputs) torch::autograd::set_history(output, node);
+  return static_cast<T&>(*node);
+}
+
 inline void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
 }

@@ -301,18 +301,11 @@ LossAndGradients linear_cross_entropy_autograd(
   static const auto op =
       registered_op<decltype(linear_cross_entropy)>("fastnmt::linear_cross_entropy_cpp");
   const auto bias_ = bias.value_or(at::Tensor());
-  LossAndGradients out;
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    out = op.call(hidden, weight, bias, target, label_smoothing, ignore_index, mean, compute_grad,
-                  dtype);
-  }
+  auto out = call_below_autograd(op, hidden, weight, bias, target, label_smoothing, ignore_index,
+                                 mean, compute_grad, dtype);
   if (!torch::autograd::compute_requires_grad(hidden, weight, bias_)) return out;
   auto& [loss, statistics, dh, dw, db] = out;
-  const auto node = make_node<LinearCrossEntropyBackward>();
-  auto& backward = static_cast<LinearCrossEntropyBackward&>(*node);
-  backward.set_next_edges(torch::autograd::collect_next_edges(hidden, weight, bias_));
-  torch::autograd::set_history(loss, node);
+  auto& backward = record_node<LinearCrossEntropyBackward>({loss}, hidden, weight, bias_);
   // the other outputs are not differentiable: no grad_fn, saved as plain tensors
   backward.statistics = torch::autograd::SavedVariable(statistics, false);
   backward.dh = torch::autograd::SavedVariable(dh, false);

@@ -188,17 +188,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> feed_forward_autograd(
   static const auto op =
       registered_op<decltype(feed_forward_forward)>("fastnmt::feed_forward_cpp");
   const auto b1_ = b1.value_or(at::Tensor()), b2_ = b2.value_or(at::Tensor());
-  std::tuple<at::Tensor, at::Tensor, at::Tensor> out;
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    out = op.call(x, w1, b1, w2, b2, activation, dropout_p, seed);
-  }
+  auto out = call_below_autograd(op, x, w1, b1, w2, b2, activation, dropout_p, seed);
   if (!torch::autograd::compute_requires_grad(x, w1, b1_, w2, b2_)) return out;
   auto& [y, z, a] = out;
-  const auto node = make_node<FeedForwardBackward>();
-  auto& backward = static_cast<FeedForwardBackward&>(*node);
-  backward.set_next_edges(torch::autograd::collect_next_edges(x, w1, b1_, w2, b2_));
-  torch::autograd::set_history(y, node);
+  auto& backward = record_node<FeedForwardBackward>({y}, x, w1, b1_, w2, b2_);
   backward.x = torch::autograd::SavedVariable(x, false);
   backward.w1 = torch::autograd::SavedVariable(w1, false);
   backward.w2 = torch::autograd::SavedVariable(w2, false);
