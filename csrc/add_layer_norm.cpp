@@ -279,7 +279,7 @@ struct AddLayerNormBackward : public torch::autograd::Node {
   double dropout_p = 0.0;
   at::ScalarType x_dtype = at::kFloat;
   bool has_residual = false;
-  c10::optional<at::ScalarType> weight_dtype, bias_dtype;
+  c10::optional<at::ScalarType> bias_dtype;  // the bias is not saved: its dtype is
 
   std::string name() const override { return "AddLayerNormBackward"; }
 
@@ -299,7 +299,7 @@ struct AddLayerNormBackward : public torch::autograd::Node {
         op.call(dy, present(grads[1]), h_, present(weight_), mean_, rstd_, present(seed_),
                 dropout_p, has_residual, bias_dtype.has_value());
     return {dx, has_residual ? dh : at::Tensor(),
-            weight_dtype ? dweight.to(*weight_dtype) : at::Tensor(),
+            weight_.defined() ? dweight.to(weight_.scalar_type()) : at::Tensor(),
             bias_dtype ? dbias.to(*bias_dtype) : at::Tensor()};
   }
 };
@@ -325,7 +325,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_autogr
   backward.dropout_p = dropout_p;
   backward.x_dtype = x.scalar_type();
   backward.has_residual = residual.has_value();
-  if (weight) backward.weight_dtype = weight->scalar_type();
   if (bias) backward.bias_dtype = bias->scalar_type();
   return out;
 }

@@ -4,7 +4,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/autograd.h>
 #include <torch/library.h>
 
 #include <torch/csrc/autograd/functions/utils.h>
