@@ -9,24 +9,21 @@ Triton backend the reason ``triton_status()``.
 
 from __future__ import annotations
 
-import math
 from types import SimpleNamespace
 
 try:
     import triton
     import triton.language as tl
+    from triton import knobs
 except ImportError as error:
     _STATUS = f"triton is not installed ({error})"
 
     def _jit(fn=None, **_options):
         return fn if fn is not None else (lambda f: f)
 
-    triton = SimpleNamespace(
-        jit=_jit,
-        cdiv=lambda a, b: -(-a // b),
-        next_power_of_2=lambda n: 1 << max(0, math.ceil(math.log2(n))) if n > 0 else 1,
-    )
+    triton = SimpleNamespace(jit=_jit)
     tl = SimpleNamespace(constexpr=lambda value: value)
+    knobs = None
     TRITON_AVAILABLE = False
 else:
     _STATUS = f"triton {triton.__version__} is installed"
@@ -38,4 +35,4 @@ def triton_status() -> str:
     return _STATUS
 
 
-__all__ = ["TRITON_AVAILABLE", "tl", "triton", "triton_status"]
+__all__ = ["TRITON_AVAILABLE", "knobs", "tl", "triton", "triton_status"]

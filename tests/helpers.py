@@ -181,46 +181,39 @@ def count_host_syncs(*, none_allowed: bool = False):
 
 
 class HostOps(TorchDispatchMode):
-    """``with HostOps(module, kernel_names) as host:`` records the aten ops a call dispatches
-    (``host.aten``) and the Triton kernels it launches (``host.launches``, by name), on any device.
-    The kernels run outside the recording: the Triton interpreter moves tensors with aten ops of
-    its own, which a GPU launch does not make."""
+    """``with HostOps(module, launcher_names) as host:`` records the aten ops a call dispatches
+    (``host.aten``) and the Triton kernels it launches through the module's ``Launcher``s
+    (``host.launches``, by launcher name), on any device. The launches run outside the
+    recording: the Triton interpreter moves tensors with aten ops of its own, which a GPU launch
+    does not make."""
 
-    def __init__(self, module, kernel_names):
+    def __init__(self, module, launcher_names):
         super().__init__()
         self.aten: list[str] = []
         self.launches: list[str] = []
-        self._patches = [(name, getattr(module, name)) for name in kernel_names]
         self._module = module
+        self._launchers = {name: getattr(module, name) for name in launcher_names}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.aten.append(func.overloadpacket.__name__)
         return func(*args, **(kwargs or {}))
 
-    def _counted(self, name, kernel):
-        host = self
+    def _counted(self, name, launcher):
+        def launch(*args):
+            self.launches.append(name)
+            with _disable_current_modes():
+                return launcher(*args)
 
-        class Counted:
-            def __getitem__(self, grid):
-                host.launches.append(name)
-                launch = kernel[grid]
-
-                def unrecorded(*args, **kwargs):
-                    with _disable_current_modes():
-                        return launch(*args, **kwargs)
-
-                return unrecorded
-
-        return Counted()
+        return launch
 
     def __enter__(self):
-        for name, kernel in self._patches:
-            setattr(self._module, name, self._counted(name, kernel))
+        for name, launcher in self._launchers.items():
+            setattr(self._module, name, self._counted(name, launcher))
         return super().__enter__()
 
     def __exit__(self, *exc):
-        for name, kernel in self._patches:
-            setattr(self._module, name, kernel)
+        for name, launcher in self._launchers.items():
+            setattr(self._module, name, launcher)
         return super().__exit__(*exc)
 
 

@@ -36,6 +36,8 @@ fallback (e.g. for ``attn_mask``) and the test oracle.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -44,11 +46,14 @@ from fastnmt._triton import tl, triton
 from fastnmt.ops import registration
 from fastnmt.ops.triton_common import (
     LaunchConfig,
-    device_guard,
+    Launcher,
+    cdiv,
     dot_precision,
     dropout_seed,
     kernel_output_dtype,
+    launch_options,
     new_output,
+    power_of_2_at_least,
     upcast_in_interpreter,
     use_gpu_tiles,
 )
@@ -727,7 +732,7 @@ _KEEP_CONFIG = LaunchConfig(64, 64, 4, 1)  # of the dropout-mask kernel (tests, 
 
 def _interpreter_block(length: int) -> int:
     """The interpreter's cost grows with the number of blocks: one block per sequence up to 128."""
-    return min(128, max(16, triton.next_power_of_2(length)))
+    return min(128, max(16, power_of_2_at_least(length)))
 
 
 def _length_buckets(lq: int, lk: int) -> list[str]:
@@ -738,7 +743,12 @@ def _length_buckets(lq: int, lk: int) -> list[str]:
 def launch_config(kernel: str, lq: int, lk: int, head_dim: int) -> LaunchConfig:
     """Block sizes of ``kernel`` ("forward", "dkdv", "dq" or "delta") for lengths lq, lk and the
     larger of the q/k and v head dims."""
-    if not use_gpu_tiles():
+    return _chosen_config(kernel, lq, lk, head_dim, use_gpu_tiles())
+
+
+@functools.lru_cache(maxsize=4096)  # per call signature, as the dispatcher's decisions
+def _chosen_config(kernel: str, lq: int, lk: int, head_dim: int, gpu_tiles: bool) -> LaunchConfig:
+    if not gpu_tiles:
         return LaunchConfig(_interpreter_block(lq), _interpreter_block(lk), 4, 1)
     for bucket in _length_buckets(lq, lk):
         for widest, config in _GPU_CONFIGS[kernel].get(bucket, {}).items():
@@ -749,11 +759,32 @@ def launch_config(kernel: str, lq: int, lk: int, head_dim: int) -> LaunchConfig:
 
 def _head_block(head_dim: int) -> int:
     """Head dims are padded to a power of two (>= 16, the smallest tl.dot) and masked."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, power_of_2_at_least(head_dim))
 
 
-def _launch_options(config: LaunchConfig, head_dim: int, value_dim: int) -> dict:
-    return dict(
+@functools.lru_cache(maxsize=1024)
+def _options(
+    config: LaunchConfig,
+    head_dim: int,
+    value_dim: int,
+    dtype: torch.dtype,
+    precision: str,
+    causal: bool,
+    has_lengths: bool,
+    has_padding: bool,
+    dropout: bool,
+    has_cache_rows: bool | None,  # None: the kernel has no such flag (the backward's)
+) -> dict:
+    """The constexprs and launch options of the forward, dK/dV and dQ kernels."""
+    extra = {} if has_cache_rows is None else {"HAS_CACHE_ROWS": has_cache_rows}
+    return launch_options(
+        **extra,
+        CAUSAL=causal,
+        HAS_LENGTHS=has_lengths,
+        HAS_PADDING=has_padding,
+        DROPOUT=dropout,
+        UPCAST=upcast_in_interpreter(dtype),
+        DOT_PRECISION=precision,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_D=_head_block(head_dim),
@@ -763,15 +794,14 @@ def _launch_options(config: LaunchConfig, head_dim: int, value_dim: int) -> dict
     )
 
 
-def _kernel_flags(key_lengths, padding, seed, causal: bool, dtype: torch.dtype) -> dict:
-    """The constexpr flags of the forward, dK/dV and dQ kernels."""
-    return dict(
-        CAUSAL=causal,
-        HAS_LENGTHS=key_lengths is not None,
-        HAS_PADDING=padding is not None,
-        DROPOUT=seed is not None,
+@functools.lru_cache(maxsize=256)
+def _delta_options(config: LaunchConfig, value_dim: int, dtype: torch.dtype) -> dict:
+    return launch_options(
         UPCAST=upcast_in_interpreter(dtype),
-        DOT_PRECISION=dot_precision(dtype),
+        BLOCK_M=config.block_m,
+        BLOCK_DV=_head_block(value_dim),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
 
 
@@ -783,6 +813,13 @@ def _padding_view(key_padding_mask):
     return padding, padding.stride()
 
 
+_FORWARD = Launcher(_attention_forward_kernel)
+_DELTA = Launcher(_attention_backward_delta_kernel)
+_DKDV = Launcher(_attention_backward_dkdv_kernel)
+_DQ = Launcher(_attention_backward_dq_kernel)
+_KEEP = Launcher(_dropout_keep_kernel)
+
+
 def _launch_forward(
     q, k, v, key_lengths, key_padding_mask, seed, causal, dropout_p, scale, cache_rows
 ):
@@ -792,16 +829,21 @@ def _launch_forward(
     lse = new_output((batch, heads, lq), torch.float32, q.device)
     padding, padding_strides = _padding_view(key_padding_mask)
     config = launch_config("forward", lq, lk, max(head_dim, value_dim))
-    with device_guard(q.device):
-        _attention_forward_kernel[(batch * heads, triton.cdiv(lq, config.block_m))](
+    options = _options(
+        config, head_dim, value_dim, q.dtype, dot_precision(q.dtype), causal,
+        key_lengths is not None, padding is not None, seed is not None, cache_rows is not None,
+    )  # fmt: skip
+    _FORWARD(
+        q.device,
+        (batch * heads, cdiv(lq, config.block_m), 1),
+        (
             q, k, v, out, lse, key_lengths, padding, seed, cache_rows,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *padding_strides,
             *(cache_rows.stride() if cache_rows is not None else (0, 0)),
             heads, lq, lk, head_dim, value_dim, scale, dropout_p,
-            HAS_CACHE_ROWS=cache_rows is not None,
-            **_kernel_flags(key_lengths, padding, seed, causal, q.dtype),
-            **_launch_options(config, head_dim, value_dim),
-        )  # fmt: skip
+        ),
+        options,
+    )  # fmt: skip
     # The interpreter's fp32 outputs of bf16 inputs go back to bf16; a GPU's need no call at all.
     return (out if out.dtype == q.dtype else out.to(q.dtype)), lse
 
@@ -812,13 +854,12 @@ def _launch_delta(out, grad_out, grad_lse):
     batch, heads, lq, value_dim = out.shape
     delta = new_output((batch, heads, lq), torch.float32, out.device)
     config = launch_config("delta", lq, lq, value_dim)
-    with device_guard(out.device):
-        _attention_backward_delta_kernel[(batch * heads, triton.cdiv(lq, config.block_m))](
-            out, grad_out, delta, *out.stride(), *grad_out.stride(), heads, lq, value_dim,
-            UPCAST=upcast_in_interpreter(out.dtype), BLOCK_M=config.block_m,
-            BLOCK_DV=_head_block(value_dim), num_warps=config.num_warps,
-            num_stages=config.num_stages,
-        )  # fmt: skip
+    _DELTA(
+        out.device,
+        (batch * heads, cdiv(lq, config.block_m), 1),
+        (out, grad_out, delta, *out.stride(), *grad_out.stride(), heads, lq, value_dim),
+        _delta_options(config, value_dim, out.dtype),
+    )
     return delta if grad_lse is None else delta - grad_lse
 
 
@@ -839,18 +880,24 @@ def _launch_backward(
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *padding_strides,
         heads, lq, lk, head_dim, value_dim, scale, dropout_p,
     )  # fmt: skip
-    flags = _kernel_flags(key_lengths, padding, seed, causal, q.dtype)
+    flags = (
+        q.dtype, dot_precision(q.dtype), causal, key_lengths is not None, padding is not None,
+        seed is not None, None,
+    )  # fmt: skip
     config = launch_config("dkdv", lq, lk, max(head_dim, value_dim))
-    with device_guard(q.device):
-        _attention_backward_dkdv_kernel[(batch * heads, triton.cdiv(lk, config.block_n))](
-            q, k, v, grad_out, lse, delta, grad_k, grad_v, *shared,
-            **flags, **_launch_options(config, head_dim, value_dim),
-        )  # fmt: skip
-        config = launch_config("dq", lq, lk, max(head_dim, value_dim))
-        _attention_backward_dq_kernel[(batch * heads, triton.cdiv(lq, config.block_m))](
-            q, k, v, grad_out, lse, delta, grad_q, *shared,
-            **flags, **_launch_options(config, head_dim, value_dim),
-        )  # fmt: skip
+    _DKDV(
+        q.device,
+        (batch * heads, cdiv(lk, config.block_n), 1),
+        (q, k, v, grad_out, lse, delta, grad_k, grad_v, *shared),
+        _options(config, head_dim, value_dim, *flags),
+    )
+    config = launch_config("dq", lq, lk, max(head_dim, value_dim))
+    _DQ(
+        q.device,
+        (batch * heads, cdiv(lq, config.block_m), 1),
+        (q, k, v, grad_out, lse, delta, grad_q, *shared),
+        _options(config, head_dim, value_dim, *flags),
+    )
     if grad_dtype == q.dtype:  # k and v have q's dtype
         return grad_q, grad_k, grad_v
     return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype)
@@ -867,12 +914,16 @@ def dropout_keep_mask(seed: torch.Tensor, shape: tuple[int, int, int, int], drop
     batch, heads, lq, lk = shape
     keep = new_output(shape, torch.uint8, seed.device)
     config = _KEEP_CONFIG
-    grid = (batch * heads, triton.cdiv(lq, config.block_m), triton.cdiv(lk, config.block_n))
-    with device_guard(seed.device):
-        _dropout_keep_kernel[grid](
-            keep, seed, lq, lk, dropout_p, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-            num_warps=config.num_warps, num_stages=config.num_stages,
-        )  # fmt: skip
+    grid = (batch * heads, cdiv(lq, config.block_m), cdiv(lk, config.block_n))
+    _KEEP(
+        seed.device,
+        grid,
+        (keep, seed, lq, lk, dropout_p),
+        launch_options(
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        ),
+    )  # fmt: skip
     return keep.bool()
 
 

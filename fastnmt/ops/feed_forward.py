@@ -46,6 +46,7 @@ M*K*F GEMM in the backward (a third more backward FLOPs) to save M*F elements of
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -277,7 +278,8 @@ def gemm_config(m: int, n: int) -> triton_common.LaunchConfig:
 
 
 def _programs(config: triton_common.LaunchConfig, m: int, n: int) -> int:
-    return triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    cdiv = triton_common.cdiv
+    return cdiv(m, config.block_m) * cdiv(n, config.block_n)
 
 
 _GPU_ELEMENTWISE_BLOCK = 1024  # elements per program of the activation kernels
@@ -306,6 +308,32 @@ def _output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return triton_common.new_output(shape, triton_common.kernel_output_dtype(dtype), device)
 
 
+@functools.lru_cache(maxsize=1024)
+def _matmul_options(
+    config, epilogue, activation, has_bias, has_dropout, save_preactivation, dtype, precision
+) -> dict:
+    return triton_common.launch_options(
+        EPILOGUE=epilogue,
+        ACTIVATION=activation,
+        HAS_BIAS=has_bias,
+        HAS_DROPOUT=has_dropout,
+        SAVE_PREACTIVATION=save_preactivation,
+        UPCAST=triton_common.upcast_in_interpreter(dtype),
+        INPUT_PRECISION=precision,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        GROUP_M=config.group_m,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+
+
+_MATMUL = triton_common.Launcher(_matmul_kernel)
+_ACTIVATION_FORWARD = triton_common.Launcher(_activation_forward_kernel)
+_ACTIVATION_BACKWARD = triton_common.Launcher(_activation_backward_kernel)
+
+
 def _matmul_launch(
     a,
     b,
@@ -323,54 +351,30 @@ def _matmul_launch(
     c = _output((m, n), a.dtype, a.device)
     bias = None if bias is None else bias.contiguous()
     config = gemm_config(m, n)
-    with triton_common.device_guard(a.device):
-        _matmul_kernel[(_programs(config, m, n),)](
-            a,
-            b,
-            c,
-            bias,
-            saved,
-            seed,
-            m,
-            n,
-            k,
-            a.stride(0),
-            a.stride(1),
-            b.stride(0),
-            b.stride(1),
-            dropout_p,
-            EPILOGUE=epilogue,
-            ACTIVATION=activation,
-            HAS_BIAS=bias is not None,
-            HAS_DROPOUT=dropout_p > 0.0,
-            SAVE_PREACTIVATION=save_preactivation,
-            UPCAST=triton_common.upcast_in_interpreter(a.dtype),
-            INPUT_PRECISION=triton_common.dot_precision(a.dtype),
-            BLOCK_M=config.block_m,
-            BLOCK_N=config.block_n,
-            BLOCK_K=config.block_k,
-            GROUP_M=config.group_m,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
-        )
+    _MATMUL(
+        a.device,
+        (_programs(config, m, n), 1, 1),
+        (a, b, c, bias, saved, seed, m, n, k, *a.stride(), *b.stride(), dropout_p),
+        _matmul_options(
+            config, epilogue, activation, bias is not None, dropout_p > 0.0, save_preactivation,
+            a.dtype, triton_common.dot_precision(a.dtype),
+        ),
+    )  # fmt: skip
     return c.to(a.dtype)
 
 
-def _elementwise_launch(kernel, inputs, dtype, seed, activation, dropout_p):
+def _elementwise_launch(launcher, inputs, dtype, seed, activation, dropout_p):
     """Runs an activation kernel over contiguous (M, F) ``inputs``; returns its output."""
     out = _output(inputs[0].shape, dtype, inputs[0].device)
     numel, block = out.numel(), _elementwise_block()
-    with triton_common.device_guard(out.device):
-        kernel[(triton.cdiv(numel, block),)](
-            *inputs,
-            out,
-            seed,
-            numel,
-            dropout_p,
-            ACTIVATION=activation,
-            HAS_DROPOUT=dropout_p > 0.0,
-            BLOCK=block,
-        )
+    launcher(
+        out.device,
+        (triton_common.cdiv(numel, block), 1, 1),
+        (*inputs, out, seed, numel, dropout_p),
+        triton_common.launch_options(
+            ACTIVATION=activation, HAS_DROPOUT=dropout_p > 0.0, BLOCK=block
+        ),
+    )
     return out.to(dtype)
 
 
@@ -394,9 +398,7 @@ def _forward(x2, w1, b1, w2, b2, activation, dropout_p, seed, fused_gemm):
         y = _matmul_launch(z, w2.t(), b2)
     else:
         a = F.linear(x2, w1, b1).contiguous()
-        z = _elementwise_launch(
-            _activation_forward_kernel, (a,), x2.dtype, seed, activation, dropout_p
-        )
+        z = _elementwise_launch(_ACTIVATION_FORWARD, (a,), x2.dtype, seed, activation, dropout_p)
         y = F.linear(z, w2, b2)
     return y, z, a if keep_a else x2.new_empty(0)
 
@@ -422,7 +424,7 @@ def _backward(dy2, x2, w1, w2, z, a, seed, activation, dropout_p, fused_gemm):
     else:
         dz = (dy2 @ w2).contiguous()
         da = _elementwise_launch(
-            _activation_backward_kernel, (dz, saved), dz.dtype, seed, activation, dropout_p
+            _ACTIVATION_BACKWARD, (dz, saved), dz.dtype, seed, activation, dropout_p
         )
         dw2, dw1, dx = dy2.t() @ z, da.t() @ x2, da @ w1
     return dx, dw1, da.sum(0), dw2, dy2.sum(0)

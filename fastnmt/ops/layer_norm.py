@@ -28,6 +28,8 @@ forward + backward is three launches.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -216,18 +218,28 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def _tile(rows: int, width: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for a (rows, width) problem: whole rows, as many as fit
     the tile (the GPU's, or in the interpreter outside ``gpu_tiles()`` its own)."""
-    block_n = triton.next_power_of_2(width)
-    tile = _GPU_TILE if triton_common.use_gpu_tiles() else _INTERPRETER_TILE
-    block_m = min(max(1, tile // block_n), triton.next_power_of_2(rows))
+    return _chosen_tile(rows, width, triton_common.use_gpu_tiles())
+
+
+@functools.lru_cache(maxsize=4096)  # per call signature, as the dispatcher's decisions
+def _chosen_tile(rows: int, width: int, gpu_tiles: bool) -> tuple[int, int, int]:
+    block_n = triton_common.power_of_2_at_least(width)
+    tile = _GPU_TILE if gpu_tiles else _INTERPRETER_TILE
+    block_m = min(max(1, tile // block_n), triton_common.power_of_2_at_least(rows))
     num_warps = min(8, max(1, block_m * block_n // 512))
     return block_m, block_n, num_warps
 
 
 def _backward_programs(row_tiles: int, device: torch.device) -> int:
     """Programs of the backward grid: a few per SM, each summing dweight over several tiles."""
+    return min(row_tiles, _most_backward_programs(device))
+
+
+@functools.cache  # one entry per device
+def _most_backward_programs(device: torch.device) -> int:
     if device.type == "cuda":
-        return min(row_tiles, 4 * torch.cuda.get_device_properties(device).multi_processor_count)
-    return min(row_tiles, 2)  # the interpreter: still exercises a program visiting two tiles
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 2  # the interpreter: still exercises a program visiting two tiles
 
 
 def _h_dtype(x, residual, residual_in_fp32: bool) -> torch.dtype:
@@ -242,6 +254,11 @@ def _contiguous(tensor):
     return None if tensor is None else tensor.contiguous()
 
 
+_FORWARD = triton_common.Launcher(_add_layer_norm_forward_kernel)
+_BACKWARD = triton_common.Launcher(_add_layer_norm_backward_kernel)
+_SUM_PARTIALS = triton_common.Launcher(_sum_partials_kernel)
+
+
 def _launch_forward(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, seed):
     width = x.shape[-1]
     x2 = x.reshape(-1, width).contiguous()
@@ -253,8 +270,10 @@ def _launch_forward(x, residual, weight, bias, eps, dropout_p, residual_in_fp32,
     mean = output((rows,), torch.float32, x.device)
     rstd = output((rows,), torch.float32, x.device)
     block_m, block_n, num_warps = _tile(rows, width)
-    with triton_common.device_guard(x.device):
-        _add_layer_norm_forward_kernel[(triton.cdiv(rows, block_m),)](
+    _FORWARD(
+        x.device,
+        (triton_common.cdiv(rows, block_m), 1, 1),
+        (
             x2,
             None if residual is None else residual.reshape(-1, width).contiguous(),
             _contiguous(weight),
@@ -268,6 +287,8 @@ def _launch_forward(x, residual, weight, bias, eps, dropout_p, residual_in_fp32,
             width,
             eps,
             dropout_p,
+        ),
+        triton_common.launch_options(
             HAS_RESIDUAL=residual is not None,
             HAS_WEIGHT=weight is not None,
             HAS_BIAS=bias is not None,
@@ -275,7 +296,8 @@ def _launch_forward(x, residual, weight, bias, eps, dropout_p, residual_in_fp32,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             num_warps=num_warps,
-        )
+        ),
+    )
     return y.to(x.dtype).view_as(x), h.to(h_dtype).view_as(x), mean, rstd
 
 
@@ -283,7 +305,7 @@ def _launch_backward(dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_res
     width = h.shape[-1]
     rows = mean.shape[0]
     block_m, block_n, num_warps = _tile(rows, width)
-    programs = _backward_programs(triton.cdiv(rows, block_m), h.device)
+    programs = _backward_programs(triton_common.cdiv(rows, block_m), h.device)
     output, buffer_dtype = triton_common.new_output, triton_common.kernel_output_dtype
     dx = output((rows, width), buffer_dtype(dy.dtype), h.device)
     dh = output((rows, width), buffer_dtype(h.dtype), h.device) if has_residual else None
@@ -291,8 +313,10 @@ def _launch_backward(dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_res
         output((programs, width), torch.float32, h.device) if wanted else None
         for wanted in (weight is not None, has_bias)
     )
-    with triton_common.device_guard(h.device):
-        _add_layer_norm_backward_kernel[(programs,)](
+    _BACKWARD(
+        h.device,
+        (programs, 1, 1),
+        (
             dy.reshape(rows, width).contiguous(),
             None if dh_out is None else dh_out.reshape(rows, width).contiguous(),
             h.reshape(rows, width),
@@ -307,6 +331,8 @@ def _launch_backward(dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_res
             rows,
             width,
             dropout_p,
+        ),
+        triton_common.launch_options(
             HAS_DH_OUT=dh_out is not None,
             HAS_RESIDUAL=has_residual,
             HAS_WEIGHT=weight is not None,
@@ -315,8 +341,9 @@ def _launch_backward(dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_res
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             num_warps=num_warps,
-        )
-        dweight, dbias = _sum_partials(dweight_partial, dbias_partial)
+        ),
+    )
+    dweight, dbias = _sum_partials(dweight_partial, dbias_partial)
     return dx, dh, dweight, dbias
 
 
@@ -335,16 +362,15 @@ def _sum_partials(dweight_partial, dbias_partial):
         None if summed is None else output((width,), torch.float32, partial.device)
         for summed in (dweight_partial, dbias_partial)
     )
-    _sum_partials_kernel[(triton.cdiv(width, _SUM_BLOCK),)](
-        dweight_partial,
-        dbias_partial,
-        dweight,
-        dbias,
-        programs,
-        width,
-        HAS_WEIGHT=dweight_partial is not None,
-        HAS_BIAS=dbias_partial is not None,
-        BLOCK=_SUM_BLOCK,
+    _SUM_PARTIALS(
+        partial.device,
+        (triton_common.cdiv(width, _SUM_BLOCK), 1, 1),
+        (dweight_partial, dbias_partial, dweight, dbias, programs, width),
+        triton_common.launch_options(
+            HAS_WEIGHT=dweight_partial is not None,
+            HAS_BIAS=dbias_partial is not None,
+            BLOCK=_SUM_BLOCK,
+        ),
     )
     return dweight, dbias
 

@@ -254,12 +254,17 @@ def chunk_rows(vocab: int) -> int:
 def _block_v(vocab: int) -> tuple[int, int]:
     """(BLOCK_V, num_warps) of the row kernel."""
     limit = _GPU_BLOCK_V if triton_common.use_gpu_tiles() else _INTERPRETER_BLOCK_V
-    block_v = min(limit, triton.next_power_of_2(vocab))
+    block_v = min(limit, triton_common.power_of_2_at_least(vocab))
     return block_v, _num_warps(block_v)
 
 
 def _num_warps(block_v: int) -> int:
     return min(8, max(1, block_v // 512))  # up to 16 values per thread
+
+
+_ROWS = triton_common.Launcher(_cross_entropy_rows_kernel)
+_SUM_STATISTICS = triton_common.Launcher(_sum_statistics_kernel)
+_SCALE_GRADIENTS = triton_common.Launcher(_scale_gradients_kernel)
 
 
 def _triton_rows(logits, target, stats, label_smoothing, ignore_index, compute_grad):
@@ -270,16 +275,13 @@ def _triton_rows(logits, target, stats, label_smoothing, ignore_index, compute_g
     upcast = triton_common.upcast_in_interpreter(logits.dtype)
     z = logits.float() if upcast else logits
     block_v, num_warps = _block_v(vocab)
-    _cross_entropy_rows_kernel[(rows,)](
-        z,
-        target,
-        stats,
-        vocab,
-        label_smoothing,
-        ignore_index,
-        COMPUTE_GRAD=compute_grad,
-        BLOCK_V=block_v,
-        num_warps=num_warps,
+    _ROWS(
+        z.device,
+        (rows, 1, 1),
+        (z, target, stats, vocab, label_smoothing, ignore_index),
+        triton_common.launch_options(
+            COMPUTE_GRAD=compute_grad, BLOCK_V=block_v, num_warps=num_warps
+        ),
     )
     if upcast and compute_grad:
         logits.copy_(z)
@@ -292,8 +294,11 @@ def _sum_statistics(stats, mean):
     """(loss fp32 (), [nll, correct, tokens] fp64 (3,)) from every row's ``stats``."""
     loss = triton_common.new_output((), torch.float32, stats.device)
     sums = triton_common.new_output((3,), torch.float64, stats.device)
-    _sum_statistics_kernel[(1,)](
-        stats, stats.shape[0], loss, sums, MEAN=mean, BLOCK_ROWS=_STATISTICS_BLOCK_ROWS
+    _SUM_STATISTICS(
+        stats.device,
+        (1, 1, 1),
+        (stats, stats.shape[0], loss, sums),
+        triton_common.launch_options(MEAN=mean, BLOCK_ROWS=_STATISTICS_BLOCK_ROWS),
     )
     return loss, sums
 
@@ -317,15 +322,6 @@ def _chunked(
     Its launches are per chunk a GEMM for the logits, the row kernel and one or two GEMMs for
     dh and dw (and a column sum for db), then one kernel that sums every row's statistics into
     the loss: nothing is zero-filled and nothing reduced per chunk."""
-    with triton_common.device_guard(hidden.device):
-        return _chunked_on_device(
-            hidden, weight, bias, target, label_smoothing, ignore_index, mean, compute_grad, dtype
-        )
-
-
-def _chunked_on_device(
-    hidden, weight, bias, target, label_smoothing, ignore_index, mean, compute_grad, dtype
-):
     compute_dtype = hidden.dtype if dtype is None else dtype
     h = hidden.to(compute_dtype).contiguous()  # (N, E)
     w = weight.to(compute_dtype).contiguous()  # (V, E)
@@ -377,13 +373,14 @@ def _scale_gradients(
     # empty tensor's is null).
     db_in, db_out, n_b = (db, grad_b, db.numel()) if with_bias else (dw, grad_w, 0)
     n_h, n_w = dh.numel(), dw.numel()
-    cdiv = triton.cdiv
+    cdiv = triton_common.cdiv
     programs = cdiv(n_h, _SCALE_BLOCK) + cdiv(n_w, _SCALE_BLOCK) + cdiv(n_b, _SCALE_BLOCK)
-    with triton_common.device_guard(dw.device):
-        _scale_gradients_kernel[(programs,)](
-            dloss, sums, dh, grad_h, n_h, dw, grad_w, n_w, db_in, db_out, n_b,
-            MEAN=mean, BLOCK=_SCALE_BLOCK, num_warps=_SCALE_WARPS,
-        )  # fmt: skip
+    _SCALE_GRADIENTS(
+        dw.device,
+        (programs, 1, 1),
+        (dloss, sums, dh, grad_h, n_h, dw, grad_w, n_w, db_in, db_out, n_b),
+        triton_common.launch_options(MEAN=mean, BLOCK=_SCALE_BLOCK, num_warps=_SCALE_WARPS),
+    )
     return grad_h.to(hidden_dtype), grad_w.to(weight_dtype), grad_b.to(bias_dtype or dw.dtype)
 
 

@@ -21,17 +21,25 @@
   autotuning). On a GPU they always use the GPU rules; under the interpreter they use large
   interpreter blocks (its cost grows with the number of programs) unless a test asks for the GPU
   rules with ``with gpu_tiles():``, so every code path a GPU takes runs in CPU tests too.
+- ``Launcher``: ``kernel[grid](*args, **options)`` without the per-launch work of Triton's
+  ``JITFunction.run``, and ``launch_options(**options)``, the cached options it keys on.
+- ``cdiv`` and ``power_of_2_at_least``: host arithmetic for grids and blocks (triton's
+  ``cdiv`` / ``next_power_of_2`` are constexpr functions, a wrapper call each, since 3.7).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import os
 from collections.abc import Iterator
 from contextvars import ContextVar
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+
+from fastnmt._triton import knobs
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 _GPU_TILES: ContextVar[bool] = ContextVar("fastnmt_gpu_tiles", default=not INTERPRETER)
@@ -72,12 +80,11 @@ def device_guard(device: torch.device) -> contextlib.AbstractContextManager:
 def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot``'s input_precision: TF32 for fp32 operands where torch allows it for its own
     fp32 matmuls, else exact ("ieee"); half-precision operands ignore it."""
-    allowed = dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest"
+    allowed = dtype == torch.float32 and torch._C._get_float32_matmul_precision() != "highest"
     return "tf32" if allowed and not INTERPRETER else "ieee"
 
 
-@dataclass(frozen=True)
-class LaunchConfig:
+class LaunchConfig(NamedTuple):  # a tuple: hashed in C, as launchers' cache keys hash it
     """Block sizes and launch options of one kernel launch."""
 
     block_m: int  # rows per block (query rows, GEMM rows)
@@ -107,3 +114,103 @@ def gpu_tiles() -> Iterator[None]:
         yield
     finally:
         _GPU_TILES.reset(token)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def power_of_2_at_least(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+@functools.cache  # a few combinations of flags and block sizes per kernel
+def _interned(items: tuple) -> dict:
+    return dict(items)
+
+
+def launch_options(**options) -> dict:
+    """The one dict of these constexprs and launch options (num_warps, ...): a ``Launcher``
+    keys its compiled kernels by the dict's identity, a cheaper key than its contents."""
+    return _interned(tuple(options.items()))
+
+
+# A compiled kernel per specialization; past this many a Launcher starts afresh.
+_MAX_COMPILED = 1024
+_I32 = 2**31  # ints in [-2**31, 2**31) are i32 arguments, others i64, from 2**63 u64
+
+
+class Launcher:
+    """``launcher(device, grid, args, options)`` does what ``kernel[grid](*args, **options)``
+    does, at a fraction of its host cost.
+
+    Triton's ``JITFunction.run`` redoes on every launch what rarely changes: it binds the
+    arguments to the signature, reads its knobs, asks the driver for the current device, formats
+    a cache key from the options, checks the kernel's globals and builds launch metadata for
+    hooks, tens of µs where a translation-sized kernel runs for a few. Like Inductor's launchers,
+    a Launcher keys each call by what Triton specializes a compiled kernel on (each tensor's dtype
+    and 16-byte alignment; each int's being 1, divisibility by 16 and width; the type of anything
+    else), the device and the ``options`` dict (from ``launch_options``: by identity), launches
+    the first call of a key through ``kernel[grid]`` (compiling if need be) and keeps the
+    compiled kernel; later calls go straight to it (``CompiledKernel.run``, where
+    ``JITFunction.run`` ends). ``grid`` is always (x, y, z).
+
+    ``kernel[grid]`` serves every call under the interpreter, while Triton launch hooks are
+    registered (a profiler's), and on a device other than the current one (under its guard).
+    """
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        jitted = getattr(kernel, "fn", kernel)  # the function itself where triton is absent
+        self._parameters = tuple(inspect.signature(jitted).parameters.values())
+        # key -> (the compiled kernel's launcher, function, packed metadata, the values of the
+        # parameters after args, options: kept so that its id cannot be reused)
+        self._compiled: dict[tuple, tuple] = {}
+
+    def __call__(self, device: torch.device, grid: tuple, args: tuple, options: dict) -> None:
+        if INTERPRETER:
+            self.kernel[grid](*args, **options)
+            return
+        index = device.index
+        tensor = torch.Tensor
+        key = (
+            id(options),
+            index,
+            *[
+                (a.dtype, a.data_ptr() & 15 == 0)
+                if isinstance(a, tensor)
+                else (a == 1, a & 15 == 0, -_I32 <= a < _I32, a >> 63)
+                if a.__class__ is int
+                else a.__class__  # float, bool, None: specialized by type only
+                for a in args
+            ],
+        )
+        compiled = self._compiled.get(key)
+        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        if (
+            compiled is None
+            or index != torch._C._cuda_getDevice()
+            or getattr(enter, "calls", enter)  # Triton's HookChain, or a hook set directly
+            or getattr(leave, "calls", leave)
+        ):
+            self._launch_and_keep(key, device, grid, args, options)
+            return
+        run, function, metadata, constexprs, _ = compiled
+        stream = torch._C._cuda_getCurrentRawStream(index)
+        run(*grid, stream, function, metadata, None, None, None, *args, *constexprs)
+
+    def _launch_and_keep(self, key, device, grid, args, options) -> None:
+        with device_guard(device):
+            compiled = self.kernel[grid](*args, **options)
+            if len(self._compiled) >= _MAX_COMPILED:
+                self._compiled.clear()
+            later = [  # every parameter after args, as JITFunction.run binds them
+                options.get(p.name, p.default) for p in self._parameters[len(args) :]
+            ]
+            self._compiled[key] = (
+                compiled.run,
+                compiled.function,
+                compiled.packed_metadata,
+                tuple(later),
+                options,
+            )

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fastnmt import dispatch, environment
-from fastnmt.ops import attention, attention_probabilities
+from fastnmt.ops import attention, attention_probabilities, triton_common
 from fastnmt.ops.triton_common import LaunchConfig, dropout_seed, gpu_tiles, use_gpu_tiles
 from tests.helpers import (
     TRITON_DEVICE,
@@ -17,6 +17,7 @@ from tests.helpers import (
     assert_error_within,
     attention_oracle,
     device_of,
+    python_calls,
     random_lengths,
     require_backend,
 )
@@ -453,30 +454,26 @@ def test_forced_triton_runs_every_mask_kind():
     assert explained["chosen"] == "triton" and explained["triton"] == []
 
 
-def test_triton_launches_under_a_guard_for_the_inputs_device(monkeypatch):
-    """So that tensors on cuda:1 launch on cuda:1 whatever the current device."""
-    guarded = []
-    guard = attention_module.device_guard
+def test_triton_launches_for_the_inputs_device(monkeypatch):
+    """Every launch names its inputs' device to its Launcher, which launches there whatever the
+    current device (tests/ops/test_triton_common.py), so tensors on cuda:1 run on cuda:1."""
+    devices = []
+    launch = triton_common.Launcher.__call__
 
-    def recording(device):
-        guarded.append(device)
-        return guard(device)
+    def recording(launcher, device, *args):
+        devices.append(device)
+        return launch(launcher, device, *args)
 
-    monkeypatch.setattr(attention_module, "device_guard", recording)
+    monkeypatch.setattr(triton_common.Launcher, "__call__", recording)
     q, k, v = _qkv(1, 1, 3, 5, 16, requires_grad=True, device=TRITON_DEVICE)
     out = _triton(q, k, v, 0.3)[0]
     out.backward(torch.randn_like(out))
     attention_module.dropout_keep_mask(dropout_seed(q.device), (1, 1, 3, 5), 0.3)
-    launchers = ["forward", "delta", "dK/dV and dQ", "dropout mask"]
-    assert guarded == [q.device] * len(launchers)
+    launches = ["forward", "delta", "dK/dV", "dQ", "dropout mask"]
+    assert devices == [q.device] * len(launches)
 
 
-TRITON_KERNELS = (
-    "_attention_forward_kernel",
-    "_attention_backward_delta_kernel",
-    "_attention_backward_dkdv_kernel",
-    "_attention_backward_dq_kernel",
-)
+TRITON_KERNELS = ("_FORWARD", "_DELTA", "_DKDV", "_DQ")  # their Launchers
 
 
 def test_triton_forward_and_backward_are_four_launches_and_their_outputs():
@@ -496,6 +493,57 @@ def test_triton_forward_and_backward_are_four_launches_and_their_outputs():
     assert (
         sum(name in ("empty", "full") for name in host.aten) == 2 + 4
     )  # (out, lse), (delta, dq, dk, dv)
+
+
+class _ThroughTriton:
+    """Stands in for a Launcher's kernel, counting the launches that go through
+    ``kernel[grid]`` (Triton's JITFunction.run on a GPU) in ``counted``."""
+
+    def __init__(self, kernel, counted: list):
+        self.kernel, self.counted = kernel, counted
+
+    def __getitem__(self, grid):
+        self.counted.append(grid)
+        return self.kernel[grid]
+
+
+def test_a_repeated_call_launches_the_compiled_kernels_directly_on_a_gpu(monkeypatch):
+    """Compiled (a GPU): after a signature's first call, each launch goes straight to the
+    compiled kernel, none through Triton's JITFunction.run; the interpreter takes kernel[grid]
+    for each of the four."""
+    counted = []
+    for name in TRITON_KERNELS:
+        launcher = getattr(attention_module, name)
+        monkeypatch.setattr(launcher, "kernel", _ThroughTriton(launcher.kernel, counted))
+    q, k, v = _qkv(2, 3, 9, 11, 24, requires_grad=True, device=TRITON_DEVICE)
+    with dispatch.backend("triton"):
+        for _ in range(2):
+            counted.clear()
+            attention(q, k, v, causal=True).sum().backward()
+    assert len(counted) == (0 if TRITON_DEVICE.type == "cuda" else len(TRITON_KERNELS))
+
+
+class _NoLaunch:
+    """A kernel whose launches do nothing: what is left of a call is its host work."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **options: None
+
+
+def test_the_host_work_of_a_triton_call_is_a_few_dozen_python_calls(monkeypatch):
+    """Forward + backward on the Triton path with the launches taken out (through kernel[grid],
+    two Python calls each): the dispatcher's cached decision, the autograd.Function, the launch
+    plans cached per signature and four Launcher calls. SDPA's forward + backward makes 14 (the
+    ``sum`` and ``backward`` of the step are most of them); ours made 67 on 2026-11-26, 164
+    before the launch plans were cached and triton's constexpr-function ``cdiv`` replaced."""
+    monkeypatch.setattr(triton_common, "INTERPRETER", True)  # kernel[grid] on a GPU too
+    for name in TRITON_KERNELS:
+        monkeypatch.setattr(getattr(attention_module, name), "kernel", _NoLaunch())
+    q, k, v = _qkv(2, 2, 4, 8, 8, requires_grad=True, device=TRITON_DEVICE)
+    lengths = torch.tensor([8, 3], device=TRITON_DEVICE)
+    with gpu_tiles(), dispatch.backend("triton"):
+        calls = python_calls(lambda: attention(q, k, v, key_lengths=lengths).sum().backward())
+    assert calls <= 70
 
 
 def test_opcheck_forward_and_backward_ops():

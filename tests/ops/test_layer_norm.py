@@ -330,11 +330,7 @@ def test_triton_at_gpu_tiles(triton_device, width, dtype, prenorm):
             _assert_dropout_backward_matches_oracle(rows, width, prenorm, triton_device)
 
 
-_KERNELS = [
-    "_add_layer_norm_forward_kernel",
-    "_add_layer_norm_backward_kernel",
-    "_sum_partials_kernel",
-]
+_KERNELS = ["_FORWARD", "_BACKWARD", "_SUM_PARTIALS"]  # their Launchers
 # aten ops that launch no GPU kernel: views, and allocations (the interpreter fills new outputs
 # with NaN, a GPU leaves them empty).
 _NO_LAUNCH = {"view", "_unsafe_view", "reshape", "detach", "empty", "full", "new_empty"}

@@ -1,10 +1,12 @@
-"""Shared Triton helpers: dot precision, device guard, GPU tiles (fastnmt/ops/triton_common.py)."""
+"""Shared Triton helpers: dot precision, device guard, GPU tiles, the Launcher
+(fastnmt/ops/triton_common.py)."""
 
 import contextlib
 
 import pytest
 import torch
 
+from fastnmt._triton import tl
 from fastnmt.ops import triton_common
 
 
@@ -41,3 +43,185 @@ def test_gpu_tiles_is_scoped():
     with triton_common.gpu_tiles():
         assert triton_common.use_gpu_tiles()
     assert triton_common.use_gpu_tiles() == outside == torch.cuda.is_available()
+
+
+# ---------------------------------------------------------------------------------------------
+# Launcher: the compiled path, driven by a stand-in kernel on any machine (the interpreter has no
+# compiled kernels; on a GPU every op test runs it for real).
+# ---------------------------------------------------------------------------------------------
+
+
+def _signature(X, Y, n, stride, p, FLAG: tl.constexpr, BLOCK: tl.constexpr = 16):
+    """The parameters of the stand-in kernel: pointers, ints, a float, constexprs (one with a
+    default)."""
+
+
+class _Compiled:
+    """What ``kernel[grid](...)`` returns on a GPU: a launcher and its handles."""
+
+    def __init__(self, launches):
+        self.run = lambda *args: launches.append(("direct", args))
+        self.function, self.packed_metadata = "function", "metadata"
+
+
+class _Kernel:
+    """A JITFunction's interface: ``fn``, and ``kernel[grid](*args, **options)`` compiling."""
+
+    fn = staticmethod(_signature)
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **options):
+            self.launches.append(("jit", grid, args, options))
+            return _Compiled(self.launches)
+
+        return launch
+
+    @property
+    def paths(self):
+        return [launch[0] for launch in self.launches]
+
+
+@pytest.fixture
+def compiled_path(monkeypatch):
+    """As on a GPU whose current device is cuda:0, with no launch hooks."""
+    monkeypatch.setattr(triton_common, "INTERPRETER", False)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    stream = lambda index: 7 + index  # noqa: E731
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", stream, raising=False)
+    guarded = []
+
+    def guard(device):
+        guarded.append(device)
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(triton_common, "device_guard", guard)
+    return guarded
+
+
+CUDA0, CUDA1 = torch.device("cuda", 0), torch.device("cuda", 1)
+OPTIONS = triton_common.launch_options(FLAG=True, num_warps=4)
+
+
+def _args(x=None, n=32, stride=48, p=0.5):
+    x = torch.zeros(64) if x is None else x
+    return (x, None, n, stride, p)
+
+
+def test_launcher_compiles_once_then_launches_the_compiled_kernel(compiled_path):
+    kernel = _Kernel()
+    launcher = triton_common.Launcher(kernel)
+    x = torch.zeros(64)
+    launcher(CUDA0, (3, 2, 1), _args(x), OPTIONS)
+    assert kernel.launches == [("jit", (3, 2, 1), _args(x), OPTIONS)]
+    y = torch.ones(64)  # another tensor and other ints of the same specialization
+    launcher(CUDA0, (5, 1, 1), _args(y, n=64, stride=16, p=0.25), OPTIONS)
+    launch = (5, 1, 1, 7, "function", "metadata", None, None, None)
+    # the arguments, then FLAG and BLOCK's default:
+    expected = (*launch, *_args(y, n=64, stride=16, p=0.25), True, 16)
+    assert kernel.launches[1] == ("direct", expected)
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        (dict(), dict(x=torch.zeros(64, dtype=torch.float16))),  # dtype
+        (dict(), dict(x=torch.zeros(64)[1:])),  # not 16-byte aligned
+        (dict(), dict(n=1)),  # 1 is a constexpr to Triton
+        (dict(), dict(n=33)),  # not divisible by 16
+        (dict(), dict(stride=2**31)),  # i32 -> i64
+        (dict(stride=2**40), dict(stride=2**63)),  # i64 -> u64
+        (dict(), dict(p=None)),  # a constexpr None
+    ],
+    ids=["dtype", "alignment", "one", "divisibility", "i64", "u64", "none"],
+)
+def test_launcher_compiles_again_for_another_specialization(compiled_path, before, after):
+    kernel = _Kernel()
+    launcher = triton_common.Launcher(kernel)
+    launcher(CUDA0, (1, 1, 1), _args(**before), OPTIONS)
+    launcher(CUDA0, (1, 1, 1), _args(**{**before, **after}), OPTIONS)
+    assert kernel.paths == ["jit", "jit"]
+
+
+def test_launcher_keys_by_the_options_dict_and_the_device(compiled_path):
+    kernel = _Kernel()
+    launcher = triton_common.Launcher(kernel)
+    launcher(CUDA0, (1, 1, 1), _args(), OPTIONS)
+    launcher(CUDA0, (1, 1, 1), _args(), triton_common.launch_options(FLAG=False, num_warps=4))
+    assert triton_common.launch_options(FLAG=True, num_warps=4) is OPTIONS  # interned
+    launcher(CUDA1, (1, 1, 1), _args(), OPTIONS)
+    assert kernel.paths == ["jit", "jit", "jit"]
+    assert compiled_path == [CUDA0, CUDA0, CUDA1]  # each compile under its device's guard
+
+
+def test_launcher_launches_off_the_current_device_under_its_guard(compiled_path):
+    kernel = _Kernel()
+    launcher = triton_common.Launcher(kernel)
+    for _ in range(2):
+        launcher(CUDA1, (1, 1, 1), _args(), OPTIONS)
+    assert kernel.paths == ["jit", "jit"] and compiled_path == [CUDA1, CUDA1]
+
+
+def test_launcher_leaves_launches_to_triton_while_a_launch_hook_is_registered(
+    compiled_path, monkeypatch
+):
+    kernel = _Kernel()
+    launcher = triton_common.Launcher(kernel)
+    launcher(CUDA0, (1, 1, 1), _args(), OPTIONS)
+    hooks = triton_common.knobs.runtime.launch_enter_hook
+    monkeypatch.setattr(hooks, "calls", [lambda metadata: None])  # e.g. a profiler's
+    launcher(CUDA0, (1, 1, 1), _args(), OPTIONS)
+    assert kernel.paths == ["jit", "jit"]
+
+
+def test_launcher_under_the_interpreter_always_goes_through_the_kernel(monkeypatch):
+    monkeypatch.setattr(triton_common, "INTERPRETER", True)
+    kernel = _Kernel()
+    launcher = triton_common.Launcher(kernel)
+    for _ in range(2):
+        launcher(torch.device("cpu"), (1, 1, 1), _args(), OPTIONS)
+    assert kernel.paths == ["jit", "jit"]
+
+
+def _triton_specializations():
+    """Triton's own binder of ``_signature`` for an sm_90 GPU, built without one: args ->
+    the specialization a compiled kernel is cached under."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    jitted = JITFunction(_signature)
+    binder = create_function_from_signature(
+        jitted.signature, jitted.params, make_backend(GPUTarget("cuda", 90, 32))
+    )
+    return lambda args: tuple(binder(*args, FLAG=True)[1])
+
+
+def test_launcher_compiles_again_whenever_triton_would_specialize_differently(compiled_path):
+    """Random argument pairs: when Triton's binder specializes them differently, the Launcher
+    must not reuse the first one's compiled kernel for the second."""
+    specialization = _triton_specializations()
+    generator = torch.Generator().manual_seed(0)
+    storage = torch.zeros(64, dtype=torch.float16)
+    ints = [0, 1, 2, 15, 16, 17, 48, -1, -16, 2**31 - 16, 2**31, -(2**31), 2**40, 2**63]
+
+    choices = [
+        (storage, storage[1:], storage[8:], storage.float()),
+        (None, storage),
+        ints,
+        ints,
+        (0.5, 1.0, None),
+    ]
+    pick = lambda n: int(torch.randint(n, (), generator=generator))  # noqa: E731
+    for _ in range(500):  # pairs that differ in one argument
+        first = [options[pick(len(options))] for options in choices]
+        second, position = list(first), pick(len(choices))
+        second[position] = choices[position][pick(len(choices[position]))]
+        kernel = _Kernel()
+        launcher = triton_common.Launcher(kernel)
+        launcher(CUDA0, (1, 1, 1), tuple(first), OPTIONS)
+        launcher(CUDA0, (1, 1, 1), tuple(second), OPTIONS)
+        if specialization(first) != specialization(second):
+            assert kernel.paths == ["jit", "jit"], (first[2:], second[2:])
