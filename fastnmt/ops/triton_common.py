@@ -24,7 +24,7 @@
 - ``Launcher``: ``kernel[grid](*args, **options)`` without the per-launch work of Triton's
   ``JITFunction.run``, and ``launch_options(**options)``, the cached options it keys on.
 - ``cdiv`` and ``power_of_2_at_least``: host arithmetic for grids and blocks (triton's
-  ``cdiv`` / ``next_power_of_2`` are constexpr functions, a wrapper call each, since 3.7).
+  ``cdiv`` / ``next_power_of_2`` are constexpr functions, a wrapper call each, in 3.6 and 3.9).
 """
 
 from __future__ import annotations
