@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 import torch
 
-from fastnmt._triton import knobs
+from fastnmt._triton import knobs, tl
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 _GPU_TILES: ContextVar[bool] = ContextVar("fastnmt_gpu_tiles", default=not INTERPRETER)
@@ -135,6 +135,11 @@ def launch_options(**options) -> dict:
     return _interned(tuple(options.items()))
 
 
+def _is_constexpr(parameter: inspect.Parameter) -> bool:
+    # "tl.constexpr" where the kernel's module has ``from __future__ import annotations``
+    return parameter.annotation is tl.constexpr or "constexpr" in str(parameter.annotation)
+
+
 # A compiled kernel per specialization; past this many a Launcher starts afresh.
 _MAX_COMPILED = 1024
 _I32 = 2**31  # ints in [-2**31, 2**31) are i32 arguments, others i64, from 2**63 u64
@@ -200,6 +205,10 @@ class Launcher:
         run(*grid, stream, function, metadata, None, None, None, *args, *constexprs)
 
     def _launch_and_keep(self, key, device, grid, args, options) -> None:
+        # A constexpr among args would be keyed by its specialization, not its value.
+        assert not any(_is_constexpr(p) for p in self._parameters[: len(args)]), (
+            f"{self.kernel}: pass constexprs in options"
+        )
         with device_guard(device):
             compiled = self.kernel[grid](*args, **options)
             if len(self._compiled) >= _MAX_COMPILED:

@@ -225,3 +225,11 @@ def test_launcher_compiles_again_whenever_triton_would_specialize_differently(co
         launcher(CUDA0, (1, 1, 1), tuple(second), OPTIONS)
         if specialization(first) != specialization(second):
             assert kernel.paths == ["jit", "jit"], (first[2:], second[2:])
+
+
+def test_launcher_refuses_constexprs_among_the_arguments(compiled_path):
+    """Arguments are keyed by their specialization (32 and 48 alike), a constexpr by its value:
+    constexprs go in the options."""
+    launcher = triton_common.Launcher(_Kernel())
+    with pytest.raises(AssertionError, match="constexprs in options"):
+        launcher(CUDA0, (1, 1, 1), (*_args(), True), OPTIONS)
