@@ -27,6 +27,7 @@ def _seeded_and_auto_backend(monkeypatch):
     """Fresh seeded randomness per test, and no backend forced from the environment (which
     fastnmt reads at import and on ``environment.reload()``: tests that set a variable reload)."""
     monkeypatch.delenv(fastnmt.environment.BACKEND, raising=False)
+    monkeypatch.delenv(fastnmt.environment.FFN_FUSED_GEMM, raising=False)
     fastnmt.environment.reload()
     torch.manual_seed(0)
     yield

@@ -5,22 +5,18 @@ kernel) and on the fused-GEMM path (``FASTNMT_FFN_FUSED_GEMM=1``: Triton GEMMs w
 activation and dropout in their epilogues). Which is faster on a GPU decides the default of
 ``fastnmt.ops.feed_forward``: compare the rows "fused GEMM" and "library GEMM"."""
 
-import importlib
-
 import pytest
 from torch import nn
 
+from fastnmt import environment
 from fastnmt.ops import feed_forward
-
-# The module, not the function fastnmt.ops re-exports under the same name.
-FUSED_GEMM_ENV_VAR = importlib.import_module("fastnmt.ops.feed_forward").FUSED_GEMM_ENV_VAR
 
 
 @pytest.mark.parametrize("gemm", ["library", "fused"])
 def test_feed_forward(bench, monkeypatch, gemm):
     if gemm == "fused" and bench.impl != "triton":
         pytest.skip("only the Triton backend has a fused-GEMM path")
-    monkeypatch.setenv(FUSED_GEMM_ENV_VAR, "1" if gemm == "fused" else "0")
+    monkeypatch.setattr(environment, "ffn_fused_gemm", gemm == "fused")  # FASTNMT_FFN_FUSED_GEMM
     case = bench.case
     width, hidden = case.d_model, 4 * case.d_model
     x = bench.randn(case.batch * case.max_len, width)

@@ -47,12 +47,11 @@ M*K*F GEMM in the backward (a third more backward FLOPs) to save M*F elements of
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 
-from fastnmt import _checks, dispatch
+from fastnmt import _checks, dispatch, environment
 from fastnmt._triton import tl, triton
 from fastnmt.ops import registration, triton_common
 from fastnmt.ops.layer_norm import apply_dropout
@@ -293,14 +292,14 @@ def _elementwise_block() -> int:
 
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-FUSED_GEMM_ENV_VAR = "FASTNMT_FFN_FUSED_GEMM"
 
 
-# torch.compile cannot trace os.environ; the path is a constant of the compiled graph.
+# The path is a constant of a compiled graph.
 @torch.compiler.assume_constant_result
 def fused_gemm_requested() -> bool:
-    """Whether ``FASTNMT_FFN_FUSED_GEMM=1`` asks for the fused-GEMM path on every call."""
-    return os.environ.get(FUSED_GEMM_ENV_VAR) == "1"
+    """Whether ``FASTNMT_FFN_FUSED_GEMM=1`` (``fastnmt.environment``, read at import) asks for
+    the fused-GEMM path on every call."""
+    return environment.ffn_fused_gemm
 
 
 def _output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

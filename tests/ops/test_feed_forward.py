@@ -136,7 +136,6 @@ def test_swish_is_silu(backend):
 def triton_backend(monkeypatch):
     """Forces the Triton kernels (output buffers start as NaN under the interpreter), on the
     default path unless a test asks for the other."""
-    monkeypatch.delenv(feed_forward_module.FUSED_GEMM_ENV_VAR, raising=False)
     with fastnmt.backend("triton"):
         yield
 
@@ -357,7 +356,8 @@ def test_triton_traced_by_torch_compile(
     triton_backend, triton_device, monkeypatch, fused_gemm, activation
 ):
     """Traced with fullgraph=True, dropout included: same seed, same loss and gradients."""
-    monkeypatch.setenv(feed_forward_module.FUSED_GEMM_ENV_VAR, "1" if fused_gemm else "0")
+    monkeypatch.setenv(fastnmt.environment.FFN_FUSED_GEMM, "1" if fused_gemm else "0")
+    fastnmt.environment.reload()
     inputs = [t.requires_grad_() for t in _inputs(5, 8, 12, device=triton_device)]
     step = lambda *a: (feed_forward(*a, activation, dropout_p=0.2) ** 2).sum()  # noqa: E731
     torch._dynamo.reset()  # the backend is chosen at trace time: no graph from another backend
@@ -401,7 +401,8 @@ def test_triton_path_is_the_library_gemm_unless_asked(triton_backend, triton_dev
 
     assert gemm_kernel_launches() == 0
     assert gemm_kernel_launches(fused_gemm=True) == 2
-    monkeypatch.setenv(feed_forward_module.FUSED_GEMM_ENV_VAR, "1")
+    monkeypatch.setenv(fastnmt.environment.FFN_FUSED_GEMM, "1")
+    fastnmt.environment.reload()
     assert gemm_kernel_launches() == 2
     assert gemm_kernel_launches(fused_gemm=False) == 0
 
