@@ -233,3 +233,46 @@ def test_launcher_refuses_constexprs_among_the_arguments(compiled_path):
     launcher = triton_common.Launcher(_Kernel())
     with pytest.raises(AssertionError, match="constexprs in options"):
         launcher(CUDA0, (1, 1, 1), (*_args(), True), OPTIONS)
+
+
+class _Driver:
+    """Triton's ``driver`` as a GPU machine's: device 0, its stream, an sm_90 target."""
+
+    def __init__(self):
+        from triton.backends.compiler import GPUTarget
+
+        self.active = self
+        self.target = GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device):
+        return 7 + device
+
+    def get_current_target(self):
+        return self.target
+
+
+def test_launcher_passes_what_triton_run_passes_to_the_compiled_kernel(compiled_path, monkeypatch):
+    """Triton's own ``JITFunction.run`` (binding, defaults, constexprs, grid) launches the first
+    call, on a driver that answers as a GPU machine's and a compile that returns a recording
+    kernel; the Launcher's direct launch of the second must hand the compiled kernel the same
+    arguments, but for the launch metadata and hooks (None: no hook is registered)."""
+    from triton.runtime import jit
+
+    monkeypatch.setattr(jit, "driver", _Driver())
+    kernel = jit.JITFunction(_signature)
+    runs = []
+    compiled = _Compiled(runs)
+    compiled.run = lambda *args: runs.append(args)
+    compiled.launch_metadata = lambda *args: "metadata of the hooks"
+    monkeypatch.setattr(kernel, "_do_compile", lambda *args, **kwargs: compiled)
+    launcher = triton_common.Launcher(kernel)
+    args = _args(torch.zeros(64, dtype=torch.float16), n=48, stride=16, p=0.25)
+    for _ in range(2):
+        launcher(CUDA0, (3, 2, 1), args, OPTIONS)
+    through_triton, direct = runs
+    assert direct[:6] == through_triton[:6]  # grid, stream, function, packed metadata
+    assert direct[6:9] == (None, None, None)  # launch metadata and the hooks
+    assert direct[9:] == through_triton[9:] == (*args, True, 16)
