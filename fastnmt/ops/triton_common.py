@@ -181,11 +181,11 @@ class Launcher:
         key = (
             id(options),
             index,
-            *[
-                (a.dtype, a.data_ptr() & 15 == 0)
-                if isinstance(a, tensor)
-                else (a == 1, a & 15 == 0, -_I32 <= a < _I32, a >> 63)
+            *[  # ints first (most arguments are), each by what Triton's specialization reads
+                (a & 15 if a != 1 and -_I32 <= a < _I32 else (a >> 31, a & 15))
                 if a.__class__ is int
+                else (a.dtype, a.data_ptr() & 15)
+                if isinstance(a, tensor)
                 else a.__class__  # float, bool, None: specialized by type only
                 for a in args
             ],

@@ -205,7 +205,8 @@ def test_launcher_compiles_again_whenever_triton_would_specialize_differently(co
     specialization = _triton_specializations()
     generator = torch.Generator().manual_seed(0)
     storage = torch.zeros(64, dtype=torch.float16)
-    ints = [0, 1, 2, 15, 16, 17, 48, -1, -16, 2**31 - 16, 2**31, -(2**31), 2**40, 2**63]
+    ints = [0, 1, 2, 15, 16, 17, 48, -1, -16, 2**31 - 16, 2**31, 2**31 + 1, -(2**31)]
+    ints += [-(2**31) - 1, -(2**31) - 16, 2**40, 2**40 + 3, 2**63, 2**63 + 16, 2**63 + 5]
 
     choices = [
         (storage, storage[1:], storage[8:], storage.float()),
