@@ -21,29 +21,11 @@ import pytest
 import torch
 
 from fastnmt.ops import triton_common
+from tests.helpers import StandInDriver
 
 attention_module = importlib.import_module("fastnmt.ops.attention")
 ON_GPU = torch.cuda.is_available()
 SAMPLES, LAUNCHES_PER_SAMPLE = 15, 500
-
-
-class _StandInDriver:
-    """Triton's ``driver`` of a GPU machine: device 0, a stream, an sm_90 target."""
-
-    def __init__(self):
-        from triton.backends.compiler import GPUTarget
-
-        self.active = self
-        self.target = GPUTarget("cuda", 90, 32)
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device):
-        return 7
-
-    def get_current_target(self):
-        return self.target
 
 
 class _NoLaunch:
@@ -65,7 +47,7 @@ def kernel(monkeypatch):
         return attention_module._attention_forward_kernel
     from triton.runtime import jit
 
-    monkeypatch.setattr(jit, "driver", _StandInDriver())
+    monkeypatch.setattr(jit, "driver", StandInDriver())
     monkeypatch.setattr(triton_common, "INTERPRETER", False)
     monkeypatch.setattr(triton_common, "device_guard", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)

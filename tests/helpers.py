@@ -232,3 +232,24 @@ def python_calls(step) -> int:
     finally:
         sys.setprofile(None)
     return calls
+
+
+class StandInDriver:
+    """Triton's ``driver`` (``triton.runtime.jit.driver``) as a GPU machine's: device 0, its
+    stream 7, an sm_90 target, so that Triton's own ``JITFunction.run`` runs without a GPU up to
+    the compiled kernel's launch (which the caller stands in for too)."""
+
+    def __init__(self):
+        from triton.backends.compiler import GPUTarget
+
+        self.active = self
+        self.target = GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device):
+        return 7 + device
+
+    def get_current_target(self):
+        return self.target

@@ -8,6 +8,7 @@ import torch
 
 from fastnmt._triton import tl
 from fastnmt.ops import triton_common
+from tests.helpers import StandInDriver
 
 
 @pytest.mark.parametrize(
@@ -236,25 +237,6 @@ def test_launcher_refuses_constexprs_among_the_arguments(compiled_path):
         launcher(CUDA0, (1, 1, 1), (*_args(), True), OPTIONS)
 
 
-class _Driver:
-    """Triton's ``driver`` as a GPU machine's: device 0, its stream, an sm_90 target."""
-
-    def __init__(self):
-        from triton.backends.compiler import GPUTarget
-
-        self.active = self
-        self.target = GPUTarget("cuda", 90, 32)
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device):
-        return 7 + device
-
-    def get_current_target(self):
-        return self.target
-
-
 def test_launcher_passes_what_triton_run_passes_to_the_compiled_kernel(compiled_path, monkeypatch):
     """Triton's own ``JITFunction.run`` (binding, defaults, constexprs, grid) launches the first
     call, on a driver that answers as a GPU machine's and a compile that returns a recording
@@ -262,7 +244,7 @@ def test_launcher_passes_what_triton_run_passes_to_the_compiled_kernel(compiled_
     arguments, but for the launch metadata and hooks (None: no hook is registered)."""
     from triton.runtime import jit
 
-    monkeypatch.setattr(jit, "driver", _Driver())
+    monkeypatch.setattr(jit, "driver", StandInDriver())
     kernel = jit.JITFunction(_signature)
     runs = []
     compiled = _Compiled(runs)
