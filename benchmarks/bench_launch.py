@@ -21,23 +21,11 @@ import pytest
 import torch
 
 from fastnmt.ops import triton_common
-from tests.helpers import StandInDriver
+from tests.helpers import StandInCompiled, StandInDriver
 
 attention_module = importlib.import_module("fastnmt.ops.attention")
 ON_GPU = torch.cuda.is_available()
 SAMPLES, LAUNCHES_PER_SAMPLE = 15, 500
-
-
-class _NoLaunch:
-    """A compiled kernel whose launch does nothing."""
-
-    function, packed_metadata = 1, (4, 1, 0)
-
-    def run(self, *args):
-        pass
-
-    def launch_metadata(self, grid, stream, *args):
-        return None
 
 
 @pytest.fixture
@@ -53,7 +41,7 @@ def kernel(monkeypatch):
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
     stand_in = jit.JITFunction(attention_module._attention_forward_kernel.fn)
-    compiled = _NoLaunch()
+    compiled = StandInCompiled()  # its launch does nothing
 
     def compile_once(key, signature, device, *_):
         stand_in.device_caches[device][0][key] = compiled  # as Triton's cache keeps a kernel

@@ -253,3 +253,21 @@ class StandInDriver:
 
     def get_current_target(self):
         return self.target
+
+
+class StandInCompiled:
+    """What Triton's ``kernel[grid](...)`` returns on a GPU (a ``CompiledKernel``): the handles
+    a launch passes and its launcher ``run``, which records each launch's arguments as
+    ("run", args) in ``launches`` when given one."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self, launches: list | None = None):
+        self.launches = launches
+
+    def run(self, *args):
+        if self.launches is not None:
+            self.launches.append(("run", args))
+
+    def launch_metadata(self, grid, stream, *args):
+        return "metadata of the hooks"

@@ -12,8 +12,8 @@
   two loads. A kernel derives each element's random number from (seed, offset, the element's
   index) only, e.g. ``tl.rand(seed, offset + e)``, never from its tiling, so a backward pass
   regenerates the forward's mask exactly.
-- ``device_guard(device)``: launches go to the current CUDA device, so every launcher runs under
-  this guard for its tensors' device (``cuda:1``, the ranks of a DDP job).
+- ``device_guard(device)``: launches go to the current CUDA device, so a ``Launcher`` launches
+  under this guard for its tensors' device when that is not the current one (``cuda:1``).
 - ``dot_precision(dtype)``: the ``input_precision`` of ``tl.dot`` on ``dtype`` operands; fp32
   follows torch's own switch (``torch.backends.cuda.matmul.allow_tf32`` /
   ``torch.set_float32_matmul_precision``), as cuBLAS does for ``torch.matmul``.

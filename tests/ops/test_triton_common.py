@@ -8,7 +8,7 @@ import torch
 
 from fastnmt._triton import tl
 from fastnmt.ops import triton_common
-from tests.helpers import StandInDriver
+from tests.helpers import StandInCompiled, StandInDriver
 
 
 @pytest.mark.parametrize(
@@ -57,14 +57,6 @@ def _signature(X, Y, n, stride, p, FLAG: tl.constexpr, BLOCK: tl.constexpr = 16)
     default)."""
 
 
-class _Compiled:
-    """What ``kernel[grid](...)`` returns on a GPU: a launcher and its handles."""
-
-    def __init__(self, launches):
-        self.run = lambda *args: launches.append(("direct", args))
-        self.function, self.packed_metadata = "function", "metadata"
-
-
 class _Kernel:
     """A JITFunction's interface: ``fn``, and ``kernel[grid](*args, **options)`` compiling."""
 
@@ -76,7 +68,7 @@ class _Kernel:
     def __getitem__(self, grid):
         def launch(*args, **options):
             self.launches.append(("jit", grid, args, options))
-            return _Compiled(self.launches)
+            return StandInCompiled(self.launches)
 
         return launch
 
@@ -122,7 +114,7 @@ def test_launcher_compiles_once_then_launches_the_compiled_kernel(compiled_path)
     launch = (5, 1, 1, 7, "function", "metadata", None, None, None)
     # the arguments, then FLAG and BLOCK's default:
     expected = (*launch, *_args(y, n=64, stride=16, p=0.25), True, 16)
-    assert kernel.launches[1] == ("direct", expected)
+    assert kernel.launches[1] == ("run", expected)
 
 
 @pytest.mark.parametrize(
@@ -247,15 +239,13 @@ def test_launcher_passes_what_triton_run_passes_to_the_compiled_kernel(compiled_
     monkeypatch.setattr(jit, "driver", StandInDriver())
     kernel = jit.JITFunction(_signature)
     runs = []
-    compiled = _Compiled(runs)
-    compiled.run = lambda *args: runs.append(args)
-    compiled.launch_metadata = lambda *args: "metadata of the hooks"
+    compiled = StandInCompiled(runs)
     monkeypatch.setattr(kernel, "_do_compile", lambda *args, **kwargs: compiled)
     launcher = triton_common.Launcher(kernel)
     args = _args(torch.zeros(64, dtype=torch.float16), n=48, stride=16, p=0.25)
     for _ in range(2):
         launcher(CUDA0, (3, 2, 1), args, OPTIONS)
-    through_triton, direct = runs
+    (_, through_triton), (_, direct) = runs
     assert direct[:6] == through_triton[:6]  # grid, stream, function, packed metadata
     assert direct[6:9] == (None, None, None)  # launch metadata and the hooks
     assert direct[9:] == through_triton[9:] == (*args, True, 16)
