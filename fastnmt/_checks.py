@@ -60,8 +60,9 @@ def positive(name: str, value) -> float:
 
 
 def autocasting(device: torch.device) -> bool:
-    """Under autocast, activations and weights may legitimately differ in dtype."""
-    return torch.is_autocast_enabled(device.type)
+    """Under autocast, activations and weights may legitimately differ in dtype. Devices without
+    autocast (meta: shape-only runs of a model) never autocast; asking them raises."""
+    return torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type)
 
 
 def values_checked() -> bool:
