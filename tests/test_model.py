@@ -34,7 +34,6 @@ def test_forward_shapes_and_gradients(prenorm):
     assert all(p.grad is not None for p in model.parameters())
 
 
-
 def test_a_shape_only_training_step_on_the_meta_device():
     """Meta tensors (a model built under ``torch.device("meta")``, as for memory planning or
     FLOP counting) run forward, the fused loss and backward: shapes, no data."""
@@ -48,6 +47,7 @@ def test_a_shape_only_training_step_on_the_meta_device():
         loss.backward()
     assert states.shape == (3, 5, 32) and states.device.type == "meta"
     assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
+
 
 def test_embeddings_are_tied_and_padding_is_zero():
     model = Transformer(SMALL)
