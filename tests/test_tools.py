@@ -40,12 +40,50 @@ def test_gpu_bench_selects_groups_and_refuses_a_cpu_without_smoke():
     assert full.returncode == 2 and "no CUDA device" in full.stderr
 
 
-def _gpu_bench():
-    spec = importlib.util.spec_from_file_location("gpu_bench", ROOT / "tools" / "gpu_bench.py")
+def _tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_bench"] = module  # dataclasses look their module up there
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def _gpu_bench():
+    return _tool("gpu_bench")
+
+
+def test_attention_sweep_runs_its_variants_and_saves_the_base_case(tmp_path):
+    """Every variant in the interpreter, which passes them all (each forced config included);
+    on a GPU the first two (the base case compiled; the verdict is test_attention's)."""
+    sweep = _tool("attention_sweep")
+    first = 2 if torch.cuda.is_available() else len(sweep.variants())
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "attention_sweep.py"), str(tmp_path), "--first",
+         str(first)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    for name, _, _ in sweep.variants()[:first]:
+        for mask in ("full", "causal"):
+            line = next(x for x in result.stdout.splitlines() if x.startswith(f"{name}, {mask} "))
+            assert all(f"{t} " in line for t in ("out", "dq", "dk", "dv")), line
+            assert torch.cuda.is_available() or "!" not in line, line
+    assert result.stdout.splitlines()[-1].endswith(" variant runs over the bound")
+    saved = torch.load(tmp_path / "attention-case.pt")
+    assert saved["causal"]["causal"] and not saved["full"]["causal"]
+    case = saved["full"]
+    assert case["q"].shape == (3, 1, 45, 112) and case["dv"].shape == (3, 1, 70, 65)
+    assert case["dq"].dtype == torch.bfloat16 and case["key_lengths"].tolist() == [70, 0, 1]
+
+
+def test_attention_sweep_forces_one_kernels_config_and_restores_the_choice():
+    sweep = _tool("attention_sweep")
+    attention, config = sweep.attention_module, sweep.OTHER_CONFIGS["dq"][0]
+    choose = attention.launch_config
+    with sweep.forced_configs({"dq": config}):
+        assert attention.launch_config("dq", 45, 70, 112) == config
+        assert attention.launch_config("dkdv", 45, 70, 112) == choose("dkdv", 45, 70, 112)
+    assert attention.launch_config is choose
 
 
 def test_training_run_summary_reads_the_metrics_log(tmp_path):
