@@ -63,6 +63,12 @@ def variants() -> list[tuple[str, dict, dict]]:
         ("no mask", dict(masks="none")),
         ("padding mask", dict(masks="padding")),
         ("one sentence (full length)", dict(batch=1)),
+        # Only the full case reaches a key block that is partly past the keys (keys 64-69 of
+        # dK/dV's 64-key blocks and dQ's 16-key ones, in sentence 0): the causal one, which
+        # passed, stops at query 45. Key counts at and across those block edges:
+        ("45 x 64", dict(lk=64)),
+        ("45 x 65", dict(lk=65)),
+        ("45 x 128", dict(lk=128)),
         ("64 x 64", dict(lq=64, lk=64)),
         ("45 x 45", dict(lk=45)),
         ("32 x 70", dict(lq=32)),
