@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastnmt
 import fastnmt.integrations.transformers as fastnmt_hf
@@ -34,12 +35,13 @@ def test_eval_logits_and_state_dict_unchanged(family, tmp_path):
     torch.testing.assert_close(reloaded(**batch).logits, eager(**batch).logits)
 
 
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
 @pytest.mark.parametrize("unlabelled_sentence", [False, True])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_training_loss_and_gradients_match_without_logits(family, unlabelled_sentence):
+def test_training_loss_and_gradients_match_without_logits(family, unlabelled_sentence, packing):
     """Also with a sentence whose labels are all ignored: its decoder positions are all
-    padding, so the packed decoder holds none of them."""
-    eager, fused = patched(family)
+    padding, so the packed decoder holds none of them (and the padded one masks them all)."""
+    eager, fused = patched(family, packing=packing)
     batch = padded_batch("left", torch.Generator().manual_seed(5))
     if unlabelled_sentence:  # shifted first: mBART's own shift needs a label in every row
         batch["decoder_input_ids"] = fastnmt_hf.layers._decoder_inputs(eager, batch["labels"])
@@ -116,6 +118,49 @@ def test_layers_compute_only_the_kept_positions(family, monkeypatch):
     rows.clear()
     fused.eval()(**batch)  # with a KV cache the decoder stays padded
     assert rows == [encoder] * 2 + [batch["labels"].numel()] * 2
+    rows.clear()
+    padded = fastnmt_hf.apply_fastnmt(copy.deepcopy(fused), packing=False)
+    padded.train()(**batch).loss.backward()
+    assert rows == [batch["input_ids"].numel()] * 2 + [batch["labels"].numel()] * 2
+
+
+def test_layers_pack_on_cpus_unless_told():
+    packs, cpu, cuda = fastnmt_hf.layers.packs, torch.device("cpu"), torch.device("cuda", 1)
+    assert packs(None, cpu) and not packs(None, cuda)
+    assert packs(True, cuda) and not packs(False, cpu)
+
+
+class _AtenOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _step_aten_ops(model, batch) -> list[str]:
+    """The aten ops of a training step (forward and backward), after a first one."""
+    model.train()(**batch).loss.backward()
+    with _AtenOps() as recorded:
+        model(**batch).loss.backward()
+    return recorded.ops
+
+
+def test_padded_layers_dispatch_fewer_ops_than_sdpa_and_sync_once():
+    """What a GPU pays for: a training step's host work grows with its ops (the packed layers
+    dispatch more than SDPA's model: index_put and transposes to unpack q, k and v for each
+    attention call, and their backward), and each nonzero() waits for the device."""
+    sdpa, padded = patched("marian", packing=False)
+    sdpa.set_attn_implementation("sdpa")
+    batch = padded_batch("right", torch.Generator().manual_seed(12))
+    ops = _step_aten_ops(padded, batch)
+    assert len(ops) < len(_step_aten_ops(sdpa, batch))
+    assert ops.count("nonzero") == 1  # the fused loss's labelled rows
+    packed = fastnmt_hf.apply_fastnmt(copy.deepcopy(padded), packing=True)
+    # and one per mask the layers of a stack share: the encoder's, the decoder's, the memory's
+    assert _step_aten_ops(packed, batch).count("nonzero") == 1 + 3
 
 
 @pytest.mark.parametrize("padding", ["right", "left"])
