@@ -1,8 +1,10 @@
 """Oracles and comparisons shared by the tests."""
 
 import contextlib
+import math
 import os
 import sys
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -26,22 +28,43 @@ def device_of(backend: str) -> torch.device:
     return torch.device("cpu") if backend == "cpp" else TRITON_DEVICE
 
 
-def assert_error_within(candidate, same_dtype_torch, oracle, factor, atol, name="output"):
+class ErrorCheck(NamedTuple):
+    """A candidate against the float64 oracle by FlashAttention's rule (``error_check``)."""
+
+    error: float  # the candidate's largest error
+    allowed: float  # factor x plain PyTorch's largest error + atol
+    where: tuple  # the index of the candidate's largest error
+    over: int  # elements over ``allowed``
+    shape: tuple
+
+    @property
+    def ratio(self) -> float:
+        """error / allowed: over 1 fails."""
+        return self.error / self.allowed
+
+
+def error_check(candidate, same_dtype_torch, oracle, factor, atol) -> ErrorCheck:
     """FlashAttention's rule: the candidate is at most ``factor`` times as far from the float64
-    oracle as plain PyTorch in the same dtype, plus ``atol``. The message names the tensor and
-    where its largest error is (what tells a wrong tile from rounding)."""
+    oracle as plain PyTorch in the same dtype, plus ``atol``; with where its largest error is
+    (what tells a wrong tile from rounding)."""
     oracle = oracle.double()
     errors = (candidate.double() - oracle).abs()
-    candidate_error = errors.max().item()
-    torch_error = (same_dtype_torch.double() - oracle).abs().max().item()
-    if candidate_error <= factor * torch_error + atol:
-        return
+    allowed = factor * (same_dtype_torch.double() - oracle).abs().max().item() + atol
     where = tuple(int(i) for i in torch.unravel_index(errors.argmax(), errors.shape))
-    wrong = int((errors > factor * torch_error + atol).sum())
-    raise AssertionError(
-        f"{name}: error {candidate_error:.3g} at {where} > {factor} x torch's {torch_error:.3g} "
-        f"+ {atol}; {wrong} of {errors.numel()} elements {tuple(errors.shape)} over"
-    )
+    over = int((errors > allowed).sum())
+    return ErrorCheck(errors.max().item(), allowed, where, over, tuple(errors.shape))
+
+
+def assert_error_within(candidate, same_dtype_torch, oracle, factor, atol, name="output"):
+    """``error_check``'s rule as an assertion; the message names the tensor and where its
+    largest error is."""
+    check = error_check(candidate, same_dtype_torch, oracle, factor, atol)
+    if check.error > check.allowed:
+        raise AssertionError(
+            f"{name}: error {check.error:.3g} at {check.where} > {check.allowed:.3g} allowed "
+            f"({factor} x torch's error + {atol}); {check.over} of the {math.prod(check.shape)} "
+            f"elements {check.shape} over"
+        )
 
 
 def random_lengths(batch, max_length, *, low=0, generator=None):

@@ -10,6 +10,7 @@ from fastnmt.model import (
     preset,
     sinusoidal_positions,
 )
+from fastnmt.trainer import label_smoothed_loss
 
 SMALL = ModelConfig(vocab_size=50, d_model=32, heads=4, d_ff=64, encoder_layers=2, decoder_layers=2)
 
@@ -37,8 +38,6 @@ def test_forward_shapes_and_gradients(prenorm):
 def test_a_shape_only_training_step_on_the_meta_device():
     """Meta tensors (a model built under ``torch.device("meta")``, as for memory planning or
     FLOP counting) run forward, the fused loss and backward: shapes, no data."""
-    from fastnmt.trainer import label_smoothed_loss
-
     src, src_lengths, tgt = (x.to("meta") for x in _batch())
     with torch.device("meta"):
         model = Transformer(SMALL)

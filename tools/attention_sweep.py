@@ -33,6 +33,7 @@ if not torch.cuda.is_available():  # the interpreter; set before triton is first
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' oracle, from a checkout
 
 from fastnmt.ops.triton_common import LaunchConfig, gpu_tiles
+from tests.helpers import error_check
 from tests.ops import test_attention as cases
 
 attention_module = importlib.import_module("fastnmt.ops.attention")
@@ -90,16 +91,8 @@ def forced_configs(forced: dict):
         attention_module.launch_config = choose
 
 
-def error_ratio(candidate, plain, oracle, factor: int, atol: float) -> tuple[float, tuple, int]:
-    """(error / allowed, where the largest error is, entries over the bound): the tests' rule."""
-    errors = (candidate.double() - oracle.double()).abs()
-    allowed = factor * (plain.double() - oracle.double()).abs().max().item() + atol
-    where = tuple(int(i) for i in torch.unravel_index(errors.argmax(), errors.shape))
-    return errors.max().item() / allowed, where, int((errors > allowed).sum())
-
-
 def run(case: dict, causal: bool) -> tuple[dict, dict]:
-    """Per tensor (out, dq, dk, dv): error_ratio; and the tensors of the run."""
+    """Per tensor (out, dq, dk, dv), its ``error_check``; and the tensors of the run."""
     dtype, masks_kind = case["dtype"], case["masks"]
     shape = (case["batch"], case["heads"], case["lq"], case["lk"], case["head_dim"])
     q, k, v = cases._qkv(*shape, dtype, device=DEVICE, value_dim=case["value_dim"])
@@ -114,14 +107,14 @@ def run(case: dict, causal: bool) -> tuple[dict, dict]:
         cases._plain_torch, (q, k, v), grad_out, None, 0.0, causal=causal, **masks
     )
     atol = cases.ATOL[dtype]
-    ratios = {"out": error_ratio(out, plain, expected, 2, atol)}
+    checks = {"out": error_check(out, plain, expected, 2, atol)}
     for name, grad, plain_grad, oracle in zip(
         ("dq", "dk", "dv"), grads, plain_grads, expected_grads, strict=True
     ):
-        ratios[name] = error_ratio(grad, plain_grad, oracle, 3, atol)
+        checks[name] = error_check(grad, plain_grad, oracle, 3, atol)
     saved = dict(q=q, k=k, v=v, grad_out=grad_out, out=out, lse=lse, dq=grads[0], dk=grads[1])
     saved |= dict(dv=grads[2], causal=causal, **masks)
-    return ratios, {name: x.cpu() if torch.is_tensor(x) else x for name, x in saved.items()}
+    return checks, {name: x.cpu() if torch.is_tensor(x) else x for name, x in saved.items()}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -145,13 +138,13 @@ def main(argv: list[str]) -> int:
             torch.manual_seed(0)
             started = time.perf_counter()
             with gpu_tiles(), forced_configs(configs):
-                ratios, tensors = run(BASE | overrides, causal)
+                checks, tensors = run(BASE | overrides, causal)
             if name == "base":
                 saved["causal" if causal else "full"] = tensors
-            failed += any(ratio > 1 for ratio, _, _ in ratios.values())
+            failed += any(check.ratio > 1 for check in checks.values())
             cells = "  ".join(
-                f"{t} {r:5.2f}{'!' if r > 1 else ' '} at {w} ({n})"
-                for t, (r, w, n) in ratios.items()
+                f"{tensor} {c.ratio:5.2f}{'!' if c.ratio > 1 else ' '} at {c.where} ({c.over})"
+                for tensor, c in checks.items()
             )
             label = f"{name}, {'causal' if causal else 'full'}"
             print(f"{label:32s} {cells}  [{time.perf_counter() - started:.1f} s]", flush=True)

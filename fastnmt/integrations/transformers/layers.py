@@ -334,6 +334,8 @@ def apply_fastnmt(
     takes the labels away from the model to smooth them itself, which needs the full logits.
     Raises UnsupportedModelError (one line) for another family or activation.
     """
+    if packing is not None and not isinstance(packing, bool):
+        raise ValueError(f"packing must be True, False or None (on CPUs), got {packing!r}")
     prenorm = _family_prenorm(model)
     activation = _activation(model.config)
     if attention:

@@ -128,6 +128,8 @@ def test_layers_pack_on_cpus_unless_told():
     packs, cpu, cuda = fastnmt_hf.layers.packs, torch.device("cpu"), torch.device("cuda", 1)
     assert packs(None, cpu) and not packs(None, cuda)
     assert packs(True, cuda) and not packs(False, cpu)
+    with pytest.raises(ValueError, match=r"^packing must be True, False or None .*'yes'$"):
+        fastnmt_hf.apply_fastnmt(tiny_model("marian"), packing="yes")
 
 
 class _AtenOps(TorchDispatchMode):
