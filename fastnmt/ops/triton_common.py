@@ -168,6 +168,11 @@ class Launcher:
         self.kernel = kernel
         jitted = getattr(kernel, "fn", kernel)  # the function itself where triton is absent
         self._parameters = tuple(inspect.signature(jitted).parameters.values())
+        # How many leading parameters may be passed positionally: those before the first
+        # constexpr (a constexpr among args would be keyed by its specialization, not its value).
+        self._positional = next(
+            (i for i, p in enumerate(self._parameters) if _is_constexpr(p)), len(self._parameters)
+        )
         # key -> (the compiled kernel's launcher, function, packed metadata, the values of the
         # parameters after args, options: kept so that its id cannot be reused)
         self._compiled: dict[tuple, tuple] = {}
@@ -205,12 +210,10 @@ class Launcher:
         run(*grid, stream, function, metadata, None, None, None, *args, *constexprs)
 
     def _launch_and_keep(self, key, device, grid, args, options) -> None:
-        # A constexpr among args would be keyed by its specialization, not its value.
-        assert not any(_is_constexpr(p) for p in self._parameters[: len(args)]), (
-            f"{self.kernel}: pass constexprs in options"
-        )
+        assert len(args) <= self._positional, f"{self.kernel}: pass constexprs in options"
         with device_guard(device):
             compiled = self.kernel[grid](*args, **options)
+        if key not in self._compiled:  # a hooked or off-device launch keeps what it has
             if len(self._compiled) >= _MAX_COMPILED:
                 self._compiled.clear()
             later = [  # every parameter after args, as JITFunction.run binds them
