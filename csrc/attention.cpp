@@ -393,16 +393,37 @@ at::Tensor checked_cache_rows(const c10::optional<at::Tensor>& cache_rows, int64
   return rows;
 }
 
-// Writes a (rows x width) fp32 panel (leading dim ld) to rows [first, first + rows) of a
-// contiguous (B, H, L, width) tensor's (b, h), and zeros to rows [first + rows, last).
+// A (B, H, L, width) output with a contiguous last dim, written by (b, h, row): the attention
+// output lies (B, L, H, Dv) in memory, so that joining its heads is a view; gradients are
+// contiguous.
 template <typename T>
-void store_rows(const float* src, int64_t ld, T* dst, int64_t bh, int64_t length, int64_t first,
-                int64_t rows, int64_t last, int64_t width) {
-  T* base = dst + bh * length * width;
-  for (int64_t r = 0; r < rows; ++r)
+struct OutRows {
+  T* data;
+  int64_t stride_b, stride_h, stride_row;
+
+  explicit OutRows(at::Tensor& t)
+      : data(t.data_ptr<T>()), stride_b(t.stride(0)), stride_h(t.stride(1)),
+        stride_row(t.stride(2)) {}
+
+  T* at(int64_t b, int64_t h, int64_t row) const {
+    return data + b * stride_b + h * stride_h + row * stride_row;
+  }
+};
+
+// Writes a (rows x width) fp32 panel (leading dim ld) to rows [first, first + rows) of (b, h),
+// and zeros to rows [first + rows, last).
+template <typename T>
+void store_rows(const float* src, int64_t ld, const OutRows<T>& dst, int64_t b, int64_t h,
+                int64_t first, int64_t rows, int64_t last, int64_t width) {
+  for (int64_t r = 0; r < rows; ++r) {
+    T* row = dst.at(b, h, first + r);
     for (int64_t d = 0; d < width; d += kLanes)
-      store_float(base + (first + r) * width + d, load(src + r * ld + d), std::min(kLanes, width - d));
-  std::fill(base + (first + rows) * width, base + last * width, static_cast<T>(0.0f));
+      store_float(row + d, load(src + r * ld + d), std::min(kLanes, width - d));
+  }
+  for (int64_t r = first + rows; r < last; ++r) {
+    T* row = dst.at(b, h, r);
+    std::fill(row, row + width, static_cast<T>(0.0f));
+  }
 }
 
 template <typename T>
@@ -411,7 +432,7 @@ void forward_kernel(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor
                     const DropoutStream& drop, at::Tensor& out_, at::Tensor& lse_) {
   const Shape n(q_, v_);
   const Rows<T> q(q_), k(k_, cache_rows), v(v_, cache_rows);
-  T* out = out_.data_ptr<T>();
+  const OutRows<T> out(out_);
   float* lse = lse_.data_ptr<float>();
   const int64_t blocks = (n.lq + kBlockM - 1) / kBlockM;
   const int64_t lk_vectors = whole_vectors(n.lk), d_vectors = whole_vectors(n.d),
@@ -451,7 +472,7 @@ void forward_kernel(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor
       } else {
         std::fill(o, o + rows * dv_vectors, 0.0f);
       }
-      store_rows(o, dv_vectors, out, bh, n.lq, i0, rows, i0 + rows, n.dv);
+      store_rows(o, dv_vectors, out, b, h, i0, rows, i0 + rows, n.dv);
     }
   });
 }
@@ -508,7 +529,7 @@ void forward_few_queries(const at::Tensor& q_, const at::Tensor& k_, const at::T
                          const DropoutStream& drop, at::Tensor& out_, at::Tensor& lse_) {
   const Shape n(q_, v_);
   const Rows<T> q(q_), k(k_, cache_rows), v(v_, cache_rows);
-  T* out = out_.data_ptr<T>();
+  const OutRows<T> out(out_);
   float* lse = lse_.data_ptr<float>();
   const int64_t lk_vectors = whole_vectors(n.lk), dv_vectors = whole_vectors(n.dv);
   const int64_t widest = whole_vectors(std::max(n.d, n.dv)) / kLanes;
@@ -553,7 +574,7 @@ void forward_few_queries(const at::Tensor& q_, const at::Tensor& k_, const at::T
               : widest <= 4 ? row(std::integral_constant<int, 4>{}, Checked{})
               : widest <= 8 ? row(std::integral_constant<int, 8>{}, Checked{})
                             : row(std::integral_constant<int, kFewQueriesVectors>{}, Checked{});
-          store_rows(o, dv_vectors, out, bh, n.lq, i, 1, i + 1, n.dv);
+          store_rows(o, dv_vectors, out, b, h, i, 1, i + 1, n.dv);
         }
       };
       if (convert) {  // the queries share one conversion of the keys and values
@@ -576,9 +597,7 @@ void backward_kernel(const at::Tensor& grad_out_, const float* grad_lse, const a
   const Shape n(q_, v_);
   const Rows<T> q(q_), k(k_), v(v_), grad_out(grad_out_);
   const float* lse = lse_.data_ptr<float>();
-  T* dq = dq_.data_ptr<T>();
-  T* dk = dk_.data_ptr<T>();
-  T* dv = dv_.data_ptr<T>();
+  const OutRows<T> dq(dq_), dk(dk_), dv(dv_);
   const int64_t lkv = whole_vectors(n.lk), dvec = whole_vectors(n.d), dvvec = whole_vectors(n.dv);
   const int64_t units = n.batch * n.heads;
   run_workers([&](const auto& next) {
@@ -611,7 +630,7 @@ void backward_kernel(const at::Tensor& grad_out_, const float* grad_lse, const a
         const int64_t rows = std::min(kBlockM, n.lq - i0);
         const int64_t keys = mask.keys_of_block(b, i0 + rows), width = whole_vectors(keys);
         if (keys == 0) {  // no query of the block sees a key: dQ = 0
-          store_rows(dq_block, dvec, dq, bh, n.lq, i0, 0, i0 + rows, n.d);
+          store_rows(dq_block, dvec, dq, b, h, i0, 0, i0 + rows, n.d);
           continue;
         }
         load_rows(q, b, h, i0, rows, n.d, qb, dvec);
@@ -651,10 +670,10 @@ void backward_kernel(const at::Tensor& grad_out_, const float* grad_lse, const a
         gemm<T>(p, 1, lkv, dob, dvvec, rows, dv_acc, dvvec, keys, dvvec, true);  // dV += Pd^T dO
         gemm<T>(ds, 1, lkv, qb, dvec, rows, dk_acc, dvec, keys, dvec, true);     // dK += dS^T Q
         gemm<T>(ds, lkv, 1, kb, dvec, keys, dq_block, dvec, rows, dvec, false);  // dQ = dS K
-        store_rows(dq_block, dvec, dq, bh, n.lq, i0, rows, i0 + rows, n.d);
+        store_rows(dq_block, dvec, dq, b, h, i0, rows, i0 + rows, n.d);
       }
-      store_rows(dk_acc, dvec, dk, bh, n.lk, 0, key_end, n.lk, n.d);
-      store_rows(dv_acc, dvvec, dv, bh, n.lk, 0, key_end, n.lk, n.dv);
+      store_rows(dk_acc, dvec, dk, b, h, 0, key_end, n.lk, n.d);
+      store_rows(dv_acc, dvvec, dv, b, h, 0, key_end, n.lk, n.dv);
     }
   });
 }
@@ -672,7 +691,7 @@ std::tuple<at::Tensor, at::Tensor> attention_cpp(
   const auto q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),
              v = last_dim_contiguous(v_in);
   const Shape n(q, v);
-  auto out = at::empty({n.batch, n.heads, n.lq, n.dv}, q.options());
+  auto out = at::empty({n.batch, n.lq, n.heads, n.dv}, q.options()).transpose(1, 2);  // OutRows
   auto lse = at::empty({n.batch, n.heads, n.lq}, q.options().dtype(at::kFloat));
   const KeyMask mask(key_lengths, key_padding_mask, n.batch, n.lk, causal);
   const DropoutStream drop(seed, dropout_p);

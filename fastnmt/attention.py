@@ -423,7 +423,7 @@ class MultiheadAttention(nn.Module):
             cache_rows=cache_rows,
         )
         out, lse = result if need_weights else (result, None)  # (B, H, Lq, D), (B, H, Lq)
-        out = self.out_proj(out.transpose(1, 2).reshape(batch, q.shape[2], self.embed_dim))
+        out = self._out_projection(out)
         weights = None
         if need_weights:
             weights = attention_probabilities(
@@ -440,6 +440,39 @@ class MultiheadAttention(nn.Module):
         if not batched:
             return out[0], weights
         return (out if self.batch_first else out.transpose(0, 1)), weights
+
+    def attend(self, query, key, *, key_lengths=None, causal=False, cache=None):
+        """``forward(query, key, key, ...)``'s output for fastnmt's model, with less host work
+        per call (a decoding step makes six): batch-first (B, L, E) inputs, the value is the
+        key, masks only as ``key_lengths`` and ``causal``, no weights and no ``bias_k`` or
+        ``add_zero_attn`` (``forward`` checks and translates torch's arguments at every call)."""
+        q, k, v, cache_rows = self._project(query, key, key, cache)  # (B, H, L, D)
+        if key_lengths is None and cache is not None:
+            key_lengths = cache.key_lengths  # a FixedKVCache's positions not yet written
+        attn_mask, lq = None, q.shape[2]
+        past = k.shape[2] - lq if cache is not None and not cache.static else 0
+        if causal and past:  # the queries are the last lq positions: bottom-right alignment
+            attn_mask = causal_allowed(lq, k.shape[2], past, q.device) if lq > 1 else None
+            causal = False
+        if cache_rows is not None and torch.is_grad_enabled() and q.requires_grad:
+            k, v = gather_cache_rows(k, cache_rows), gather_cache_rows(v, cache_rows)
+            cache_rows = None
+        out = attention(
+            q,
+            k,
+            v,
+            key_lengths=key_lengths,
+            attn_mask=attn_mask,
+            causal=causal,
+            dropout_p=self.dropout if self.training else 0.0,
+            cache_rows=cache_rows,
+        )
+        return self._out_projection(out)
+
+    def _out_projection(self, out: torch.Tensor) -> torch.Tensor:
+        """Heads (B, H, L, D) joined to (B, L, E) and projected."""
+        batch, _, length, _ = out.shape
+        return self.out_proj(out.transpose(1, 2).reshape(batch, length, self.embed_dim))
 
     def _batch_first(self, x, name: str, batched: bool) -> torch.Tensor:
         """(B, L, E) view of an input given in the module's layout."""

@@ -126,14 +126,14 @@ class AttentionRecord:
     cross: list[torch.Tensor] = field(default_factory=list)  # (B, H, T, S)
 
 
-def _attend(module: MultiheadAttention, query, key, record: list | None, **kwargs):
-    """Attention output; with ``record`` a list, also append the probabilities (B, H, Lq, Lk),
-    which the fused path computes exactly from the log-sum-exp it returns."""
-    out, weights = module(
-        query, key, key, need_weights=record is not None, average_attn_weights=False, **kwargs
-    )
-    if record is not None:
-        record.append(weights)
+def _attend(module: MultiheadAttention, query, key, record: list | None, *, causal=False, **kwargs):
+    """Attention output (the module's lean ``attend``); with ``record`` a list, also append the
+    probabilities (B, H, Lq, Lk), which the fused path computes exactly from the log-sum-exp it
+    returns."""
+    if record is None:
+        return module.attend(query, key, causal=causal, **kwargs)
+    out, weights = module(query, key, key, average_attn_weights=False, is_causal=causal, **kwargs)
+    record.append(weights)
     return out
 
 
@@ -184,7 +184,7 @@ class DecoderLayer(nn.Module):
         def self_attention(y):
             cached = None if cache is None else cache.self_attn
             weights = None if record is None else record.decoder
-            return _attend(self.self_attn, y, y, weights, is_causal=True, cache=cached)
+            return _attend(self.self_attn, y, y, weights, causal=True, cache=cached)
 
         def cross_attention(y):  # y (B*K, T, E): K hypotheses of each sentence, sentence-major
             cached = None if cache is None else cache.cross_attn

@@ -813,6 +813,15 @@ def _padding_view(key_padding_mask):
     return padding, padding.stride()
 
 
+def _new_attention_output(shape, dtype, device) -> torch.Tensor:
+    """An empty (B, H, Lq, Dv) output lying (B, Lq, H, Dv) in memory, as FlashAttention's: joining
+    the heads to (B, Lq, H * Dv) for the output projection is then a view, not a copy (the
+    kernels write through strides). The C++ op allocates the same."""
+    _, heads, lq, value_dim = shape
+    strides = (lq * heads * value_dim, value_dim, heads * value_dim, 1)
+    return new_output(shape, dtype, device, strides)
+
+
 _FORWARD = Launcher(_attention_forward_kernel)
 _DELTA = Launcher(_attention_backward_delta_kernel)
 _DKDV = Launcher(_attention_backward_dkdv_kernel)
@@ -825,7 +834,9 @@ def _launch_forward(
 ):
     batch, heads, lq, head_dim = q.shape
     lk, value_dim = k.shape[2], v.shape[3]
-    out = new_output((batch, heads, lq, value_dim), kernel_output_dtype(q.dtype), q.device)
+    out = _new_attention_output(
+        (batch, heads, lq, value_dim), kernel_output_dtype(q.dtype), q.device
+    )
     lse = new_output((batch, heads, lq), torch.float32, q.device)
     padding, padding_strides = _padding_view(key_padding_mask)
     config = launch_config("forward", lq, lk, max(head_dim, value_dim))
@@ -1108,7 +1119,7 @@ def _attention_backward_op(
 
 
 def _forward_fake(q, k, v, key_lengths, key_padding_mask, seed, causal, dropout_p, scale, _rows):
-    out = q.new_empty((*q.shape[:3], v.shape[3]))
+    out = _new_attention_output((*q.shape[:3], v.shape[3]), q.dtype, q.device)
     return out, q.new_empty(q.shape[:3], dtype=torch.float32)
 
 

@@ -63,13 +63,18 @@ def dropout_seed(device: torch.device) -> torch.Tensor:
     return torch.randint(_SEED_BOUND, (2,), dtype=torch.int64, device=device)
 
 
-def new_output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An output buffer for a kernel. Under the interpreter (tests) it is poisoned, NaN or the
-    largest integer, so that an element the kernel fails to write cannot pass for a result."""
+def new_output(shape, dtype: torch.dtype, device: torch.device, strides=None) -> torch.Tensor:
+    """An output buffer for a kernel, contiguous unless ``strides`` are given. Under the
+    interpreter (tests) it is poisoned, NaN or the largest integer, so that an element the
+    kernel fails to write cannot pass for a result."""
     if not INTERPRETER:
-        return torch.empty(shape, dtype=dtype, device=device)
+        if strides is None:
+            return torch.empty(shape, dtype=dtype, device=device)
+        return torch.empty_strided(shape, strides, dtype=dtype, device=device)
     poison = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).max
-    return torch.full(shape, poison, dtype=dtype, device=device)
+    if strides is None:
+        return torch.full(shape, poison, dtype=dtype, device=device)
+    return torch.empty_strided(shape, strides, dtype=dtype, device=device).fill_(poison)
 
 
 def device_guard(device: torch.device) -> contextlib.AbstractContextManager:
