@@ -724,9 +724,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_cpp_backward(
   at::Tensor grad_lse_values;
   if (grad_lse.has_value()) grad_lse_values = grad_lse->to(at::kFloat).contiguous();
   const Shape n(q, v);
-  auto dq = at::empty(q.sizes(), q.options());
-  auto dk = at::empty(k.sizes(), k.options());
-  auto dv = at::empty(v.sizes(), v.options());
+  // Laid out as the inputs when they are dense (SDPA's rule, at::empty_like): the gradient of
+  // proj(h).view(B, L, H, D).transpose(1, 2) then reaches proj's output without a copy.
+  auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
   const KeyMask mask(key_lengths, key_padding_mask, n.batch, n.lk, causal);
   const DropoutStream drop(seed, dropout_p);
   dispatch_float(q.scalar_type(), "attention_cpp_backward", [&](auto tag) {

@@ -53,6 +53,7 @@ from fastnmt.ops.triton_common import (
     kernel_output_dtype,
     launch_options,
     new_output,
+    new_output_like,
     power_of_2_at_least,
     upcast_in_interpreter,
     use_gpu_tiles,
@@ -368,9 +369,18 @@ def _attention_backward_dkdv_kernel(
     DO,  # (B, H, Lq, Dv) gradient of the output
     LSE,  # (B, H, Lq) fp32, contiguous: the forward's lse
     DELTA,  # (B, H, Lq) fp32, contiguous: delta_i (minus the gradient of lse_i, if any)
-    # (B, H, Lk, D), (B, H, Lk, Dv) outputs, contiguous:
+    # (B, H, Lk, D), (B, H, Lk, Dv) outputs, laid out as K and V when those are dense:
     DK,
     DV,
+    # strides of DK and DV:
+    stride_dkb,
+    stride_dkh,
+    stride_dkn,
+    stride_dkd,
+    stride_dvb,
+    stride_dvh,
+    stride_dvn,
+    stride_dvd,
     # as in the forward kernel:
     KEY_LENGTHS,
     PADDING,
@@ -467,10 +477,10 @@ def _attention_backward_dkdv_kernel(
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PRECISION)
 
     dk *= tl.cast(scale, tl.float32)
-    DK += bh.to(tl.int64) * Lk * D
-    DV += bh.to(tl.int64) * Lk * Dv
-    _store_tile(DK, dk, offs_n, offs_d, D, 1, Lk, D)
-    _store_tile(DV, dv, offs_n, offs_dv, Dv, 1, Lk, Dv)
+    DK += b.to(tl.int64) * stride_dkb + h.to(tl.int64) * stride_dkh
+    DV += b.to(tl.int64) * stride_dvb + h.to(tl.int64) * stride_dvh
+    _store_tile(DK, dk, offs_n, offs_d, stride_dkn, stride_dkd, Lk, D)
+    _store_tile(DV, dv, offs_n, offs_dv, stride_dvn, stride_dvd, Lk, Dv)
 
 
 @triton.jit
@@ -482,7 +492,12 @@ def _attention_backward_dq_kernel(
     DO,
     LSE,
     DELTA,
-    DQ,  # (B, H, Lq, D) output, contiguous
+    DQ,  # (B, H, Lq, D) output, laid out as Q when Q is dense
+    # strides of DQ:
+    stride_dqb,
+    stride_dqh,
+    stride_dqm,
+    stride_dqd,
     # as in the forward kernel:
     KEY_LENGTHS,
     PADDING,
@@ -572,8 +587,8 @@ def _attention_backward_dq_kernel(
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
 
     dq *= tl.cast(scale, tl.float32)
-    DQ += bh.to(tl.int64) * Lq * D
-    _store_tile(DQ, dq, offs_m, offs_d, D, 1, Lq, D)
+    DQ += b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
+    _store_tile(DQ, dq, offs_m, offs_d, stride_dqm, stride_dqd, Lq, D)
 
 
 @triton.jit
@@ -882,9 +897,11 @@ def _launch_backward(
     lk, value_dim = k.shape[2], v.shape[3]
     delta = _launch_delta(out, grad_out, grad_lse)
     grad_dtype = kernel_output_dtype(q.dtype)
-    grad_q = new_output(q.shape, grad_dtype, q.device)
-    grad_k = new_output(k.shape, grad_dtype, q.device)
-    grad_v = new_output(v.shape, grad_dtype, q.device)
+    # Laid out as the inputs when they are dense (SDPA's rule): the gradient of
+    # proj(h).view(B, L, H, D).transpose(1, 2) then reaches proj's output without a copy.
+    grad_q = new_output_like(q, grad_dtype)
+    grad_k = new_output_like(k, grad_dtype)
+    grad_v = new_output_like(v, grad_dtype)
     padding, padding_strides = _padding_view(key_padding_mask)
     shared = (
         key_lengths, padding, seed,
@@ -895,18 +912,19 @@ def _launch_backward(
         q.dtype, dot_precision(q.dtype), causal, key_lengths is not None, padding is not None,
         seed is not None, None,
     )  # fmt: skip
+    key_grads = (grad_k, grad_v, *grad_k.stride(), *grad_v.stride())
     config = launch_config("dkdv", lq, lk, max(head_dim, value_dim))
     _DKDV(
         q.device,
         (batch * heads, cdiv(lk, config.block_n), 1),
-        (q, k, v, grad_out, lse, delta, grad_k, grad_v, *shared),
+        (q, k, v, grad_out, lse, delta, *key_grads, *shared),
         _options(config, head_dim, value_dim, *flags),
     )
     config = launch_config("dq", lq, lk, max(head_dim, value_dim))
     _DQ(
         q.device,
         (batch * heads, cdiv(lq, config.block_m), 1),
-        (q, k, v, grad_out, lse, delta, grad_q, *shared),
+        (q, k, v, grad_out, lse, delta, grad_q, *grad_q.stride(), *shared),
         _options(config, head_dim, value_dim, *flags),
     )
     if grad_dtype == q.dtype:  # k and v have q's dtype
@@ -1124,7 +1142,7 @@ def _forward_fake(q, k, v, key_lengths, key_padding_mask, seed, causal, dropout_
 
 
 def _backward_fake(grad_out, grad_lse, q, k, v, *_):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # as the launcher's
 
 
 def _setup_context(ctx, inputs, output):

@@ -63,18 +63,34 @@ def dropout_seed(device: torch.device) -> torch.Tensor:
     return torch.randint(_SEED_BOUND, (2,), dtype=torch.int64, device=device)
 
 
+# What an output buffer holds before a kernel writes it under the interpreter (tests): NaN or
+# the largest integer, so that an element the kernel fails to write cannot pass for a result.
+_POISON = {
+    dtype: float("nan") if dtype.is_floating_point else torch.iinfo(dtype).max
+    for dtype in (
+        *(torch.float64, torch.float32, torch.float16, torch.bfloat16),
+        *(torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8),
+    )
+}
+
+
 def new_output(shape, dtype: torch.dtype, device: torch.device, strides=None) -> torch.Tensor:
-    """An output buffer for a kernel, contiguous unless ``strides`` are given. Under the
-    interpreter (tests) it is poisoned, NaN or the largest integer, so that an element the
-    kernel fails to write cannot pass for a result."""
+    """An output buffer for a kernel, contiguous unless ``strides`` are given (poisoned under
+    the interpreter: ``_POISON``)."""
     if not INTERPRETER:
         if strides is None:
             return torch.empty(shape, dtype=dtype, device=device)
         return torch.empty_strided(shape, strides, dtype=dtype, device=device)
-    poison = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).max
     if strides is None:
-        return torch.full(shape, poison, dtype=dtype, device=device)
-    return torch.empty_strided(shape, strides, dtype=dtype, device=device).fill_(poison)
+        return torch.full(shape, _POISON[dtype], dtype=dtype, device=device)
+    return torch.empty_strided(shape, strides, dtype=dtype, device=device).fill_(_POISON[dtype])
+
+
+def new_output_like(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An output buffer shaped as ``x``, laid out as ``x`` when that is dense, else contiguous
+    (``torch.empty_like``'s rule; poisoned under the interpreter)."""
+    out = torch.empty_like(x, dtype=dtype)
+    return out.fill_(_POISON[dtype]) if INTERPRETER else out
 
 
 def device_guard(device: torch.device) -> contextlib.AbstractContextManager:

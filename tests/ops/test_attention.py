@@ -489,8 +489,9 @@ def test_triton_forward_and_backward_are_four_launches_and_their_outputs():
     assert host.launches == list(TRITON_KERNELS)
     # full: the interpreter's outputs start as NaN; detach: autograd's own bookkeeping of saved
     # and accumulated tensors, which SDPA's calls show too.
-    # empty_strided (+ fill_ in the interpreter): the output, (B, Lq, H, Dv) in memory.
-    allocations = {"empty", "full", "empty_strided"}
+    # empty_strided: the output, (B, Lq, H, Dv) in memory; empty_like: the gradients, laid out
+    # as the inputs (+ fill_ in the interpreter).
+    allocations = {"empty", "full", "empty_strided", "empty_like"}
     assert set(host.aten) <= allocations | {"fill_", "detach"}, host.aten
     # (out, lse), (delta, dq, dk, dv):
     assert sum(name in allocations for name in host.aten) == 2 + 4
@@ -812,6 +813,29 @@ def test_fused_outputs_lie_heads_inner_so_joining_the_heads_is_a_view(fused):
     assert joined._is_view() and joined.data_ptr() == out.data_ptr()
     joined.backward(torch.randn_like(joined))  # a (B, Lq, E)-contiguous gradient, read in place
     assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
+
+
+def test_fused_gradients_are_laid_out_as_their_dense_inputs(fused):
+    """As SDPA's: the gradient of ``proj(h).view(B, L, H, D).transpose(1, 2)`` reaches the
+    projection's (B, L, H * D) output as a view (in transformers' layers a contiguous gradient
+    cost a copy per projection); a non-dense input (a chunk of a fused qkv) gets a contiguous
+    gradient rather than one with its gaps."""
+    device = device_of(fused)
+    projected = torch.randn(2, 5, 3, 16, device=device, requires_grad=True)  # (B, L, H, D)
+    fused_qkv = torch.randn(2, 3, 5, 48, device=device, requires_grad=True)
+    q = projected.transpose(1, 2)  # dense, heads outside positions
+    k, v = fused_qkv[..., :16], fused_qkv[..., 16:32]  # not dense
+    out = attention(q, k, v, key_lengths=torch.tensor([5, 2], device=device))
+    upstream = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), upstream)
+    assert dq.stride() == q.stride() and dk.is_contiguous() and dv.is_contiguous()
+    inputs = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    lengths = torch.tensor([5, 2], device=device)
+    expected = torch.autograd.grad(
+        _oracle(*inputs, None, 0.0, key_lengths=lengths)[0], inputs, upstream.double()
+    )
+    for grad, expected_grad in zip((dq, dk, dv), expected, strict=True):
+        torch.testing.assert_close(grad, expected_grad.float(), atol=1e-5, rtol=1e-5)
 
 
 def test_fused_rows_that_see_no_key_give_zero_output_and_zero_grad(fused):

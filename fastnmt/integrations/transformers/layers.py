@@ -78,8 +78,8 @@ def packs(packing: bool | None, device: torch.device) -> bool:
     """Whether layers on ``device`` drop padded positions: ``packing`` when forced (True or
     False), else on CPUs only. On a CPU a step's time is its GEMMs, and padded rows cost as much
     as kept ones. On a GPU a step of a translation model is host work (each op's dispatch and
-    launch, not its arithmetic), and packing adds ops: a Marian training step dispatched 3,063
-    aten ops packed, 2,076 padded, against 2,479 for transformers' SDPA (6+6 tiny layers,
+    launch, not its arithmetic), and packing adds ops: a Marian training step dispatched 2,991
+    aten ops packed, 2,004 padded, against 2,479 for transformers' SDPA (6+6 tiny layers,
     3 x 12 tokens, counted on a CPU); and finding the kept rows syncs the host with the device."""
     return device.type == "cpu" if packing is None else packing
 
