@@ -160,6 +160,9 @@ def test_padded_layers_dispatch_fewer_ops_than_sdpa_and_sync_once():
     ops = _step_aten_ops(padded, batch)
     assert len(ops) < len(_step_aten_ops(sdpa, batch))
     assert ops.count("nonzero") == 1  # the fused loss's labelled rows
+    # Attention outputs and gradients in the layouts transformers' reshapes want: no copies
+    # (one per attention call each way before), only shift_tokens_right's clone of the labels.
+    assert ops.count("clone") == 1, ops.count("clone")
     packed = fastnmt_hf.apply_fastnmt(copy.deepcopy(padded), packing=True)
     # and one per mask the layers of a stack share: the encoder's, the decoder's, the memory's
     assert _step_aten_ops(packed, batch).count("nonzero") == 1 + 3
