@@ -322,34 +322,47 @@ class MultiheadAttention(nn.Module):
         new.load_state_dict(module.state_dict())
         return new.train(module.training)
 
-    def _in_projection(self, x: torch.Tensor, part: str) -> torch.Tensor:
-        """x (B, L, in) projected by ``part`` (q, k, v, kv or qkv: outputs side by side), with
-        the int8 GEMMs ``fastnmt.quantize`` packed when it did."""
+    def _in_projections(self, *inputs: tuple[torch.Tensor, str]) -> list[torch.Tensor]:
+        """Each input x (B, L, in) projected by its part (q, k, v, kv or qkv: outputs side by
+        side), with the int8 or bf16 GEMMs ``fastnmt.quantize`` packed when it did."""
         if self.packed_projections is not None:
-            return self.packed_projections[part](x)
-        rows = self.projection_rows[part]
-        bias = None if self.in_proj_bias is None else self.in_proj_bias[rows]
-        if not self._qkv_same_embed_dim:
-            weight = {"q": self.q_proj_weight, "k": self.k_proj_weight, "v": self.v_proj_weight}
-            return F.linear(x, weight[part], bias)
-        return F.linear(x, self.in_proj_weight[rows], bias)
+            return [self.packed_projections[part](x) for x, part in inputs]
+        parts = [part for _, part in inputs]
+        biases = self._rows_of(self.in_proj_bias, parts)
+        if self._qkv_same_embed_dim:
+            weights = self._rows_of(self.in_proj_weight, parts)
+        else:
+            separate = {"q": self.q_proj_weight, "k": self.k_proj_weight, "v": self.v_proj_weight}
+            weights = [separate[part] for part in parts]
+        return [F.linear(x, w, b) for (x, _), w, b in zip(inputs, weights, biases, strict=True)]
+
+    def _rows_of(self, stacked: torch.Tensor | None, parts: list[str]) -> list:
+        """The rows of ``in_proj_weight`` or ``in_proj_bias`` (None: Nones) of each part, in
+        order: the tensor itself for all of it; one ``split`` when the parts cover it, whose
+        backward concatenates their gradients once, where a slice per part gives each a
+        zero-filled gradient of the whole tensor, then a sum (three kernels a part on a GPU)."""
+        if stacked is None:
+            return [None] * len(parts)
+        rows = [self.projection_rows[part] for part in parts]
+        sizes = [part.stop - part.start for part in rows]
+        if sum(sizes) < stacked.shape[0]:
+            return [stacked[part] for part in rows]
+        return [stacked] if len(sizes) == 1 else list(stacked.split(sizes))
 
     def _project(self, query, key, value, cache):
         """Project (B, L, E) inputs to heads (B, H, L, D); with a cache, add to / read from it,
         then k and v are its storage and the cache rows come with them (else None).
         Inputs that are the same tensor share one GEMM (self-attention: qkv; cross: kv)."""
         if cache is not None and cache.static and cache.length:
-            return self._heads(self._in_projection(query, "q")), *cache.stored()
+            return self._heads(self._in_projections((query, "q"))[0]), *cache.stored()
         same = self._qkv_same_embed_dim
         if query is key and key is value and same:
-            q, k, v = self._in_projection(query, "qkv").chunk(3, dim=-1)
+            q, k, v = self._in_projections((query, "qkv"))[0].chunk(3, dim=-1)
         elif key is value and same:
-            q = self._in_projection(query, "q")
-            k, v = self._in_projection(key, "kv").chunk(2, dim=-1)
+            q, kv = self._in_projections((query, "q"), (key, "kv"))
+            k, v = kv.chunk(2, dim=-1)
         else:
-            q, k, v = (
-                self._in_projection(x, p) for x, p in zip((query, key, value), "qkv", strict=True)
-            )
+            q, k, v = self._in_projections((query, "q"), (key, "k"), (value, "v"))
         q, k, v = self._heads(q), self._heads(k), self._heads(v)
         if cache is None:
             return q, k, v, None

@@ -158,7 +158,7 @@ def padded_rows(rows: int) -> int:
 
 
 def _attention_projections(module: MultiheadAttention, linear: type[PackedLinear]):
-    """Packed rows of ``in_proj_weight`` for each part ``_in_projection`` asks for."""
+    """Packed rows of ``in_proj_weight`` for each part ``_in_projections`` asks for."""
     bias = module.in_proj_bias
     return nn.ModuleDict(
         {

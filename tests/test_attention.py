@@ -14,7 +14,7 @@ from fastnmt.attention import (
     scaled_dot_product_attention,
     swap_multihead_attention,
 )
-from tests.helpers import TRITON_DEVICE, random_lengths
+from tests.helpers import TRITON_DEVICE, HostOps, random_lengths
 
 E, HEADS = 24, 4
 
@@ -270,6 +270,20 @@ def test_swap_inside_torch_transformer_keeps_outputs_and_gradients():
     grads = dict(model.named_parameters())
     for name, parameter in swapped.named_parameters():
         torch.testing.assert_close(parameter.grad, grads[name].grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["self", "cross"])
+def test_in_projection_gradients_are_not_zero_filled_slices(kind):
+    """The parts of in_proj_weight a call projects by (qkv; or q and kv) are the weight itself
+    or one split, whose backward concatenates their gradients: a slice per part gave each part
+    a zero-filled gradient of the whole weight and then a sum (three kernels a part on a GPU).
+    Their values: test_swap_inside_torch_transformer_keeps_outputs_and_gradients."""
+    module = MultiheadAttention(E, HEADS, batch_first=True)
+    x, memory = torch.randn(2, 5, E), torch.randn(2, 7, E)
+    key = x if kind == "self" else memory
+    with HostOps(None, ()) as host:
+        module(x, key, key, need_weights=False)[0].sum().backward()
+    assert "slice_backward" not in host.aten and "slice" not in host.aten, host.aten
 
 
 def test_swap_keeps_device_dtype_and_mode():
