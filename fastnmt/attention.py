@@ -407,9 +407,8 @@ class MultiheadAttention(nn.Module):
         batch = query.shape[0]
         q, k, v, cache_rows = self._project(query, key, value, cache)  # (B, H, L, D)
         # Weights, extra keys and gradients take a batch of keys: read the cache's rows once.
-        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
         extra_keys = self.bias_k is not None or self.add_zero_attn
-        if cache_rows is not None and (need_weights or grad or extra_keys):
+        if cache_rows is not None and (need_weights or _gradients_through(q, k) or extra_keys):
             k, v = gather_cache_rows(k, cache_rows), gather_cache_rows(v, cache_rows)
             cache_rows = None
         past = k.shape[2] - q.shape[2] if cache is not None and not cache.static else 0
@@ -462,12 +461,9 @@ class MultiheadAttention(nn.Module):
         q, k, v, cache_rows = self._project(query, key, key, cache)  # (B, H, L, D)
         if key_lengths is None and cache is not None:
             key_lengths = cache.key_lengths  # a FixedKVCache's positions not yet written
-        attn_mask, lq = None, q.shape[2]
-        past = k.shape[2] - lq if cache is not None and not cache.static else 0
-        if causal and past:  # the queries are the last lq positions: bottom-right alignment
-            attn_mask = causal_allowed(lq, k.shape[2], past, q.device) if lq > 1 else None
-            causal = False
-        if cache_rows is not None and torch.is_grad_enabled() and q.requires_grad:
+        past = k.shape[2] - q.shape[2] if cache is not None and not cache.static else 0
+        attn_mask, causal = bottom_right_causal(causal, q.shape[2], k.shape[2], past, q.device)
+        if cache_rows is not None and _gradients_through(q, k):
             k, v = gather_cache_rows(k, cache_rows), gather_cache_rows(v, cache_rows)
             cache_rows = None
         out = attention(
@@ -533,6 +529,21 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.T
     )
 
 
+def bottom_right_causal(causal: bool, lq: int, lk: int, past: int, device):
+    """(bool mask or None, causal flag) for the op: with ``past`` keys before the queries (a
+    cache) the Lq queries are the last positions (bottom-right alignment), which the op's
+    top-left ``causal`` is not; one query sees every key and needs no mask."""
+    if not (causal and past):
+        return None, causal
+    return (causal_allowed(lq, lk, past, device) if lq > 1 else None), False
+
+
+def _gradients_through(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether a call must give gradients for q or k: the kernels read cache rows only without
+    (a cache's keys are then gathered first)."""
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+
+
 def causal_allowed(lq: int, lk: int, past: int, device) -> torch.Tensor:
     """Bool (Lq, Lk), True where query i (at position past + i) may see key j."""
     positions = torch.arange(past, past + lq, device=device)
@@ -563,13 +574,8 @@ class _AttentionMasks:
             _checks.shape("key_padding_mask", key_padding_mask, (batch, lk), "(N, S)")
             additive = key_padding_mask.to(like.dtype)[:, None, None, :]
             attn_mask, key_padding_mask = merge_masks(attn_mask, additive), None
-        causal = bool(is_causal)
-        if causal and past:
-            # With a cache the queries are the last Lq positions: bottom-right alignment.
-            if lq > 1:
-                attn_mask = merge_masks(attn_mask, causal_allowed(lq, lk, past, like.device))
-            causal = False
-        return cls(key_lengths, key_padding_mask, attn_mask, causal)
+        cached_causal, causal = bottom_right_causal(bool(is_causal), lq, lk, past, like.device)
+        return cls(key_lengths, key_padding_mask, merge_masks(attn_mask, cached_causal), causal)
 
     def with_visible_keys(self, count: int, lq: int, lk: int) -> _AttentionMasks:
         """Masks after ``count`` keys that every query sees were appended (``lk`` keys in all)."""

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from fastnmt.attention import causal_allowed, merge_masks
+from fastnmt.attention import bottom_right_causal, merge_masks
 from fastnmt.ops import attention, attention_probabilities
 
 NAME = "fastnmt"
@@ -70,11 +70,8 @@ def _masks(attention_mask, causal: bool, lq: int, lk: int, device):
         key_padding_mask = ~attention_mask[:, -lk:].bool()
     elif attention_mask is not None:  # a 4D mask a caller built: bool (True = keep) or additive
         attn_mask = attention_mask
-    if causal and lq != lk:  # the Lq queries are the last positions: bottom-right alignment
-        if lq > 1:  # one query sees every cached key: no mask
-            attn_mask = merge_masks(attn_mask, causal_allowed(lq, lk, lk - lq, device))
-        causal = False
-    return key_padding_mask, attn_mask, causal
+    cached, causal = bottom_right_causal(causal, lq, lk, lk - lq, device)  # a KV cache's
+    return key_padding_mask, merge_masks(attn_mask, cached), causal
 
 
 def _wants_probabilities(module, kwargs) -> bool:
