@@ -393,9 +393,9 @@ at::Tensor checked_cache_rows(const c10::optional<at::Tensor>& cache_rows, int64
   return rows;
 }
 
-// A (B, H, L, width) output with a contiguous last dim, written by (b, h, row): the attention
-// output lies (B, L, H, Dv) in memory, so that joining its heads is a view; gradients are
-// contiguous.
+// A (B, H, L, width) output with a contiguous last dim, written by (b, h, row) through its
+// strides: the attention output lies (B, L, H, Dv) in memory, so that joining its heads is a
+// view; each gradient lies as its input (see attention_cpp_backward).
 template <typename T>
 struct OutRows {
   T* data;
@@ -691,7 +691,8 @@ std::tuple<at::Tensor, at::Tensor> attention_cpp(
   const auto q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),
              v = last_dim_contiguous(v_in);
   const Shape n(q, v);
-  auto out = at::empty({n.batch, n.lq, n.heads, n.dv}, q.options()).transpose(1, 2);  // OutRows
+  // (B, H, Lq, Dv) lying (B, Lq, H, Dv) in memory, as FlashAttention's.
+  auto out = at::empty({n.batch, n.lq, n.heads, n.dv}, q.options()).transpose(1, 2);
   auto lse = at::empty({n.batch, n.heads, n.lq}, q.options().dtype(at::kFloat));
   const KeyMask mask(key_lengths, key_padding_mask, n.batch, n.lk, causal);
   const DropoutStream drop(seed, dropout_p);
@@ -724,7 +725,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_cpp_backward(
   at::Tensor grad_lse_values;
   if (grad_lse.has_value()) grad_lse_values = grad_lse->to(at::kFloat).contiguous();
   const Shape n(q, v);
-  // Laid out as the inputs when they are dense (SDPA's rule, at::empty_like): the gradient of
+  // Dense in each input's dimension order (at::empty_like, as SDPA's): the gradient of
   // proj(h).view(B, L, H, D).transpose(1, 2) then reaches proj's output without a copy.
   auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
   const KeyMask mask(key_lengths, key_padding_mask, n.batch, n.lk, causal);

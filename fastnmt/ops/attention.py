@@ -369,7 +369,7 @@ def _attention_backward_dkdv_kernel(
     DO,  # (B, H, Lq, Dv) gradient of the output
     LSE,  # (B, H, Lq) fp32, contiguous: the forward's lse
     DELTA,  # (B, H, Lq) fp32, contiguous: delta_i (minus the gradient of lse_i, if any)
-    # (B, H, Lk, D), (B, H, Lk, Dv) outputs, laid out as K and V when those are dense:
+    # (B, H, Lk, D), (B, H, Lk, Dv) outputs, dense in K's and V's dimension orders:
     DK,
     DV,
     # strides of DK and DV:
@@ -492,7 +492,7 @@ def _attention_backward_dq_kernel(
     DO,
     LSE,
     DELTA,
-    DQ,  # (B, H, Lq, D) output, laid out as Q when Q is dense
+    DQ,  # (B, H, Lq, D) output, dense in Q's dimension order
     # strides of DQ:
     stride_dqb,
     stride_dqh,
@@ -897,7 +897,7 @@ def _launch_backward(
     lk, value_dim = k.shape[2], v.shape[3]
     delta = _launch_delta(out, grad_out, grad_lse)
     grad_dtype = kernel_output_dtype(q.dtype)
-    # Laid out as the inputs when they are dense (SDPA's rule): the gradient of
+    # Dense in each input's dimension order (torch.empty_like, as SDPA's): the gradient of
     # proj(h).view(B, L, H, D).transpose(1, 2) then reaches proj's output without a copy.
     grad_q = new_output_like(q, grad_dtype)
     grad_k = new_output_like(k, grad_dtype)

@@ -87,8 +87,8 @@ def new_output(shape, dtype: torch.dtype, device: torch.device, strides=None) ->
 
 
 def new_output_like(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An output buffer shaped as ``x``, laid out as ``x`` when that is dense, else contiguous
-    (``torch.empty_like``'s rule; poisoned under the interpreter)."""
+    """An output buffer shaped as ``x``, dense in ``x``'s dimension order (``torch.empty_like``;
+    poisoned under the interpreter)."""
     out = torch.empty_like(x, dtype=dtype)
     return out.fill_(_POISON[dtype]) if INTERPRETER else out
 
