@@ -819,8 +819,8 @@ def test_fused_outputs_lie_heads_inner_so_joining_the_heads_is_a_view(fused):
 def test_fused_gradients_are_laid_out_as_their_dense_inputs(fused):
     """As SDPA's: the gradient of ``proj(h).view(B, L, H, D).transpose(1, 2)`` reaches the
     projection's (B, L, H * D) output as a view (in transformers' layers a contiguous gradient
-    cost a copy per projection); a non-dense input (a chunk of a fused qkv) gets a contiguous
-    gradient dense in its dimension order rather than one with its gaps."""
+    cost a copy per projection); a non-dense input (a chunk of a fused qkv) gets a gradient
+    dense in its dimension order (here contiguous), not one with its gaps."""
     device = device_of(fused)
     projected = torch.randn(2, 5, 3, 16, device=device, requires_grad=True)  # (B, L, H, D)
     fused_qkv = torch.randn(2, 3, 5, 48, device=device, requires_grad=True)
