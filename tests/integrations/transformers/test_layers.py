@@ -278,7 +278,7 @@ def _saved_bytes(model, batch) -> int:
 
 
 @pytest.mark.parametrize(
-    ("packing", "bound"), [(True, 0.75), (False, 0.85)], ids=["packed", "padded"]
+    ("packing", "bound"), [(True, 0.75), (False, 0.78)], ids=["packed", "padded"]
 )
 @pytest.mark.parametrize("backend", ["cpp", "triton"])
 def test_a_training_step_keeps_less_for_backward_than_sdpa(backend, packing, bound):
@@ -303,5 +303,6 @@ def test_a_training_step_keeps_less_for_backward_than_sdpa(backend, packing, bou
     batch = {name: tensor.to(device) for name, tensor in batch.items()}
     with fastnmt.backend(backend):
         fused_bytes = _saved_bytes(fused, batch)
-    # packed 0.68 (0.84 when unpacking kept rows), padded 0.79
+    # packed 0.68 (0.84 when unpacking kept rows); padded 0.73 (0.79 when the attention output
+    # was (B, H, Lq, Dv)-contiguous: the output projection then kept a copy of it)
     assert fused_bytes < bound * _saved_bytes(sdpa, batch)
