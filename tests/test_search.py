@@ -6,9 +6,10 @@ import itertools
 import pytest
 import torch
 
+import fastnmt
 from fastnmt.model import ModelConfig, Transformer
 from fastnmt.search import LengthPenalty, beam_search, greedy
-from tests.helpers import TRITON_DEVICE, count_host_syncs
+from tests.helpers import TRITON_DEVICE, HostOps, count_host_syncs, require_backend
 
 SMALL = ModelConfig(vocab_size=50, d_model=32, heads=2, d_ff=64, encoder_layers=1, decoder_layers=1)
 # pad, bos, eos and two words: few enough outputs to enumerate them all.
@@ -227,6 +228,26 @@ def test_bad_arguments_are_named():
         greedy(model, src, src_lengths, torch.tensor([3, 0, 1, 1]))
     with pytest.raises(ValueError, match=r"src must be on the model's device \(cpu\), got meta"):
         greedy(model, src.to("meta"), src_lengths, max_lens)
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_a_beam_search_step_dispatches_a_bounded_number_of_ops(layers):
+    """The host work of a decoding step, which eager decoding on a GPU is made of (each op not a
+    view is a launch there): aten ops per step of a beam-3 search (steps 6-12, nothing finishing)
+    on the C++ kernels, fp32. 41 per step and 41 per decoder layer on 2026-11-26."""
+    require_backend("cpp")
+    cfg = ModelConfig(
+        vocab_size=50, d_model=32, heads=2, d_ff=64, encoder_layers=1, decoder_layers=layers
+    )
+    model = _model(cfg)
+    src, src_lengths = _sources(cfg)
+    counts = []
+    for steps in (6, 12):
+        max_lens = torch.full((src.shape[0],), steps)
+        with fastnmt.backend("cpp"), HostOps(None, ()) as host:
+            beam_search(model, src, src_lengths, max_lens, beam=3, eos=False)
+        counts.append(len(host.aten))
+    assert (counts[1] - counts[0]) / 6 <= 41 + 41 * layers, counts
 
 
 @pytest.mark.parametrize("beam", [1, 4])
