@@ -206,11 +206,12 @@ def count_host_syncs(*, none_allowed: bool = False):
 class HostOps(TorchDispatchMode):
     """``with HostOps(module, launcher_names) as host:`` records the aten ops a call dispatches
     (``host.aten``) and the Triton kernels it launches through the module's ``Launcher``s
-    (``host.launches``, by launcher name), on any device. The launches run outside the
+    (``host.launches``, by launcher name; ``HostOps()``: the aten ops only), on any device. The
+    launches run outside the
     recording: the Triton interpreter moves tensors with aten ops of its own, which a GPU launch
     does not make."""
 
-    def __init__(self, module, launcher_names):
+    def __init__(self, module=None, launcher_names=()):
         super().__init__()
         self.aten: list[str] = []
         self.launches: list[str] = []

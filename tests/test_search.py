@@ -244,7 +244,7 @@ def test_a_beam_search_step_dispatches_a_bounded_number_of_ops(layers):
     counts = []
     for steps in (6, 12):
         max_lens = torch.full((src.shape[0],), steps)
-        with fastnmt.backend("cpp"), HostOps(None, ()) as host:
+        with fastnmt.backend("cpp"), HostOps() as host:
             beam_search(model, src, src_lengths, max_lens, beam=3, eos=False)
         counts.append(len(host.aten))
     assert (counts[1] - counts[0]) / 6 <= 41 + 41 * layers, counts

@@ -63,15 +63,18 @@ def dropout_seed(device: torch.device) -> torch.Tensor:
     return torch.randint(_SEED_BOUND, (2,), dtype=torch.int64, device=device)
 
 
-# What an output buffer holds before a kernel writes it under the interpreter (tests): NaN or
-# the largest integer, so that an element the kernel fails to write cannot pass for a result.
-_POISON = {
-    dtype: float("nan") if dtype.is_floating_point else torch.iinfo(dtype).max
-    for dtype in (
-        *(torch.float64, torch.float32, torch.float16, torch.bfloat16),
-        *(torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8),
-    )
-}
+class _Poison(dict):
+    """dtype -> what an output buffer holds before a kernel writes it under the interpreter
+    (tests): NaN or the largest integer, so that an element the kernel fails to write cannot pass
+    for a result. Found once per dtype (a lookup, not a call: ``new_output`` is on the host path
+    the tests count)."""
+
+    def __missing__(self, dtype: torch.dtype):
+        self[dtype] = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).max
+        return self[dtype]
+
+
+_POISON = _Poison()
 
 
 def new_output(shape, dtype: torch.dtype, device: torch.device, strides=None) -> torch.Tensor:

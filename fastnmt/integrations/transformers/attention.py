@@ -70,7 +70,8 @@ def _masks(attention_mask, causal: bool, lq: int, lk: int, device):
         key_padding_mask = ~attention_mask[:, -lk:].bool()
     elif attention_mask is not None:  # a 4D mask a caller built: bool (True = keep) or additive
         attn_mask = attention_mask
-    cached, causal = bottom_right_causal(causal, lq, lk, lk - lq, device)  # a KV cache's
+    # With a KV cache the Lq queries come after its lk - lq keys.
+    cached, causal = bottom_right_causal(causal, lq, lk, lk - lq, device)
     return key_padding_mask, merge_masks(attn_mask, cached), causal
 
 
