@@ -207,9 +207,8 @@ class HostOps(TorchDispatchMode):
     """``with HostOps(module, launcher_names) as host:`` records the aten ops a call dispatches
     (``host.aten``) and the Triton kernels it launches through the module's ``Launcher``s
     (``host.launches``, by launcher name; ``HostOps()``: the aten ops only), on any device. The
-    launches run outside the
-    recording: the Triton interpreter moves tensors with aten ops of its own, which a GPU launch
-    does not make."""
+    launches run outside the recording: the Triton interpreter moves tensors with aten ops of its
+    own, which a GPU launch does not make."""
 
     def __init__(self, module=None, launcher_names=()):
         super().__init__()
