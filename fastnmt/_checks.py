@@ -53,6 +53,21 @@ def probability(name: str, value) -> float:
     return float(value)
 
 
+def dropout_seed(value, like_name: str, like: torch.Tensor) -> torch.Tensor | None:
+    """A dropout seed given to an op, or None: an int64 (seed, offset) tensor of shape (2,) on
+    ``like``'s device (``fastnmt.ops.dropout_seeds``)."""
+    if value is None:
+        return None
+    tensor("dropout_seed", value, ndim=1)
+    if value.dtype != torch.int64 or value.shape[0] != 2:
+        raise ValueError(
+            "dropout_seed must be an int64 tensor of shape (2,) (fastnmt.ops.dropout_seeds), "
+            f"got {value.dtype} of shape {tuple(value.shape)}"
+        )
+    same_device("dropout_seed", value, like_name, like)
+    return value
+
+
 def positive(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
         raise ValueError(f"{name} must be a positive number, got {value!r}")

@@ -453,11 +453,12 @@ class MultiheadAttention(nn.Module):
             return out[0], weights
         return (out if self.batch_first else out.transpose(0, 1)), weights
 
-    def attend(self, query, key, *, key_lengths=None, causal=False, cache=None):
+    def attend(self, query, key, *, key_lengths=None, causal=False, cache=None, dropout_seed=None):
         """``forward(query, key, key, ...)``'s output for fastnmt's model, with less host work
         per call (a decoding step makes six): batch-first (B, L, E) inputs, the value is the
         key, masks only as ``key_lengths`` and ``causal``, no weights and no ``bias_k`` or
-        ``add_zero_attn`` (``forward`` checks and translates torch's arguments at every call)."""
+        ``add_zero_attn`` (``forward`` checks and translates torch's arguments at every call);
+        ``dropout_seed`` as ``fastnmt.ops.attention`` takes it."""
         q, k, v, cache_rows = self._project(query, key, key, cache)  # (B, H, L, D)
         if key_lengths is None and cache is not None:
             key_lengths = cache.key_lengths  # a FixedKVCache's positions not yet written
@@ -475,6 +476,7 @@ class MultiheadAttention(nn.Module):
             causal=causal,
             dropout_p=self.dropout if self.training else 0.0,
             cache_rows=cache_rows,
+            dropout_seed=dropout_seed,
         )
         return self._out_projection(out)
 

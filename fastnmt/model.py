@@ -10,7 +10,7 @@ Padding travels as lengths (B,), never as dense masks.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastnmt.attention import KVCache, MultiheadAttention
-from fastnmt.ops import add_layer_norm, feed_forward
+from fastnmt.ops import add_layer_norm, dropout_seeds, feed_forward
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,19 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def dropout_sites(self) -> int:
+        """The fused ops that apply dropout in a training forward: the add_layer_norm of each
+        sublayer (and of each pre-norm stack's end), and where their dropout is set, each
+        attention and each feed-forward."""
+        sublayers = 2 * self.encoder_layers + 3 * self.decoder_layers
+        attentions = self.encoder_layers + 2 * self.decoder_layers
+        feed_forwards = self.encoder_layers + self.decoder_layers
+        return (
+            (sublayers + 2 * self.prenorm) * (self.dropout > 0.0)
+            + attentions * (self.attention_dropout > 0.0)
+            + feed_forwards * (self.activation_dropout > 0.0)
+        )
 
 
 PRESETS = {
@@ -73,24 +86,40 @@ class LayerNorm(nn.Module):
 
 
 Sublayer = tuple[LayerNorm, Callable[[torch.Tensor], torch.Tensor]]
+# A training forward's dropout seeds (``fastnmt.ops.dropout_seeds``: one draw, not one per op),
+# taken in call order; None: each op draws its own.
+Seeds = Iterator[torch.Tensor] | None
 
 
-def residual_stack(x, sublayers: list[Sublayer], final_norm: LayerNorm | None, cfg, training):
+def next_seed(seeds: Seeds, dropout_p: float) -> torch.Tensor | None:
+    """The seed of the next fused op of a forward, if it applies dropout."""
+    return next(seeds) if seeds is not None and dropout_p > 0.0 else None
+
+
+def residual_stack(
+    x, sublayers: list[Sublayer], final_norm: LayerNorm | None, cfg, training, seeds: Seeds
+):
     """Run sublayers with residual connections and LayerNorm, fusing dropout + add + norm.
 
     Pre-norm: h_0 = dropout(x); y_i = LN_i(h_i); h_{i+1} = h_i + dropout(f_i(y_i)); out = LN_f(h_n).
     Post-norm: x_0 = dropout(x); x_{i+1} = LN_i(x_i + dropout(f_i(x_i))).
     """
     p = cfg.dropout if training else 0.0
+
+    def add_norm(pending, h, norm):
+        return add_layer_norm(
+            pending, h, norm.weight, norm.bias, dropout_p=p, dropout_seed=next_seed(seeds, p)
+        )
+
     if cfg.prenorm:
         pending, h = x, None
         for norm, sublayer in sublayers:
-            y, h = add_layer_norm(pending, h, norm.weight, norm.bias, dropout_p=p)
+            y, h = add_norm(pending, h, norm)
             pending = sublayer(y)
-        return add_layer_norm(pending, h, final_norm.weight, final_norm.bias, dropout_p=p)[0]
+        return add_norm(pending, h, final_norm)[0]
     x = F.dropout(x, p, training)
     for norm, sublayer in sublayers:
-        x = add_layer_norm(sublayer(x), x, norm.weight, norm.bias, dropout_p=p)[0]
+        x = add_norm(sublayer(x), x, norm)[0]
     return x
 
 
@@ -101,7 +130,7 @@ class FeedForward(nn.Module):
         self.linear1 = nn.Linear(cfg.d_model, cfg.d_ff)
         self.linear2 = nn.Linear(cfg.d_ff, cfg.d_model)
 
-    def forward(self, x):  # (B, L, E) -> (B, L, E)
+    def forward(self, x, seeds: Seeds = None):  # (B, L, E) -> (B, L, E)
         if not isinstance(self.linear1, nn.Linear):  # packed layers (fastnmt.quantize), inference
             return self.linear2(self.linear1(x))  # linear1 applies the activation
         p = self.cfg.activation_dropout if self.training else 0.0
@@ -113,6 +142,7 @@ class FeedForward(nn.Module):
             self.linear2.bias,
             self.cfg.activation,
             p,
+            next_seed(seeds, p),
         )
 
 
@@ -126,12 +156,22 @@ class AttentionRecord:
     cross: list[torch.Tensor] = field(default_factory=list)  # (B, H, T, S)
 
 
-def _attend(module: MultiheadAttention, query, key, record: list | None, *, causal=False, **kwargs):
+def _attend(
+    module: MultiheadAttention,
+    query,
+    key,
+    record: list | None,
+    seeds: Seeds,
+    *,
+    causal=False,
+    **kwargs,
+):
     """Attention output (the module's lean ``attend``); with ``record`` a list, also append the
     probabilities (B, H, Lq, Lk), which the fused path computes exactly from the log-sum-exp it
     returns."""
     if record is None:
-        return module.attend(query, key, causal=causal, **kwargs)
+        seed = next_seed(seeds, module.dropout if module.training else 0.0)
+        return module.attend(query, key, causal=causal, dropout_seed=seed, **kwargs)
     out, weights = module(query, key, key, average_attn_weights=False, is_causal=causal, **kwargs)
     record.append(weights)
     return out
@@ -149,12 +189,17 @@ class EncoderLayer(nn.Module):
         self.self_attn, self.self_attn_norm = _attention(cfg), LayerNorm(cfg.d_model)
         self.ffn, self.ffn_norm = FeedForward(cfg), LayerNorm(cfg.d_model)
 
-    def sublayers(self, src_lengths, record: AttentionRecord | None) -> list[Sublayer]:
+    def sublayers(
+        self, src_lengths, record: AttentionRecord | None, seeds: Seeds
+    ) -> list[Sublayer]:
         def self_attention(y):
             weights = None if record is None else record.encoder
-            return _attend(self.self_attn, y, y, weights, key_lengths=src_lengths)
+            return _attend(self.self_attn, y, y, weights, seeds, key_lengths=src_lengths)
 
-        return [(self.self_attn_norm, self_attention), (self.ffn_norm, self.ffn)]
+        return [
+            (self.self_attn_norm, self_attention),
+            (self.ffn_norm, lambda y: self.ffn(y, seeds)),
+        ]
 
 
 @dataclass
@@ -177,14 +222,19 @@ class DecoderLayer(nn.Module):
         self.ffn, self.ffn_norm = FeedForward(cfg), LayerNorm(cfg.d_model)
 
     def sublayers(
-        self, memory, src_lengths, cache: LayerCache | None, record: AttentionRecord | None
+        self,
+        memory,
+        src_lengths,
+        cache: LayerCache | None,
+        record: AttentionRecord | None,
+        seeds: Seeds,
     ) -> list[Sublayer]:
         # Padded target positions need no mask: causal queries never see later (padded) keys,
         # and the loss ignores padded queries.
         def self_attention(y):
             cached = None if cache is None else cache.self_attn
             weights = None if record is None else record.decoder
-            return _attend(self.self_attn, y, y, weights, causal=True, cache=cached)
+            return _attend(self.self_attn, y, y, weights, seeds, causal=True, cache=cached)
 
         def cross_attention(y):  # y (B*K, T, E): K hypotheses of each sentence, sentence-major
             cached = None if cache is None else cache.cross_attn
@@ -194,7 +244,13 @@ class DecoderLayer(nn.Module):
             # can share its keys: memory and the cross-attention cache stay (B, S, E) for any K.
             queries = y.reshape(src_lengths.shape[0], -1, width)  # (B, K*T, E)
             out = _attend(
-                self.cross_attn, queries, memory, weights, key_lengths=src_lengths, cache=cached
+                self.cross_attn,
+                queries,
+                memory,
+                weights,
+                seeds,
+                key_lengths=src_lengths,
+                cache=cached,
             )
             if record is not None:  # (B, H, K*T, S) -> (B*K, H, T, S)
                 sentences, heads, _, keys = weights[0].shape
@@ -205,7 +261,7 @@ class DecoderLayer(nn.Module):
         return [
             (self.self_attn_norm, self_attention),
             (self.cross_attn_norm, cross_attention),
-            (self.ffn_norm, self.ffn),
+            (self.ffn_norm, lambda y: self.ffn(y, seeds)),
         ]
 
 
@@ -287,10 +343,14 @@ class Transformer(nn.Module):
         scaled = self.embedding(tokens) * scale
         return scaled + self.positions[start : start + tokens.shape[1]]
 
-    def encode(self, src, src_lengths, record: AttentionRecord | None = None):  # -> (B, S, E)
-        sublayers = [s for layer in self.encoder for s in layer.sublayers(src_lengths, record)]
+    def encode(
+        self, src, src_lengths, record: AttentionRecord | None = None, seeds: Seeds = None
+    ):  # -> (B, S, E)
+        sublayers = [
+            s for layer in self.encoder for s in layer.sublayers(src_lengths, record, seeds)
+        ]
         return residual_stack(
-            self.embed(src), sublayers, self.encoder_norm, self.cfg, self.training
+            self.embed(src), sublayers, self.encoder_norm, self.cfg, self.training, seeds
         )
 
     def decode(
@@ -301,6 +361,7 @@ class Transformer(nn.Module):
         caches=None,
         start: int | torch.Tensor = 0,
         record: AttentionRecord | None = None,
+        seeds: Seeds = None,
     ):
         """Decoder states (B*K, T, E) for target inputs (B*K, T) at positions start.. (with
         caches: the cached steps are positions 0..start-1). ``memory`` (B, S, E) and
@@ -310,11 +371,11 @@ class Transformer(nn.Module):
             s
             for i, layer in enumerate(self.decoder)
             for s in layer.sublayers(
-                memory, src_lengths, None if caches is None else caches[i], record
+                memory, src_lengths, None if caches is None else caches[i], record, seeds
             )
         ]
         x = self.embed(tgt_in, start)
-        return residual_stack(x, sublayers, self.decoder_norm, self.cfg, self.training)
+        return residual_stack(x, sublayers, self.decoder_norm, self.cfg, self.training, seeds)
 
     def logits(self, states):  # (..., E) -> (..., V)
         """Logits with the tied output embedding (and ``output_bias``)."""
@@ -344,7 +405,15 @@ class Transformer(nn.Module):
         return lambda states: torch.addmm(bias, states, weight)
 
     def forward(self, src, src_lengths, tgt_in):  # -> decoder states (B, T, E)
-        return self.decode(tgt_in, self.encode(src, src_lengths), src_lengths)
+        seeds = self.dropout_seeds(src.device)
+        memory = self.encode(src, src_lengths, seeds=seeds)
+        return self.decode(tgt_in, memory, src_lengths, seeds=seeds)
+
+    def dropout_seeds(self, device: torch.device) -> Seeds:
+        """Every dropout seed of a training forward, from one draw (one kernel, where each op
+        would launch its own); None in evaluation."""
+        sites = self.cfg.dropout_sites() if self.training else 0
+        return iter(dropout_seeds(sites, device)) if sites else None
 
     def new_caches(self, steps: int = 16) -> list[LayerCache]:
         """Empty caches of every decoder layer, with room for ``steps`` target positions

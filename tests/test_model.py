@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import fastnmt
 from fastnmt.model import (
     BlockedOutputLayer,
     ModelConfig,
@@ -11,6 +12,7 @@ from fastnmt.model import (
     sinusoidal_positions,
 )
 from fastnmt.trainer import label_smoothed_loss
+from tests.helpers import HostOps, device_of, require_backend
 
 SMALL = ModelConfig(vocab_size=50, d_model=32, heads=4, d_ff=64, encoder_layers=2, decoder_layers=2)
 
@@ -113,3 +115,32 @@ def test_the_output_layer_for_decoding_equals_the_logits(output_bias, blocks, mo
     for rows in (7, 3, 9):
         states = torch.randn(rows, 32)
         torch.testing.assert_close(layer(states), model.logits(states), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("prenorm", "dropout", "attention_dropout", "activation_dropout"),
+    [(True, 0.1, 0.1, 0.0), (False, 0.1, 0.0, 0.2), (True, 0.0, 0.1, 0.2), (True, 0.0, 0.0, 0.0)],
+)
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
+def test_a_training_forward_draws_all_its_dropout_seeds_at_once(
+    backend, prenorm, dropout, attention_dropout, activation_dropout, monkeypatch
+):
+    """One draw of seeds per forward (one kernel on a GPU, where each fused op drew its own), and
+    ``dropout_sites`` counts exactly the ops that take one: every seed drawn is used."""
+    require_backend(backend)
+    options = dict(dropout=dropout, attention_dropout=attention_dropout, prenorm=prenorm)
+    cfg = ModelConfig(**{**SMALL.to_dict(), **options, "activation_dropout": activation_dropout})
+    model = Transformer(cfg).to(device_of(backend))
+    drawn = []
+    draw = Transformer.dropout_seeds
+
+    def recording(self, device):
+        drawn.append(draw(self, device))
+        return drawn[-1]
+
+    monkeypatch.setattr(Transformer, "dropout_seeds", recording)
+    src, src_lengths, tgt = (x.to(device_of(backend)) for x in _batch())
+    with fastnmt.backend(backend), HostOps() as host:
+        model(src, src_lengths, tgt)
+    assert host.aten.count("randint") == (cfg.dropout_sites() > 0)
+    assert drawn[0] is None if cfg.dropout_sites() == 0 else next(drawn[0], "spent") == "spent"

@@ -5,12 +5,14 @@ from fastnmt.ops.feed_forward import feed_forward
 from fastnmt.ops.layer_norm import add_layer_norm
 from fastnmt.ops.linear_cross_entropy import CrossEntropyOutput, linear_cross_entropy
 from fastnmt.ops.log_softmax_topk import log_softmax_topk
+from fastnmt.ops.triton_common import dropout_seeds
 
 __all__ = [
     "CrossEntropyOutput",
     "add_layer_norm",
     "attention",
     "attention_probabilities",
+    "dropout_seeds",
     "feed_forward",
     "gather_cache_rows",
     "linear_cross_entropy",

@@ -48,8 +48,8 @@ from fastnmt.ops.triton_common import (
     LaunchConfig,
     Launcher,
     cdiv,
+    chosen_seed,
     dot_precision,
-    dropout_seed,
     kernel_output_dtype,
     launch_options,
     new_output,
@@ -656,8 +656,10 @@ def gather_cache_rows(x: torch.Tensor, cache_rows: torch.Tensor) -> torch.Tensor
 
 def attention_reference(
     q, k, v, key_lengths, key_padding_mask, attn_mask, causal, dropout_p, scale, return_lse,
-    cache_rows,
+    cache_rows, dropout_seed=None,
 ):  # fmt: skip
+    """The PyTorch oracle; its dropout draws from torch's generator (``dropout_seed`` keys the
+    fused kernels' masks only)."""
     if cache_rows is not None:
         k, v = gather_cache_rows(k, cache_rows), gather_cache_rows(v, cache_rows)
     scores, empty_rows = masked_scores(
@@ -933,12 +935,14 @@ def _launch_backward(
 
 
 def dropout_keep_mask(seed: torch.Tensor, shape: tuple[int, int, int, int], dropout_p: float):
-    """Bool (B, H, Lq, Lk) keep_ij that the Triton kernels apply for ``seed`` (from
-    ``dropout_seed``), written out by a kernel that shares their ``_dropout_keep``.
+    """Bool (B, H, Lq, Lk) keep_ij that the Triton kernels apply for ``seed`` (the
+    ``dropout_seed`` given to ``attention``, or the one it draws), written out by a kernel that
+    shares their ``_dropout_keep``.
 
-    The Triton backend draws its seed with ``dropout_seed(q.device)`` as its first random draw, so
-    ``torch.manual_seed(s)`` before both gives the mask of an ``attention`` call (tests use this to
-    check outputs and gradients against the reference given the kernel's own mask).
+    Without a ``dropout_seed``, the Triton backend draws its seed with
+    ``triton_common.dropout_seed(q.device)`` as its first random draw, so ``torch.manual_seed(s)``
+    before both gives the mask of an ``attention`` call (tests use this to check outputs and
+    gradients against the reference given the kernel's own mask).
     """
     batch, heads, lq, lk = shape
     keep = new_output(shape, torch.uint8, seed.device)
@@ -1062,6 +1066,7 @@ def _prepare(
     scale=None,
     return_lse=False,
     cache_rows=None,
+    dropout_seed=None,
 ):
     scale = _check_scores_inputs(
         q, k, key_lengths, key_padding_mask, attn_mask, causal, scale, cache_rows
@@ -1082,6 +1087,7 @@ def _prepare(
         scale=scale,
         return_lse=bool(return_lse),
         cache_rows=cache_rows,
+        dropout_seed=_checks.dropout_seed(dropout_seed, "q", q),
     )
     return q.device, prepared
 
@@ -1203,9 +1209,9 @@ def _running(_backend: str, forward):
 
     def implementation(
         q, k, v, key_lengths, key_padding_mask, attn_mask, causal, dropout_p, scale, return_lse,
-        cache_rows,
+        cache_rows, dropout_seed,
     ):  # fmt: skip
-        seed = dropout_seed(q.device) if dropout_p > 0.0 else None
+        seed = chosen_seed(dropout_seed, dropout_p, q.device)
         out, lse = forward(
             q, k, v, key_lengths, key_padding_mask, seed, causal, dropout_p, scale, cache_rows
         )
@@ -1243,6 +1249,7 @@ def attention(
     scale=None,
     return_lse=False,
     cache_rows=None,
+    dropout_seed=None,
 ):
     """Masked scaled-dot-product attention on the best available backend.
 
@@ -1265,12 +1272,16 @@ def attention(
             search's cache is then never reordered: only this small index follows the beams
             (``KVCache``). Entries must lie in [0, P): the C++ backend always checks, the others
             under FASTNMT_CHECK_VALUES=1 (a host sync otherwise).
+        dropout_seed: int64 (2,), one of ``fastnmt.ops.dropout_seeds``: the fused kernels'
+            dropout mask is a function of it (the reference draws from torch's generator).
+            Default: drawn for this call, one small kernel on a GPU; a model draws every op's
+            seed at once.
 
     Returns:
         out (B, H, Lq, Dv), or (out, lse) when ``return_lse``. A row that sees no key is 0.
     """
     out, lse = ATTENTION(
         q, k, v, key_lengths, key_padding_mask, attn_mask, causal, dropout_p, scale, return_lse,
-        cache_rows,
+        cache_rows, dropout_seed,
     )  # fmt: skip
     return (out, lse) if return_lse else out

@@ -226,7 +226,8 @@ def _activation_backward_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-def feed_forward_reference(x, w1, b1, w2, b2, activation, dropout_p):
+def feed_forward_reference(x, w1, b1, w2, b2, activation, dropout_p, dropout_seed=None):
+    """Its dropout draws from torch's generator (``dropout_seed`` keys the fused kernels')."""
     hidden = ACTIVATIONS[activation](F.linear(x, w1, b1))  # (..., F)
     if dropout_p > 0.0:
         hidden = F.dropout(hidden, p=dropout_p)
@@ -553,9 +554,11 @@ def _running(backend: str, forward):
     ``FASTNMT_FFN_FUSED_GEMM=1``)."""
     takes_path = backend == "triton"
 
-    def implementation(x, w1, b1, w2, b2, activation, dropout_p, fused_gemm=None):
+    def implementation(
+        x, w1, b1, w2, b2, activation, dropout_p, dropout_seed=None, *, fused_gemm=None
+    ):
         x, w1, b1, w2, b2 = _autocast_operands(x, w1, b1, w2, b2)
-        seed = triton_common.dropout_seed(x.device) if dropout_p > 0.0 else None
+        seed = triton_common.chosen_seed(dropout_seed, dropout_p, x.device)
         if not takes_path:
             return forward(x, w1, b1, w2, b2, activation, dropout_p, seed)[0]
         if fused_gemm is None:
@@ -571,13 +574,13 @@ def _dtype_reasons(kernels: str, x, w1, b1, w2, b2):
         yield f"x has dtype {dtype}; the {kernels} kernels take fp32, fp16 and bf16"
 
 
-def _triton_unsupported(x, w1, b1, w2, b2, activation, dropout_p):
+def _triton_unsupported(x, w1, b1, w2, b2, **_):
     yield from _dtype_reasons("Triton", x, w1, b1, w2, b2)
     if x.numel() == 0:
         yield "x is empty"
 
 
-def _cpp_unsupported(x, w1, b1, w2, b2, activation, dropout_p):
+def _cpp_unsupported(x, w1, b1, w2, b2, **_):
     yield from _dtype_reasons("C++", x, w1, b1, w2, b2)
 
 
@@ -612,7 +615,7 @@ def _activation_name(activation) -> str:
     return ACTIVATION_ALIASES.get(activation, activation)
 
 
-def _prepare(x, w1, b1, w2, b2, activation="relu", dropout_p=0.0):
+def _prepare(x, w1, b1, w2, b2, activation="relu", dropout_p=0.0, dropout_seed=None):
     _checks.tensor("x", x, floating=True)
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the features)")
@@ -626,6 +629,7 @@ def _prepare(x, w1, b1, w2, b2, activation="relu", dropout_p=0.0):
         b2=b2,
         activation=_activation_name(activation),
         dropout_p=_checks.probability("dropout_p", dropout_p),
+        dropout_seed=_checks.dropout_seed(dropout_seed, "x", x),
     )
     return x.device, prepared
 
@@ -648,7 +652,7 @@ registration.register_kernels(
 feed_forward_triton = FEED_FORWARD.implementation("triton")  # tests pick the GEMM path with it
 
 
-def feed_forward(x, w1, b1, w2, b2, activation="relu", dropout_p=0.0):
+def feed_forward(x, w1, b1, w2, b2, activation="relu", dropout_p=0.0, dropout_seed=None):
     """``Linear(w1, b1) -> activation -> dropout -> Linear(w2, b2)`` on the last dimension of x.
 
     Args:
@@ -656,8 +660,11 @@ def feed_forward(x, w1, b1, w2, b2, activation="relu", dropout_p=0.0):
         w1, b1: (F, K) and (F,) or None; w2, b2: (N, F) and (N,) or None (nn.Linear layout).
         activation: "relu", "gelu" or "silu" (also accepted as "swish", Hugging Face's name).
         dropout_p: dropout after the activation (pass 0.0 in evaluation).
+        dropout_seed: int64 (2,), one of ``fastnmt.ops.dropout_seeds``: the fused kernels'
+            dropout mask is a function of it (the reference draws from torch's generator).
+            Default: drawn for this call.
 
     Returns:
         (..., N)
     """
-    return FEED_FORWARD(x, w1, b1, w2, b2, activation, dropout_p)
+    return FEED_FORWARD(x, w1, b1, w2, b2, activation, dropout_p, dropout_seed)

@@ -193,7 +193,10 @@ def _sum_partials_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-def add_layer_norm_reference(x, residual, weight, bias, eps, dropout_p, residual_in_fp32):
+def add_layer_norm_reference(
+    x, residual, weight, bias, eps, dropout_p, residual_in_fp32, dropout_seed=None
+):
+    """Its dropout draws from torch's generator (``dropout_seed`` keys the fused kernels')."""
     h = F.dropout(x, p=dropout_p) if dropout_p > 0.0 else x
     if residual_in_fp32:
         h = h.float()
@@ -493,7 +496,7 @@ def _argument_dtype_reasons(kernels: str, **tensors):
             yield f"{name} has dtype {tensor.dtype}; the {kernels} kernels take fp32, fp16 and bf16"
 
 
-def _triton_unsupported(x, residual, weight, bias, eps, dropout_p, residual_in_fp32):
+def _triton_unsupported(x, residual, weight, bias, **_):
     yield from _argument_dtype_reasons("Triton", x=x, residual=residual, weight=weight, bias=bias)
     if x.shape[-1] > MAX_WIDTH:
         yield f"width {x.shape[-1]} > {MAX_WIDTH}: a row must fit one Triton tile"
@@ -504,15 +507,15 @@ def _triton_unsupported(x, residual, weight, bias, eps, dropout_p, residual_in_f
 def _running(_backend: str, forward):
     """The implementation of the op that calls ``forward`` with the forward op's arguments."""
 
-    def implementation(x, residual, weight, bias, eps, dropout_p, residual_in_fp32):
-        seed = triton_common.dropout_seed(x.device) if dropout_p > 0.0 else None
+    def implementation(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, dropout_seed):
+        seed = triton_common.chosen_seed(dropout_seed, dropout_p, x.device)
         y, h, _, _ = forward(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, seed)
         return y, h
 
     return implementation
 
 
-def _cpp_unsupported(x, residual, weight, bias, eps, dropout_p, residual_in_fp32):
+def _cpp_unsupported(x, residual, weight, bias, **_):
     yield from _argument_dtype_reasons("C++", x=x, residual=residual, weight=weight, bias=bias)
 
 
@@ -522,7 +525,14 @@ def _cpp_unsupported(x, residual, weight, bias, eps, dropout_p, residual_in_fp32
 
 
 def _prepare(
-    x, residual=None, weight=None, bias=None, eps=1e-5, dropout_p=0.0, residual_in_fp32=False
+    x,
+    residual=None,
+    weight=None,
+    bias=None,
+    eps=1e-5,
+    dropout_p=0.0,
+    residual_in_fp32=False,
+    dropout_seed=None,
 ):
     _checks.tensor("x", x, floating=True)
     if x.dim() == 0:
@@ -551,6 +561,7 @@ def _prepare(
         eps=_checks.positive("eps", eps),
         dropout_p=_checks.probability("dropout_p", dropout_p),
         residual_in_fp32=bool(residual_in_fp32),
+        dropout_seed=_checks.dropout_seed(dropout_seed, "x", x),
     )
     return x.device, prepared
 
@@ -573,7 +584,14 @@ registration.register_kernels(
 
 
 def add_layer_norm(
-    x, residual=None, weight=None, bias=None, eps=1e-5, dropout_p=0.0, residual_in_fp32=False
+    x,
+    residual=None,
+    weight=None,
+    bias=None,
+    eps=1e-5,
+    dropout_p=0.0,
+    residual_in_fp32=False,
+    dropout_seed=None,
 ):
     """``h = residual + dropout(x)``, ``y = LayerNorm(h)``; returns ``(y, h)``.
 
@@ -585,8 +603,11 @@ def add_layer_norm(
         eps: added to the variance.
         dropout_p: dropout on x before the add (pass 0.0 in evaluation).
         residual_in_fp32: keep h in fp32 (pre-norm stacks in half precision).
+        dropout_seed: int64 (2,), one of ``fastnmt.ops.dropout_seeds``: the fused kernels'
+            dropout mask is a function of it (the reference draws from torch's generator).
+            Default: drawn for this call.
 
     Returns:
         y with x's dtype, and h (fp32 with ``residual_in_fp32``).
     """
-    return ADD_LAYER_NORM(x, residual, weight, bias, eps, dropout_p, residual_in_fp32)
+    return ADD_LAYER_NORM(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, dropout_seed)

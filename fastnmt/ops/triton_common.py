@@ -11,7 +11,9 @@
   tensor of shape (2,), so that ``torch.compile`` traces the draw and the kernel reads it with
   two loads. A kernel derives each element's random number from (seed, offset, the element's
   index) only, e.g. ``tl.rand(seed, offset + e)``, never from its tiling, so a backward pass
-  regenerates the forward's mask exactly.
+  regenerates the forward's mask exactly. ``dropout_seeds(count, device)``: ``count`` such pairs
+  from one draw (Inductor's ``inductor_seeds``), for a model's training forward: one kernel
+  rather than one per dropout op.
 - ``device_guard(device)``: launches go to the current CUDA device, so a ``Launcher`` launches
   under this guard for its tensors' device when that is not the current one (``cuda:1``).
 - ``dot_precision(dtype)``: the ``input_precision`` of ``tl.dot`` on ``dtype`` operands; fp32
@@ -61,6 +63,20 @@ def kernel_output_dtype(dtype: torch.dtype) -> torch.dtype:
 def dropout_seed(device: torch.device) -> torch.Tensor:
     """int64 (2,) = (seed, offset) of one dropout mask, from torch's generator on ``device``."""
     return torch.randint(_SEED_BOUND, (2,), dtype=torch.int64, device=device)
+
+
+def dropout_seeds(count: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """``count`` (seed, offset) pairs as ``dropout_seed`` draws them, from one draw: int64 (2,)
+    views of one (count, 2) tensor, each a ``dropout_seed=`` of one fused op call."""
+    return torch.randint(_SEED_BOUND, (count, 2), dtype=torch.int64, device=device).unbind()
+
+
+def chosen_seed(given: torch.Tensor | None, dropout_p: float, device: torch.device):
+    """The seed a fused op's kernels take: None without dropout, else the caller's ``given``
+    seed, else one drawn for this call."""
+    if dropout_p == 0.0:
+        return None
+    return dropout_seed(device) if given is None else given
 
 
 class _Poison(dict):

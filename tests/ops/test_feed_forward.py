@@ -173,7 +173,9 @@ def test_triton_matches_reference_error_rule(
     oracle = _run(lambda *a: reference(*a, activation, 0.0), [t.double() for t in inputs], dy)
     same_dtype = _run(lambda *a: reference(*a, activation, 0.0), inputs, dy)
     got = _run(
-        lambda *a: feed_forward_module.feed_forward_triton(*a, activation, 0.0, fused_gemm),
+        lambda *a: feed_forward_module.feed_forward_triton(
+            *a, activation, 0.0, fused_gemm=fused_gemm
+        ),
         inputs,
         dy,
     )
@@ -189,7 +191,7 @@ def test_triton_dropout_keep_fraction_and_seed(triton_backend, triton_device, fu
     x = torch.ones(512, 4, device=triton_device)
     w1, w2 = torch.ones(256, 4, device=triton_device), torch.eye(256, device=triton_device)
     run = lambda: feed_forward_module.feed_forward_triton(  # noqa: E731
-        x, w1, None, w2, None, "relu", 0.2, fused_gemm
+        x, w1, None, w2, None, "relu", 0.2, fused_gemm=fused_gemm
     )
     torch.manual_seed(1)
     hidden = run()  # z itself (W2 = I)

@@ -6,9 +6,10 @@ import contextlib
 import pytest
 import torch
 
+import fastnmt
 from fastnmt._triton import tl
 from fastnmt.ops import triton_common
-from tests.helpers import StandInCompiled, StandInDriver
+from tests.helpers import StandInCompiled, StandInDriver, device_of
 
 
 @pytest.mark.parametrize(
@@ -249,3 +250,51 @@ def test_launcher_passes_what_triton_run_passes_to_the_compiled_kernel(compiled_
     assert direct[:6] == through_triton[:6]  # grid, stream, function, packed metadata
     assert direct[6:9] == (None, None, None)  # launch metadata and the hooks
     assert direct[9:] == through_triton[9:] == (*args, True, 16)
+
+
+def _dropout_call(op: str, device: torch.device):
+    """``run(seed)``: op ``op`` with dropout 0.5 on fixed inputs of ones (every element kept or
+    dropped shows), keyed by ``seed``."""
+    ones = torch.ones(4, 32, 16, device=device)
+    eye = torch.eye(16, device=device)
+    values = torch.eye(32, device=device).expand(4, 1, 32, 32)  # out_ij: key j's kept P_ij
+    calls = {
+        "attention": lambda seed: fastnmt.ops.attention(
+            ones[:, None], ones[:, None], values, dropout_p=0.5, dropout_seed=seed
+        ),
+        "add_layer_norm": lambda seed: fastnmt.ops.add_layer_norm(
+            ones, dropout_p=0.5, dropout_seed=seed
+        )[1],
+        "feed_forward": lambda seed: fastnmt.ops.feed_forward(
+            ones, eye, None, eye, None, dropout_p=0.5, dropout_seed=seed
+        ),
+    }
+    return calls[op]
+
+
+@pytest.mark.parametrize("op", ["attention", "add_layer_norm", "feed_forward"])
+def test_a_given_dropout_seed_keys_the_fused_dropout_mask(fused, op):
+    """``dropout_seeds``' one draw gives each op call its own mask, and an op given a seed drops
+    the same elements whatever torch's generator did in between."""
+    run = _dropout_call(op, device_of(fused))
+    first, second = triton_common.dropout_seeds(2, device_of(fused))
+    masks = [run(first) != 0]
+    torch.rand(1000)  # the generator moves on
+    masks += [run(first) != 0, run(second) != 0]
+    assert 0.4 < masks[0].float().mean().item() < 0.6
+    assert torch.equal(masks[0], masks[1]) and not torch.equal(masks[0], masks[2])
+
+
+@pytest.mark.parametrize(
+    ("seed", "message"),
+    [
+        (torch.zeros(2, dtype=torch.int32), "int64 tensor of shape \\(2,\\)"),
+        (torch.zeros(3, dtype=torch.int64), "int64 tensor of shape \\(2,\\)"),
+        (torch.zeros(1, 2, dtype=torch.int64), "dropout_seed must have 1 dimensions"),
+        (torch.zeros(2, dtype=torch.int64, device="meta"), "dropout_seed is on meta"),
+    ],
+)
+@pytest.mark.parametrize("op", ["attention", "add_layer_norm", "feed_forward"])
+def test_a_bad_dropout_seed_is_refused_by_name(op, seed, message):
+    with pytest.raises(ValueError, match=message):
+        _dropout_call(op, torch.device("cpu"))(seed)
