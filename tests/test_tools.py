@@ -40,6 +40,27 @@ def test_gpu_bench_selects_groups_and_refuses_a_cpu_without_smoke():
     assert full.returncode == 2 and "no CUDA device" in full.stderr
 
 
+def test_gpu_bench_kernels_lists_each_eager_steps_costliest_kernels():
+    """``--kernels N``: per eager step (here each training backend), N rows by time, no table."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "gpu_bench.py"), "--smoke", "--only", "training",
+         "--kernels", "3"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    sections = result.stdout.split("### ")[1:]
+    assert [s.splitlines()[0] for s in sections] == [
+        f"training step tiny (4 x 6 tokens), eager: fastnmt ops ({backend})"
+        for backend in ("auto", "reference")
+    ]
+    for section in sections:
+        rows = [line for line in section.splitlines() if line.startswith("| `")]
+        assert len(rows) == 3, section
+        times = [float(row.split(" | ")[2]) for row in rows]
+        assert times == sorted(times, reverse=True) and times[-1] > 0, section
+    assert "| implementation |" not in result.stdout
+
+
 def _tool(name: str):
     spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)

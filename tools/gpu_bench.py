@@ -18,6 +18,9 @@
   captured as CUDA graphs) against ``fastnmt.search`` on fastnmt's and the reference ops.
 Times are medians of ``triton.testing.do_bench`` (L2 flushed between runs); peak memory is
 ``torch.cuda.max_memory_allocated`` over one call. ``--only`` picks groups of rows.
+``--kernels N`` prints, instead of the table, where the GPU time of each eager training and
+Hugging Face step of the chosen groups goes: its N kernels with the most GPU time (torch.profiler
+over a few steps; on a CPU the N aten ops with the most CPU time), with launches per step.
 ``--train-minutes M`` also runs ``python -m fastnmt.train`` for M minutes on Multi30k and reports
 its throughput (median of the logged windows) and test BLEU. ``--smoke`` runs tiny shapes on
 whatever device there is, to check the script itself (tests/test_tools.py).
@@ -238,13 +241,17 @@ def training_step(name: str, sizes: Sizes, dtype, device, mode: str) -> Callable
     return program
 
 
+def training_label(name: str, sizes: Sizes, mode: str) -> str:
+    return f"training step {name} ({sizes.train_batch} x {sizes.train_length} tokens), {mode}"
+
+
 def training_rows(sizes: Sizes, dtype, device, modes: tuple[str, ...]) -> list[Row]:
     """bf16 only, as the training issue's rows (fp16 training needs loss scaling)."""
     if dtype != torch.bfloat16:
         return []
     rows = []
     for name, mode in itertools.product(sizes.presets, modes):
-        label = f"training step {name} ({sizes.train_batch} x {sizes.train_length} tokens), {mode}"
+        label = training_label(name, sizes, mode)
         for backend in ("auto", "reference"):
             with fastnmt.backend(backend):  # also where a graph is captured or a step compiled
                 build = functools.partial(training_step, name, sizes, dtype, device, mode)
@@ -268,14 +275,21 @@ def step_row(what: str, name: str, build: Callable[[], Callable], device, snapsh
     return row
 
 
+HF_VARIANTS = ("hf sdpa", "apply_fastnmt")
+
+
+def hf_label(batch: int, sizes: Sizes) -> str:
+    return f"HF Marian-base fine-tuning step ({batch} x {sizes.train_length} tokens)"
+
+
 def hf_rows(sizes: Sizes, dtype, device, snapshots: Path | None = None) -> list[Row]:
     """A Marian-base fine-tuning step (forward with labels, backward, AdamW), bf16 only:
     transformers' SDPA attention against ``apply_fastnmt``."""
     if dtype != torch.bfloat16:
         return []
     rows = []
-    for batch, variant in itertools.product(sizes.hf_batches, ("hf sdpa", "apply_fastnmt")):
-        label = f"HF Marian-base fine-tuning step ({batch} x {sizes.train_length} tokens)"
+    for batch, variant in itertools.product(sizes.hf_batches, HF_VARIANTS):
+        label = hf_label(batch, sizes)
         build = functools.partial(hf_step, batch, sizes.train_length, variant, dtype, device)
         name = f"hf-{variant.replace(' ', '-')}-{batch}.pickle"
         rows.append(step_row(label, variant, build, device, snapshots and snapshots / name))
@@ -349,6 +363,61 @@ def decoding_rows(sizes: Sizes, dtype, device) -> list[Row]:
     return rows
 
 
+PROFILED_STEPS = 3
+
+
+def eager_steps(sizes: Sizes, device, groups: list[str]):
+    """(benchmark, implementation, backend, build) of each eager bf16 step of ``groups``."""
+    dtype = torch.bfloat16
+    if "training" in groups:
+        for name, backend in itertools.product(sizes.presets, ("auto", "reference")):
+            build = functools.partial(training_step, name, sizes, dtype, device, "eager")
+            yield training_label(name, sizes, "eager"), f"fastnmt ops ({backend})", backend, build
+    if "hf" in groups:
+        for batch, variant in itertools.product(sizes.hf_batches, HF_VARIANTS):
+            build = functools.partial(hf_step, batch, sizes.train_length, variant, dtype, device)
+            yield hf_label(batch, sizes), variant, "auto", build
+
+
+def kernel_table(what: str, name: str, backend: str, build, device, top: int) -> str:
+    """Markdown: the ``top`` kernels of the step ``build()`` makes by GPU time per step (aten ops
+    by CPU time off CUDA), profiled over PROFILED_STEPS steps after two warm-up steps."""
+    cuda = device.type == "cuda"
+    activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+    gc.collect()
+    with fastnmt.backend(backend):
+        step = build()
+        step()
+        step()
+        with torch.profiler.profile(activities=[activity]) as profile:
+            for _ in range(PROFILED_STEPS):
+                step()
+            if cuda:
+                torch.cuda.synchronize(device)
+    events = [e for e in profile.key_averages() if _self_time(e, cuda) > 0]
+    total = sum(_self_time(e, cuda) for e in events) / PROFILED_STEPS / 1e3
+    launches = sum(e.count for e in events) / PROFILED_STEPS
+    unit = "GPU" if cuda else "CPU"
+    lines = [
+        f"### {what}: {name}",
+        f"{unit} time {total:.3f} ms a step in {launches:.0f} {'kernels' if cuda else 'ops'}",
+        "",
+        f"| {'kernel' if cuda else 'aten op'} | a step | {unit} ms a step | share |",
+        "|---|---|---|---|",
+    ]
+    for event in sorted(events, key=lambda e: _self_time(e, cuda), reverse=True)[:top]:
+        ms = _self_time(event, cuda) / PROFILED_STEPS / 1e3
+        label = event.key.replace("|", "/")[:90]
+        count = event.count / PROFILED_STEPS
+        lines.append(f"| `{label}` | {count:g} | {ms:.3f} | {ms / total:.1%} |")
+    return "\n".join(lines)
+
+
+def _self_time(event, cuda: bool) -> float:
+    """µs of the event's own device (CUDA) or CPU time, over all its calls."""
+    return event.self_device_time_total if cuda else event.self_cpu_time_total
+
+
 BASELINES = ("torch", "SDPA bool", "fastnmt ops (reference)", "fastnmt.search (ref", "hf sdpa")
 
 
@@ -412,6 +481,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-snapshots", type=Path, help="dir for the HF steps' snapshots")
     parser.add_argument("--train-minutes", type=float, help="also time a training run")
     parser.add_argument("--train-preset", help="its model preset (default: the trainer's)")
+    parser.add_argument(
+        "--kernels", type=int, metavar="N", help="each eager step's N costliest kernels instead"
+    )
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:
@@ -429,6 +501,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory_snapshots is not None:
         args.memory_snapshots.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"{name}, torch {torch.__version__}, fastnmt {fastnmt.__version__}\n")
+    if args.kernels is not None:
+        for step in eager_steps(sizes, device, args.only):
+            print(kernel_table(*step, device, args.kernels) + "\n")
+        return 0
     rows = []
     for dtype in dtypes:
         label = str(dtype).removeprefix("torch.")
@@ -437,8 +515,6 @@ def main(argv: list[str] | None = None) -> int:
             rows += [
                 (label, row) for row in measure(sizes, dtype, device, **options.get(group, {}))
             ]
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"{name}, torch {torch.__version__}, fastnmt {fastnmt.__version__}\n")
     print(markdown(rows))
     if args.train_minutes is not None:
         print("\n" + training_run(args.train_minutes, args.train_preset, device))
