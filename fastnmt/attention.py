@@ -1,5 +1,5 @@
-"""Drop-in attention API: ``scaled_dot_product_attention``, ``MultiheadAttention``, ``KVCache``,
-``swap_multihead_attention``.
+"""Drop-in attention API: ``scaled_dot_product_attention``, ``MultiheadAttention``, ``KVCache``
+(its ``CacheRows``), ``swap_multihead_attention``.
 
 ``MultiheadAttention`` takes ``torch.nn.MultiheadAttention``'s constructor and forward arguments,
 has the same parameter names (so its state_dict loads unchanged) and gives the same results, on
@@ -57,6 +57,48 @@ def scaled_dot_product_attention(
     )
 
 
+class CacheRows:
+    """Which storage entry holds each batch entry's key at each position of a ``KVCache``:
+    ``table`` (B, capacity) int64 once reordered (None before: entry b's keys are storage entry
+    b's). KVCaches that append the same positions and reorder together, a search's self-attention
+    caches (one per decoder layer), can share one: its table is then written once per position
+    and gathered once per reorder, rather than once per layer (on a GPU, kernels a step).
+    KVCaches that share one are reordered through it (``reorder``), once."""
+
+    def __init__(self):
+        self.table: torch.Tensor | None = None
+        self.capacity = 0  # positions of the caches' storage
+        self.written = 0  # positions whose rows are set
+        self._entries: torch.Tensor | None = None  # (B, 1) arange: a fresh position's rows
+
+    def grow(self, capacity: int) -> None:
+        """Room for ``capacity`` positions (the caches' storage grew), rows written kept."""
+        if capacity <= self.capacity:
+            return
+        if self.table is not None:
+            table = self.table.new_zeros(self.table.shape[0], capacity)
+            table[:, : self.written] = self.table[:, : self.written]
+            self.table = table
+        self.capacity = capacity
+
+    def append(self, batch: int, start: int, end: int, device: torch.device) -> None:
+        """Positions start..end-1 hold each batch entry's own keys (its storage entry)."""
+        if end <= self.written:  # a cache sharing these rows wrote them
+            return
+        if self.table is not None:
+            if self._entries is None or self._entries.shape[0] != batch:
+                self._entries = torch.arange(batch, device=device)[:, None]
+            self.table[:, start:end] = self._entries
+        self.written = end
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep batch entries ``index`` (B',) in that order: only the (B', capacity) rows move."""
+        if self.table is None:
+            self.table = index[:, None].expand(-1, self.capacity).contiguous()
+        else:
+            self.table = self.table.index_select(0, index)
+
+
 @dataclass
 class KVCache:
     """Projected keys and values of one attention layer, kept across decoding steps.
@@ -68,7 +110,8 @@ class KVCache:
     step, and gathering the whole cache each time cost a tenth of a CPU decoding step. Instead
     ``rows`` records which storage entry holds each batch entry's key at each position, and
     attention reads the storage through it (``attention(..., cache_rows=)``); appended keys go
-    to the storage entry of their batch index, at positions no entry refers to yet.
+    to the storage entry of their batch index, at positions no entry refers to yet. Caches that
+    append and reorder together may share their rows (``shared_rows``, a ``CacheRows``).
     """
 
     static: bool = False
@@ -77,8 +120,13 @@ class KVCache:
     length: int = 0
     _key: torch.Tensor | None = field(default=None, repr=False)  # (P, H, capacity, D)
     _value: torch.Tensor | None = field(default=None, repr=False)
-    # (B, capacity) int64: batch entry b's key t is _key[rows[b, t], :, t]; None: _key[b, :, t].
-    rows: torch.Tensor | None = field(default=None, repr=False)
+    shared_rows: CacheRows = field(default_factory=CacheRows, repr=False)
+
+    @property
+    def rows(self) -> torch.Tensor | None:
+        """(B, capacity) int64: batch entry b's key t is _key[rows[b, t], :, t]; None:
+        _key[b, :, t]."""
+        return self.shared_rows.table
 
     @property
     def key(self) -> torch.Tensor | None:
@@ -106,8 +154,7 @@ class KVCache:
             self._grow(key, value, end)
         self._key[:batch, :, self.length : end] = key
         self._value[:batch, :, self.length : end] = value
-        if self.rows is not None:
-            self.rows[:, self.length : end] = torch.arange(batch, device=key.device)[:, None]
+        self.shared_rows.append(batch, self.length, end, key.device)
         self.length = end
 
     def _grow(self, key: torch.Tensor, value: torch.Tensor, needed: int) -> None:
@@ -125,10 +172,7 @@ class KVCache:
         if self.length:
             self._key[: old.shape[0], :, : self.length] = old[:, :, : self.length]
             self._value[: old.shape[0], :, : self.length] = old_value[:, :, : self.length]
-        if self.rows is not None:
-            rows = self.rows.new_zeros(self.rows.shape[0], capacity)
-            rows[:, : self.length] = self.rows[:, : self.length]
-            self.rows = rows
+        self.shared_rows.grow(capacity)
 
     def _new_storage(self, like: torch.Tensor, entries: int, capacity: int) -> torch.Tensor:
         """(entries, H, capacity, D) storage. A self-attention cache is position-major in
@@ -142,13 +186,9 @@ class KVCache:
 
     def reorder(self, index: torch.Tensor) -> None:
         """Keep batch entries ``index`` (B',) in that order, e.g. the surviving beams: only the
-        (B', capacity) rows are gathered."""
-        if self._key is None:
-            return
-        if self.rows is None:
-            self.rows = index[:, None].expand(-1, self._key.shape[2]).contiguous()
-        else:
-            self.rows = self.rows.index_select(0, index)
+        (B', capacity) rows are gathered (caches sharing their rows: call it on one of them)."""
+        if self._key is not None:
+            self.shared_rows.reorder(index)
 
 
 class StepClock:

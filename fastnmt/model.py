@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastnmt.attention import KVCache, MultiheadAttention
+from fastnmt.attention import CacheRows, KVCache, MultiheadAttention
 from fastnmt.ops import add_layer_norm, dropout_seeds, feed_forward
 
 
@@ -208,10 +208,6 @@ class LayerCache:
 
     self_attn: KVCache = field(default_factory=KVCache)
     cross_attn: KVCache = field(default_factory=lambda: KVCache(static=True))
-
-    def reorder(self, index: torch.Tensor) -> None:
-        self.self_attn.reorder(index)
-        self.cross_attn.reorder(index)
 
 
 class DecoderLayer(nn.Module):
@@ -417,8 +413,17 @@ class Transformer(nn.Module):
 
     def new_caches(self, steps: int = 16) -> list[LayerCache]:
         """Empty caches of every decoder layer, with room for ``steps`` target positions
-        reserved (the length limit of a search: the caches then never grow)."""
-        return [LayerCache(KVCache(reserve=steps)) for _ in self.decoder]
+        reserved (the length limit of a search: the caches then never grow). The layers'
+        self-attention caches share their rows, so that a search reorders them once a step
+        (``reorder_self_attention``)."""
+        rows = CacheRows()
+        return [LayerCache(KVCache(reserve=steps, shared_rows=rows)) for _ in self.decoder]
+
+
+def reorder_self_attention(caches: list[LayerCache], index: torch.Tensor) -> None:
+    """Keep hypotheses ``index`` (N',) in the self-attention caches of ``new_caches``: one gather
+    of the rows they share."""
+    caches[0].self_attn.reorder(index)
 
 
 class BlockedOutputLayer:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fastnmt.model import Transformer
+from fastnmt.model import Transformer, reorder_self_attention
 from fastnmt.ops import log_softmax_topk
 
 if TYPE_CHECKING:
@@ -125,10 +125,10 @@ class _Batch:
         """Continue hypotheses ``rows`` (N',) of the previous step (None: every row, in place)
         with ``tokens`` (N',). The caller knows whether hypotheses moved: asking the tensors
         would sync the host."""
-        if rows is not None:  # copy the self-attention caches only when hypotheses moved
+        if rows is not None:  # reorder the self-attention caches only when hypotheses moved
             self.history = self.history.index_select(0, rows)
-            for cache in self.caches or ():
-                cache.self_attn.reorder(rows)
+            if self.caches:
+                reorder_self_attention(self.caches, rows)
         self.history = torch.cat([self.history, tokens[:, None]], dim=1)
 
 

@@ -9,6 +9,7 @@ from torch import nn
 
 import fastnmt
 from fastnmt.attention import (
+    CacheRows,
     KVCache,
     MultiheadAttention,
     scaled_dot_product_attention,
@@ -226,6 +227,26 @@ class TestIncrementalDecoding:
         expected = torch.cat([keys.repeat_interleave(3, 0), step], dim=2)
         torch.testing.assert_close(cache.key, expected)
         torch.testing.assert_close(cache.value, expected + 1)
+
+    def test_caches_sharing_rows_write_and_reorder_them_once(self):
+        """Two layers' caches sharing their rows, reordered once through one of them, read what
+        two caches of their own, each reordered, read; and a step writes the shared rows once
+        (the second cache's append and any growth leave them as the first wrote them)."""
+        shared = CacheRows()
+        pair, own = [KVCache(reserve=2, shared_rows=shared) for _ in "ab"], [KVCache(), KVCache()]
+        for index in (None, [2, 2, 0], [1, 0, 0, 2], [3, 1]):
+            if index is not None:
+                pair[0].reorder(torch.tensor(index))
+                for cache in own:
+                    cache.reorder(torch.tensor(index))
+            rows = 3 if index is None else len(index)
+            for shared_cache, own_cache in zip(pair, own, strict=True):
+                step = torch.randn(rows, 2, 1, 8)
+                shared_cache.append(step, step + 1)
+                own_cache.append(step, step + 1)
+                torch.testing.assert_close(shared_cache.key, own_cache.key)
+                torch.testing.assert_close(shared_cache.value, own_cache.value)
+        assert pair[0].rows is pair[1].rows is shared.table and shared.capacity == 4
 
     @pytest.mark.parametrize("read", ["through rows", "weights", "with grad"])
     def test_decoding_through_reordered_caches_equals_recomputing(self, read):

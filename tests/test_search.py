@@ -234,7 +234,8 @@ def test_bad_arguments_are_named():
 def test_a_beam_search_step_dispatches_a_bounded_number_of_ops(layers):
     """The host work of a decoding step, which eager decoding on a GPU is made of (each op not a
     view is a launch there): aten ops per step of a beam-3 search (steps 6-12, nothing finishing)
-    on the C++ kernels, fp32. 41 per step and 41 per decoder layer on 2026-11-26."""
+    on the C++ kernels, fp32. 41 per step and 41 per decoder layer on 2026-11-26; 44 and 36 since
+    the layers' self-attention caches share their rows (one write and one gather a step)."""
     require_backend("cpp")
     cfg = ModelConfig(
         vocab_size=50, d_model=32, heads=2, d_ff=64, encoder_layers=1, decoder_layers=layers
@@ -247,7 +248,7 @@ def test_a_beam_search_step_dispatches_a_bounded_number_of_ops(layers):
         with fastnmt.backend("cpp"), HostOps() as host:
             beam_search(model, src, src_lengths, max_lens, beam=3, eos=False)
         counts.append(len(host.aten))
-    assert (counts[1] - counts[0]) / 6 <= 41 + 41 * layers, counts
+    assert (counts[1] - counts[0]) / 6 <= 44 + 36 * layers, counts
 
 
 @pytest.mark.parametrize("beam", [1, 4])
