@@ -360,7 +360,7 @@ def _matmul_launch(
             a.dtype, triton_common.dot_precision(a.dtype),
         ),
     )  # fmt: skip
-    return c.to(a.dtype)
+    return triton_common.as_dtype(c, a.dtype)
 
 
 def _elementwise_launch(launcher, inputs, dtype, seed, activation, dropout_p):
@@ -375,7 +375,7 @@ def _elementwise_launch(launcher, inputs, dtype, seed, activation, dropout_p):
             ACTIVATION=activation, HAS_DROPOUT=dropout_p > 0.0, BLOCK=block
         ),
     )
-    return out.to(dtype)
+    return triton_common.as_dtype(out, dtype)
 
 
 def _forward(x2, w1, b1, w2, b2, activation, dropout_p, seed, fused_gemm):
@@ -394,7 +394,7 @@ def _forward(x2, w1, b1, w2, b2, activation, dropout_p, seed, fused_gemm):
             dropout_p=dropout_p,
             save_preactivation=keep_a,
         )
-        a = a.to(x2.dtype) if keep_a else None
+        a = triton_common.as_dtype(a, x2.dtype) if keep_a else None
         y = _matmul_launch(z, w2.t(), b2)
     else:
         a = F.linear(x2, w1, b1).contiguous()

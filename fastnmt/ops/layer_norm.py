@@ -267,11 +267,11 @@ def _launch_forward(x, residual, weight, bias, eps, dropout_p, residual_in_fp32,
     x2 = x.reshape(-1, width).contiguous()
     rows = x2.shape[0]
     h_dtype = _h_dtype(x, residual, residual_in_fp32)
-    output, buffer_dtype = triton_common.new_output, triton_common.kernel_output_dtype
-    y = output((rows, width), buffer_dtype(x.dtype), x.device)
-    h = output((rows, width), buffer_dtype(h_dtype), x.device)
-    mean = output((rows,), torch.float32, x.device)
-    rstd = output((rows,), torch.float32, x.device)
+    like, buffer_dtype = triton_common.new_output_like, triton_common.kernel_output_dtype
+    y = like(x, buffer_dtype(x.dtype), torch.contiguous_format)  # x's shape, dense rows
+    h = like(x, buffer_dtype(h_dtype), torch.contiguous_format)
+    mean = triton_common.new_output((rows,), torch.float32, x.device)
+    rstd = triton_common.new_output((rows,), torch.float32, x.device)
     block_m, block_n, num_warps = _tile(rows, width)
     _FORWARD(
         x.device,
@@ -301,7 +301,7 @@ def _launch_forward(x, residual, weight, bias, eps, dropout_p, residual_in_fp32,
             num_warps=num_warps,
         ),
     )
-    return y.to(x.dtype).view_as(x), h.to(h_dtype).view_as(x), mean, rstd
+    return triton_common.as_dtype(y, x.dtype), triton_common.as_dtype(h, h_dtype), mean, rstd
 
 
 def _launch_backward(dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_residual, has_bias):
@@ -309,11 +309,11 @@ def _launch_backward(dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_res
     rows = mean.shape[0]
     block_m, block_n, num_warps = _tile(rows, width)
     programs = _backward_programs(triton_common.cdiv(rows, block_m), h.device)
-    output, buffer_dtype = triton_common.new_output, triton_common.kernel_output_dtype
-    dx = output((rows, width), buffer_dtype(dy.dtype), h.device)
-    dh = output((rows, width), buffer_dtype(h.dtype), h.device) if has_residual else None
+    like, buffer_dtype = triton_common.new_output_like, triton_common.kernel_output_dtype
+    dx = like(h, buffer_dtype(dy.dtype), torch.contiguous_format)  # h's shape, dense rows
+    dh = like(h, buffer_dtype(h.dtype), torch.contiguous_format) if has_residual else None
     dweight_partial, dbias_partial = (
-        output((programs, width), torch.float32, h.device) if wanted else None
+        triton_common.new_output((programs, width), torch.float32, h.device) if wanted else None
         for wanted in (weight is not None, has_bias)
     )
     _BACKWARD(
@@ -411,8 +411,8 @@ def _backward(dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_residual, 
         dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_residual, has_bias
     )
     return (
-        dx.to(dy.dtype).view_as(h),
-        h.new_empty(0) if dh is None else dh.to(h.dtype).view_as(h),
+        triton_common.as_dtype(dx, dy.dtype),
+        h.new_empty(0) if dh is None else triton_common.as_dtype(dh, h.dtype),
         h.new_empty(0) if dweight is None else dweight,
         h.new_empty(0) if dbias is None else dbias,
     )
@@ -479,8 +479,8 @@ def _make_backward(backward_op):
         return (
             dx,
             dh if ctx.has_residual else None,
-            None if weight is None else dweight.to(weight.dtype),
-            None if ctx.bias_dtype is None else dbias.to(ctx.bias_dtype),
+            None if weight is None else triton_common.as_dtype(dweight, weight.dtype),
+            None if ctx.bias_dtype is None else triton_common.as_dtype(dbias, ctx.bias_dtype),
             None,
             None,
             None,

@@ -352,7 +352,7 @@ def _chunked(
             torch.zeros(vocab, **fp32) if compute_grad and b is not None else torch.empty(0, **fp32)
         )
     loss, sums = _sum_statistics(stats, mean)
-    return loss, sums, dh.to(hidden.dtype), dw, db
+    return loss, sums, triton_common.as_dtype(dh, hidden.dtype), dw, db
 
 
 _SCALE_BLOCK, _SCALE_WARPS = 2048, 4  # elements per program of the backward: 16 per thread
@@ -381,7 +381,12 @@ def _scale_gradients(
         (dloss, sums, dh, grad_h, n_h, dw, grad_w, n_w, db_in, db_out, n_b),
         triton_common.launch_options(MEAN=mean, BLOCK=_SCALE_BLOCK, num_warps=_SCALE_WARPS),
     )
-    return grad_h.to(hidden_dtype), grad_w.to(weight_dtype), grad_b.to(bias_dtype or dw.dtype)
+    as_dtype = triton_common.as_dtype
+    return (
+        as_dtype(grad_h, hidden_dtype),
+        as_dtype(grad_w, weight_dtype),
+        as_dtype(grad_b, bias_dtype or dw.dtype),
+    )
 
 
 def _gradient_buffer(summed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -23,6 +23,8 @@
   autotuning). On a GPU they always use the GPU rules; under the interpreter they use large
   interpreter blocks (its cost grows with the number of programs) unless a test asks for the GPU
   rules with ``with gpu_tiles():``, so every code path a GPU takes runs in CPU tests too.
+- ``new_output``, ``new_output_like`` and ``as_dtype``: kernels' output buffers (poisoned under
+  the interpreter, fp32 there for bf16: ``kernel_output_dtype``) and their final dtype.
 - ``Launcher``: ``kernel[grid](*args, **options)`` without the per-launch work of Triton's
   ``JITFunction.run``, and ``launch_options(**options)``, the cached options it keys on.
 - ``cdiv`` and ``power_of_2_at_least``: host arithmetic for grids and blocks (triton's
@@ -105,11 +107,20 @@ def new_output(shape, dtype: torch.dtype, device: torch.device, strides=None) ->
     return torch.empty_strided(shape, strides, dtype=dtype, device=device).fill_(_POISON[dtype])
 
 
-def new_output_like(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def new_output_like(
+    x: torch.Tensor, dtype: torch.dtype, memory_format=torch.preserve_format
+) -> torch.Tensor:
     """An output buffer shaped as ``x``, dense in ``x``'s dimension order (``torch.empty_like``;
-    poisoned under the interpreter)."""
-    out = torch.empty_like(x, dtype=dtype)
+    ``memory_format=torch.contiguous_format``: contiguous), poisoned under the interpreter. Half
+    the host time of ``torch.empty(shape, ...)``, which parses a shape and a device."""
+    out = torch.empty_like(x, dtype=dtype, memory_format=memory_format)
     return out.fill_(_POISON[dtype]) if INTERPRETER else out
+
+
+def as_dtype(output: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A kernel's output in ``dtype``: itself, as always on a GPU, or cast from the fp32 buffer
+    the interpreter computed bf16 in (a tenth of the host time of a ``.to`` that returns self)."""
+    return output if output.dtype == dtype else output.to(dtype)
 
 
 def device_guard(device: torch.device) -> contextlib.AbstractContextManager:
