@@ -144,3 +144,28 @@ def test_a_training_forward_draws_all_its_dropout_seeds_at_once(
         model(src, src_lengths, tgt)
     assert host.aten.count("randint") == (cfg.dropout_sites() > 0)
     assert drawn[0] is None if cfg.dropout_sites() == 0 else next(drawn[0], "spent") == "spent"
+
+
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
+def test_a_checkpointed_training_forward_recomputes_the_same_dropout(backend):
+    """``torch.utils.checkpoint`` recomputes a forward with the random state it started with: the
+    seeds drawn inside it come out the same, so its gradients are the plain forward's."""
+    require_backend(backend)
+    model = Transformer(ModelConfig(**{**SMALL.to_dict(), "activation_dropout": 0.1}))
+    model = model.to(device_of(backend))
+    src, src_lengths, tgt = (x.to(device_of(backend)) for x in _batch())
+    gradients = []
+    for checkpointed in (False, True):
+        torch.manual_seed(3)
+        with fastnmt.backend(backend):
+            if checkpointed:
+                states = torch.utils.checkpoint.checkpoint(
+                    model, src, src_lengths, tgt, use_reentrant=False
+                )
+            else:
+                states = model(src, src_lengths, tgt)
+            model.logits(states).logsumexp(-1).sum().backward()
+        gradients.append([p.grad.clone() for p in model.parameters()])
+        model.zero_grad(set_to_none=True)
+    for plain, recomputed in zip(*gradients, strict=True):
+        torch.testing.assert_close(recomputed, plain)
