@@ -62,7 +62,7 @@ class CacheRows:
     ``table`` (B, capacity) int64 once reordered (None before: entry b's keys are storage entry
     b's). KVCaches that append the same positions and reorder together, a search's self-attention
     caches (one per decoder layer), can share one: its table is then written once per position
-    and gathered once per reorder, rather than once per layer (on a GPU, kernels a step).
+    and gathered once per reorder, rather than once per layer (each a kernel on a GPU).
     KVCaches that share one are reordered through it (``reorder``), once."""
 
     def __init__(self):

@@ -92,8 +92,9 @@ Seeds = Iterator[torch.Tensor] | None
 
 
 def next_seed(seeds: Seeds, dropout_p: float) -> torch.Tensor | None:
-    """The seed of the next fused op of a forward, if it applies dropout."""
-    return next(seeds) if seeds is not None and dropout_p > 0.0 else None
+    """The seed of the next fused op of a forward, if it applies dropout (None once the seeds
+    run out, e.g. after a module's dropout was raised by hand: the op then draws its own)."""
+    return next(seeds, None) if seeds is not None and dropout_p > 0.0 else None
 
 
 def residual_stack(
