@@ -8,6 +8,11 @@ Each row times fastnmt's auto backend and PyTorch alternately in one sitting (me
 time / PyTorch's: the target is at most 1.2), both times in µs, and per step the Python function
 calls and the aten ops dispatched. A step is ``forward().sum().backward()`` on both sides.
 
+Without a GPU a second row per op takes the Triton path on CPU tensors with its launches stubbed
+out (``path="triton, kernels stubbed"``): the host work a GPU call makes (checks, dispatch, Python
+autograd, launch configuration, allocations) without the kernels or the interpreter. On a GPU the
+auto row is that path, launches included.
+
 Run: ``pytest benchmarks/bench_dispatch.py --benchmark-only --benchmark-json=host.json``.
 """
 
@@ -22,7 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fastnmt import ops
+import fastnmt
+from fastnmt import dispatch, ops
+from fastnmt.ops import triton_common
 from tests.helpers import python_calls
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -95,8 +102,26 @@ def _aten_ops(step: Callable[[], None]) -> int:
     return counter.count
 
 
+STUBBED = "triton, kernels stubbed"
+PATHS = ["auto"] if DEVICE.type == "cuda" else ["auto", STUBBED]
+
+
+def _stub_the_triton_kernels(monkeypatch) -> None:
+    """Triton chosen for CPU tensors, each launch a no-op (outputs stay uninitialised)."""
+    monkeypatch.setitem(dispatch._DEVICE_REASONS, "triton", lambda device, forced: [])
+    monkeypatch.setattr(triton_common.Launcher, "__call__", lambda *args: None)
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("op", list(_calls()))
-def test_host_cost(benchmark, op):
+def test_host_cost(benchmark, op, path, monkeypatch):
+    if path == STUBBED:
+        _stub_the_triton_kernels(monkeypatch)
+    with fastnmt.backend("triton" if path == STUBBED else "auto"):
+        _measure(benchmark, op, path)
+
+
+def _measure(benchmark, op: str, path: str) -> None:
     ours, theirs = (_step(forward) for forward in _calls()[op])
     for step in (ours, theirs):  # warm-up: first-call caches, allocator
         for _ in range(20):
@@ -109,6 +134,7 @@ def test_host_cost(benchmark, op):
     benchmark.group = "host cost per fwd+bwd call"
     benchmark.extra_info.update(
         op=op,
+        path=path,
         device=DEVICE.type,
         fastnmt_us=round(medians["fastnmt"], 1),
         torch_us=round(medians["torch"], 1),
