@@ -263,9 +263,10 @@ _SUM_PARTIALS = triton_common.Launcher(_sum_partials_kernel)
 
 
 def _launch_forward(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, seed):
+    # The kernels read and write dense rows of ``width``: any contiguous tensor is those rows.
     width = x.shape[-1]
-    x2 = x.reshape(-1, width).contiguous()
-    rows = x2.shape[0]
+    x = x.contiguous()
+    rows = x.numel() // width
     h_dtype = _h_dtype(x, residual, residual_in_fp32)
     like, buffer_dtype = triton_common.new_output_like, triton_common.kernel_output_dtype
     y = like(x, buffer_dtype(x.dtype), torch.contiguous_format)  # x's shape, dense rows
@@ -277,8 +278,8 @@ def _launch_forward(x, residual, weight, bias, eps, dropout_p, residual_in_fp32,
         x.device,
         (triton_common.cdiv(rows, block_m), 1, 1),
         (
-            x2,
-            None if residual is None else residual.reshape(-1, width).contiguous(),
+            x,
+            _contiguous(residual),
             _contiguous(weight),
             _contiguous(bias),
             y,
@@ -320,9 +321,9 @@ def _launch_backward(dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_res
         h.device,
         (programs, 1, 1),
         (
-            dy.reshape(rows, width).contiguous(),
-            None if dh_out is None else dh_out.reshape(rows, width).contiguous(),
-            h.reshape(rows, width),
+            dy.contiguous(),  # dense rows, as in the forward
+            _contiguous(dh_out),
+            h.contiguous(),
             _contiguous(weight),
             mean,
             rstd,
