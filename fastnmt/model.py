@@ -422,9 +422,14 @@ class Transformer(nn.Module):
 
 
 def reorder_self_attention(caches: list[LayerCache], index: torch.Tensor) -> None:
-    """Keep hypotheses ``index`` (N',) in the self-attention caches of ``new_caches``: one gather
-    of the rows they share."""
-    caches[0].self_attn.reorder(index)
+    """Keep hypotheses ``index`` (N',) in the layers' self-attention caches: one gather per rows
+    table, however many layers share it (all of them in ``new_caches``'s)."""
+    reordered = set()
+    for cache in caches:
+        rows = id(cache.self_attn.shared_rows)
+        if rows not in reordered:
+            reordered.add(rows)
+            cache.self_attn.reorder(index)
 
 
 class BlockedOutputLayer:

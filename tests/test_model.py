@@ -6,9 +6,11 @@ import torch
 import fastnmt
 from fastnmt.model import (
     BlockedOutputLayer,
+    LayerCache,
     ModelConfig,
     Transformer,
     preset,
+    reorder_self_attention,
     sinusoidal_positions,
 )
 from fastnmt.trainer import label_smoothed_loss
@@ -169,3 +171,17 @@ def test_a_checkpointed_training_forward_recomputes_the_same_dropout(backend):
         model.zero_grad(set_to_none=True)
     for plain, recomputed in zip(*gradients, strict=True):
         torch.testing.assert_close(recomputed, plain)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["new_caches", "own rows"])
+def test_reorder_self_attention_gathers_each_rows_table_once(shared):
+    """The search's reorder: caches sharing their rows (``new_caches``) and caches with rows of
+    their own all end up reordered, each table exactly once."""
+    model = Transformer(SMALL)
+    caches = model.new_caches(4) if shared else [LayerCache(), LayerCache()]
+    keys = torch.randn(3, 2, 1, 8)
+    for cache in caches:
+        cache.self_attn.append(keys, keys + 1)
+    reorder_self_attention(caches, torch.tensor([2, 0, 0]))
+    for cache in caches:
+        torch.testing.assert_close(cache.self_attn.key, keys[[2, 0, 0]])
