@@ -81,13 +81,13 @@ class CacheRows:
             self.table = table
         self.capacity = capacity
 
-    def append(self, batch: int, start: int, end: int, device: torch.device) -> None:
+    def append(self, batch: int, start: int, end: int) -> None:
         """Positions start..end-1 hold each batch entry's own keys (its storage entry)."""
         if end <= self.written:  # a cache sharing these rows wrote them
             return
         if self.table is not None:
             if self._entries is None or self._entries.shape[0] != batch:
-                self._entries = torch.arange(batch, device=device)[:, None]
+                self._entries = torch.arange(batch, device=self.table.device)[:, None]
             self.table[:, start:end] = self._entries
         self.written = end
 
@@ -154,7 +154,7 @@ class KVCache:
             self._grow(key, value, end)
         self._key[:batch, :, self.length : end] = key
         self._value[:batch, :, self.length : end] = value
-        self.shared_rows.append(batch, self.length, end, key.device)
+        self.shared_rows.append(batch, self.length, end)
         self.length = end
 
     def _grow(self, key: torch.Tensor, value: torch.Tensor, needed: int) -> None:
