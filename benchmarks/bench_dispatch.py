@@ -6,7 +6,9 @@ kernel takes tens of microseconds), and the same Python runs there.
 Each row times fastnmt's auto backend and PyTorch alternately in one sitting (medians of
 ``SAMPLES`` batches of ``CALLS_PER_SAMPLE`` steps) and records in extra_info: ``ratio`` (fastnmt's
 time / PyTorch's: the target is at most 1.2), both times in µs, and per step the Python function
-calls and the aten ops dispatched. A step is ``forward().sum().backward()`` on both sides.
+calls and the aten ops dispatched. A step is ``forward().sum().backward()`` on both sides, or
+in the ``forward, no grad`` rows the forward alone under ``torch.no_grad()`` (decoding and
+validation: no autograd to record, see ``fastnmt.dispatch``).
 
 Without a GPU a second row per op takes the Triton path on CPU tensors with its launches stubbed
 out (``path="triton, kernels stubbed"``): the host work a GPU call makes (checks, dispatch, Python
@@ -70,11 +72,18 @@ def _calls() -> dict[str, tuple[Callable, Callable]]:
     }
 
 
-def _step(forward: Callable[[], torch.Tensor]) -> Callable[[], None]:
+TRAINING, INFERENCE = "fwd+bwd", "forward, no grad"
+
+
+def _step(forward: Callable[[], torch.Tensor], mode: str) -> Callable[[], None]:
     def step() -> None:
         forward().sum().backward()
 
-    return step
+    def inference() -> None:
+        with torch.no_grad():
+            forward()
+
+    return step if mode == TRAINING else inference
 
 
 def _microseconds(step: Callable[[], None]) -> float:
@@ -112,17 +121,18 @@ def _stub_the_triton_kernels(monkeypatch) -> None:
     monkeypatch.setattr(triton_common.Launcher, "__call__", lambda *args: None)
 
 
+@pytest.mark.parametrize("mode", [TRAINING, INFERENCE])
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("op", list(_calls()))
-def test_host_cost(benchmark, op, path, monkeypatch):
+def test_host_cost(benchmark, op, path, mode, monkeypatch):
     if path == STUBBED:
         _stub_the_triton_kernels(monkeypatch)
     with fastnmt.backend("triton" if path == STUBBED else "auto"):
-        _measure(benchmark, op, path)
+        _measure(benchmark, op, path, mode)
 
 
-def _measure(benchmark, op: str, path: str) -> None:
-    ours, theirs = (_step(forward) for forward in _calls()[op])
+def _measure(benchmark, op: str, path: str, mode: str) -> None:
+    ours, theirs = (_step(forward, mode) for forward in _calls()[op])
     for step in (ours, theirs):  # warm-up: first-call caches, allocator
         for _ in range(20):
             step()
@@ -131,10 +141,11 @@ def _measure(benchmark, op: str, path: str) -> None:
         samples["fastnmt"].append(_microseconds(ours))
         samples["torch"].append(_microseconds(theirs))
     medians = {side: statistics.median(times) for side, times in samples.items()}
-    benchmark.group = "host cost per fwd+bwd call"
+    benchmark.group = f"host cost per call, {mode}"
     benchmark.extra_info.update(
         op=op,
         path=path,
+        mode=mode,
         device=DEVICE.type,
         fastnmt_us=round(medians["fastnmt"], 1),
         torch_us=round(medians["torch"], 1),

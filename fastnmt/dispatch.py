@@ -21,11 +21,15 @@ anything else by value). A call whose signature was seen skips the argument chec
 reasons: a dict lookup, then the implementation. Reasons and checks read nothing else, so a cached
 choice is the one ``explain()`` gives.
 
-Each backend may register two implementations: the eager one and a traced one for
+Each backend may register three implementations: the eager one, an inference one for eager
+calls that autograd has nothing to record for (grad disabled, or no tensor argument requiring
+grad: both are in the call signature, so this too is decided once), and a traced one for
 ``torch.compile``, ``torch.func`` transforms and export. Triton's eager one calls its kernels
-through a plain ``torch.autograd.Function``, the leanest path into them, and its traced one the
-torch.library ops, with fakes, that graphs keep opaque; the C++ ops carry their autograd in C++
-and serve both (``ops/registration.py``).
+through a plain ``torch.autograd.Function``, the leanest path into them with a backward; its
+inference one calls the kernels' launchers directly (no Function, no saved context: a decoding
+step makes dozens of such calls); its traced one the torch.library ops, with fakes, that graphs
+keep opaque. The C++ ops carry their autograd in C++ and serve all three
+(``ops/registration.py``).
 """
 
 from __future__ import annotations
@@ -149,6 +153,7 @@ class Op:
         self._arity = len(self._names)
         self._implementations: dict[str, tuple[Callable, UnsupportedFn | None]] = {}
         self._traced: dict[str, Callable] = {}
+        self._inference: dict[str, Callable] = {}
         # call signature -> (implementation, (position, value) of the arguments prepare normalized)
         self._decisions: dict[tuple, tuple[Callable, tuple]] = {}
 
@@ -158,23 +163,29 @@ class Op:
         unsupported: UnsupportedFn | None = None,
         *,
         traced: Callable | None = None,
+        inference: Callable | None = None,
     ):
         """Decorator: ``fn(**prepared)`` implements this op on ``backend_name``;
         ``unsupported(**prepared)`` yields the reasons it cannot run a call (besides the backend's
-        device requirements); ``traced`` replaces ``fn`` under tracing (default: ``fn``)."""
+        device requirements); ``traced`` replaces ``fn`` under tracing, ``inference`` in eager
+        calls without autograd (``needs_autograd``); both default to ``fn``."""
         _check_backend_name(backend_name, "register()'s backend_name")
 
         def decorate(fn: Callable) -> Callable:
             self._implementations[backend_name] = (fn, unsupported)
             self._traced[backend_name] = fn if traced is None else traced
+            self._inference[backend_name] = fn if inference is None else inference
             self._decisions.clear()
             return fn
 
         return decorate
 
-    def implementation(self, backend_name: str) -> Callable:
-        """The eager implementation registered for ``backend_name``."""
-        return self._implementations[backend_name][0]
+    def implementation(self, backend_name: str, *, autograd: bool = True) -> Callable:
+        """The eager implementation registered for ``backend_name``: the one that records a
+        backward, or with ``autograd=False`` the one for calls that need none."""
+        if autograd:
+            return self._implementations[backend_name][0]
+        return self._inference[backend_name]
 
     def _reasons(self, device: torch.device, prepared: dict, forced: str | None) -> dict:
         found = {}
@@ -249,7 +260,9 @@ class Op:
 
     def _decide(self, key: tuple, args: tuple) -> tuple[Callable, tuple]:
         device, prepared = self.prepare(*args)
-        implementation, _ = self._implementations[self._choose(device, prepared)]
+        implementation = self.implementation(
+            self._choose(device, prepared), autograd=needs_autograd(args)
+        )
         normalized = []
         for position, (name, value) in enumerate(prepared.items()):
             assert name == self._names[position], f"{self.name}: prepare's keys in its order"
@@ -266,8 +279,18 @@ class Op:
     def _call_uncached(self, args: tuple, kwargs: dict):
         device, prepared = self.prepare(*args, **kwargs)
         name = self._choose(device, prepared)
-        implementation = self._traced[name] if _tracing() else self._implementations[name][0]
+        if _tracing():
+            return self._traced[name](**prepared)
+        implementation = self.implementation(name, autograd=needs_autograd(prepared.values()))
         return implementation(**prepared)
+
+
+def needs_autograd(arguments: Iterable) -> bool:
+    """Whether autograd records a call on these arguments: grad is enabled and a tensor among
+    them requires grad (a call signature holds both, so a cached choice follows it)."""
+    return torch.is_grad_enabled() and any(
+        isinstance(value, torch.Tensor) and value.requires_grad for value in arguments
+    )
 
 
 OPS: dict[str, Op] = {}

@@ -201,7 +201,29 @@ def test_cached_choices_are_what_explain_says():
         getattr(fastnmt.ops, name)(*args, **kwargs)
         ((implementation, _),) = op._decisions.values()
         chosen = fastnmt.explain(name, *args, **kwargs)["chosen"]
-        assert implementation is op.implementation(chosen)
+        assert implementation is op.implementation(chosen, autograd=False)  # no grad required
+
+
+def test_calls_autograd_records_nothing_for_take_the_inference_implementation(extension_built):
+    op = dispatch.Op("toy", lambda x, scale=1.0: (x.device, {"x": x, "scale": scale}))
+    op.register("reference", inference=lambda x, scale: "inference")(lambda x, scale: "autograd")
+    leaf = torch.zeros(2, requires_grad=True)
+    for call in (lambda x: op(x, 1.0), lambda x: op(x, scale=1.0)):  # cached, and not
+        assert call(leaf) == "autograd"
+        assert call(leaf.detach()) == "inference"
+        with torch.no_grad():
+            assert call(leaf) == "inference"
+        with torch.inference_mode():
+            assert call(leaf) == "inference"
+        assert call(leaf) == "autograd"  # the grad mode is part of the signature
+
+
+def test_an_op_without_an_inference_implementation_runs_its_eager_one(extension_built):
+    op = dispatch.Op("toy", lambda x: (x.device, {"x": x}))
+    op.register("reference")(lambda x: "eager")
+    with torch.no_grad():
+        assert op(torch.zeros(1)) == "eager"
+    assert op.implementation("reference", autograd=False) is op.implementation("reference")
 
 
 TRAINED_OPS = ("attention", "add_layer_norm", "feed_forward", "linear_cross_entropy")
@@ -235,3 +257,20 @@ def test_an_op_call_with_its_backward_takes_few_python_calls(name):
     take 13-17 of the 30)."""
     forward = _op_steps()[name]
     assert python_calls(lambda: forward().sum().backward()) <= 30
+
+
+@pytest.mark.parametrize("name", TRAINED_OPS)
+def test_triton_calls_without_grad_launch_without_an_autograd_function(name):
+    """Decoding and validation: the launchers straight away, the same outputs as with autograd."""
+    forward = _op_steps()[name]
+    op = dispatch.OPS[name]
+    with fastnmt.backend("triton"):
+        recorded = forward()
+        op._decisions.clear()
+        with torch.no_grad():
+            inferred = forward()
+    ((implementation, _),) = op._decisions.values()
+    assert implementation is op.implementation("triton", autograd=False)
+    assert implementation is not op.implementation("triton")
+    assert recorded.grad_fn is not None and inferred.grad_fn is None
+    torch.testing.assert_close(inferred, recorded.detach(), rtol=0, atol=0)

@@ -621,9 +621,12 @@ def _check_target_range(target, vocab: int, ignore_index: int) -> None:
 
 LINEAR_CROSS_ENTROPY = dispatch.define("linear_cross_entropy", _prepare)
 LINEAR_CROSS_ENTROPY.register("reference")(linear_cross_entropy_reference)
-LINEAR_CROSS_ENTROPY.register("triton", _fused_unsupported("Triton"), traced=_running(_triton_op))(
-    _running(_triton_eager)
-)
+LINEAR_CROSS_ENTROPY.register(
+    "triton",
+    _fused_unsupported("Triton"),
+    traced=_running(_triton_op),
+    inference=_running(_chunked),
+)(_running(_triton_eager))
 LINEAR_CROSS_ENTROPY.register("cpp", _fused_unsupported("C++"))(_running(_cpp_op))
 
 

@@ -6,7 +6,8 @@ Triton kernels, twice:
 - eager: a plain ``torch.autograd.Function`` calling the same launchers. torch.library's Python
   layers (the autograd kernel, pytree walks over the arguments, the dispatcher's Python
   implementation of a ``custom_op``) cost far more per call than a small kernel takes on a GPU;
-  this path costs two Python calls each way.
+  this path costs two Python calls each way;
+- eager without autograd (decoding, validation: see ``dispatch``): the forward launcher itself.
 Both share one ``setup_context`` and one backward, so they compute the same gradients.
 
 C++ kernels: ops registered in csrc/ with their autograd in C++ (the same gradients), so one op
@@ -73,9 +74,12 @@ def register_kernels(
         forward_op, make_backward(backward_op), setup_context=setup_context
     )
     eager = eager_function(f"{op.name}_triton", forward, setup_context, make_backward(backward))
-    op.register("triton", unsupported["triton"], traced=running("triton", forward_op))(
-        running("triton", eager)
-    )
+    op.register(
+        "triton",
+        unsupported["triton"],
+        traced=running("triton", forward_op),
+        inference=running("triton", forward),
+    )(running("triton", eager))
     if not extension_available():  # never chosen (the reason: extension_status()), but explained
         op.register("cpp", unsupported["cpp"])(extension_missing)
         return
