@@ -139,7 +139,10 @@ def layer_norm_cases() -> list[CompileCase]:
         for width in (64, 1024, norm_op.MAX_WIDTH)
         for case in (
             _layer_norm_case(
-                norm_op._add_layer_norm_forward_kernel, forward, _LAYER_NORM_FLAGS, width
+                norm_op._add_layer_norm_forward_kernel,
+                forward,
+                (*_LAYER_NORM_FLAGS, "HAS_STATISTICS"),
+                width,
             ),
             _layer_norm_case(
                 norm_op._add_layer_norm_backward_kernel,

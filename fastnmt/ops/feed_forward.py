@@ -23,6 +23,8 @@ they are. The Triton backend has two paths:
 
 - library GEMM (the default): ``torch.matmul``/``addmm`` for the products and one fused
   elementwise Triton kernel for activation + dropout (forward) and its derivative (backward);
+  without a backward to come and without dropout (decoding), the activation is aten's, in
+  place: there is nothing to fuse, and an aten call costs less host time than a Triton launch;
 - fused GEMM: one Triton GEMM kernel (fp32 accumulator, grouped program order, block sizes by the
   rule of ``gemm_config``, no per-shape autotuning) runs every product; its epilogue adds the
   bias, and for ``a`` applies activation + dropout in the forward and ``* keep / (1-p) * act'(a)``
@@ -443,6 +445,23 @@ def _launch_forward(x, w1, b1, w2, b2, activation, dropout_p, seed, fused_gemm):
     return y.view(*x.shape[:-1], w2.shape[0]), z, a
 
 
+# Without a backward to come and without dropout the library path has nothing to fuse: aten's
+# activation, in place where it has that form, is one launch and no allocation, less host time
+# than a Triton launch of the elementwise kernel (decoding makes one such call per layer a step).
+_INFERENCE_ACTIVATIONS = {
+    "relu": functools.partial(F.relu, inplace=True),
+    "silu": functools.partial(F.silu, inplace=True),
+    "gelu": F.gelu,
+}
+
+
+def _launch_inference(x, w1, b1, w2, b2, activation, dropout_p, seed, fused_gemm):
+    """(y,): the forward of a call autograd records nothing for (z and a are not kept)."""
+    if fused_gemm or dropout_p > 0.0:
+        return _launch_forward(x, w1, b1, w2, b2, activation, dropout_p, seed, fused_gemm)
+    return (F.linear(_INFERENCE_ACTIVATIONS[activation](F.linear(x, w1, b1)), w2, b2),)
+
+
 @torch.library.custom_op("fastnmt::feed_forward_triton", mutates_args=())
 def _feed_forward_op(
     x: torch.Tensor,
@@ -648,6 +667,7 @@ registration.register_kernels(
     backward_fake=_backward_fake,
     setup_context=_setup_context,
     make_backward=_make_backward,
+    inference=_launch_inference,
 )
 feed_forward_triton = FEED_FORWARD.implementation("triton")  # tests pick the GEMM path with it
 

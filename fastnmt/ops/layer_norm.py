@@ -59,8 +59,8 @@ def _add_layer_norm_forward_kernel(
     B,  # (N,) LayerNorm bias (read when HAS_BIAS)
     Y,  # (rows, N) output LN(h), contiguous
     H,  # (rows, N) output h = residual + dropout(x), contiguous
-    MEAN,  # (rows,) fp32 output: mean of h, saved for the backward
-    RSTD,  # (rows,) fp32 output: 1 / sqrt(var + eps), saved for the backward
+    MEAN,  # (rows,) fp32 output: mean of h, saved for the backward (when HAS_STATISTICS)
+    RSTD,  # (rows,) fp32 output: 1 / sqrt(var + eps), saved for the backward (likewise)
     SEED,  # int64 (2,): philox seed and offset of the dropout mask (read when HAS_DROPOUT)
     rows,  # number of rows
     N,  # row width
@@ -70,6 +70,7 @@ def _add_layer_norm_forward_kernel(
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
+    HAS_STATISTICS: tl.constexpr,  # False without a backward to come (inference)
     BLOCK_M: tl.constexpr,  # rows per tile
     BLOCK_N: tl.constexpr,  # power of two >= N
 ):
@@ -94,9 +95,10 @@ def _add_layer_norm_forward_kernel(
     if HAS_BIAS:
         y += tl.load(B + column, mask=column < N, other=0.0).to(tl.float32)
     tl.store(Y + element, y.to(Y.dtype.element_ty), mask=inside)
-    row = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    tl.store(MEAN + row, mean, mask=row < rows)
-    tl.store(RSTD + row, rstd, mask=row < rows)
+    if HAS_STATISTICS:
+        row = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        tl.store(MEAN + row, mean, mask=row < rows)
+        tl.store(RSTD + row, rstd, mask=row < rows)
 
 
 @triton.jit
@@ -262,7 +264,10 @@ _BACKWARD = triton_common.Launcher(_add_layer_norm_backward_kernel)
 _SUM_PARTIALS = triton_common.Launcher(_sum_partials_kernel)
 
 
-def _launch_forward(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, seed):
+def _launch_forward(
+    x, residual, weight, bias, eps, dropout_p, residual_in_fp32, seed, statistics=True
+):
+    """(y, h, mean, rstd); mean and rstd are None unless ``statistics`` (a backward to come)."""
     # The kernels read and write dense rows of ``width``: any contiguous tensor is those rows.
     width = x.shape[-1]
     x = x.contiguous()
@@ -271,8 +276,10 @@ def _launch_forward(x, residual, weight, bias, eps, dropout_p, residual_in_fp32,
     like, buffer_dtype = triton_common.new_output_like, triton_common.kernel_output_dtype
     y = like(x, buffer_dtype(x.dtype), torch.contiguous_format)  # x's shape, dense rows
     h = like(x, buffer_dtype(h_dtype), torch.contiguous_format)
-    mean = triton_common.new_output((rows,), torch.float32, x.device)
-    rstd = triton_common.new_output((rows,), torch.float32, x.device)
+    mean = rstd = None
+    if statistics:
+        mean = triton_common.new_output((rows,), torch.float32, x.device)
+        rstd = triton_common.new_output((rows,), torch.float32, x.device)
     block_m, block_n, num_warps = _tile(rows, width)
     _FORWARD(
         x.device,
@@ -297,6 +304,7 @@ def _launch_forward(x, residual, weight, bias, eps, dropout_p, residual_in_fp32,
             HAS_WEIGHT=weight is not None,
             HAS_BIAS=bias is not None,
             HAS_DROPOUT=dropout_p > 0.0,
+            HAS_STATISTICS=statistics,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             num_warps=num_warps,
@@ -581,6 +589,7 @@ registration.register_kernels(
     backward_fake=_backward_fake,
     setup_context=_setup_context,
     make_backward=_make_backward,
+    inference=functools.partial(_launch_forward, statistics=False),  # a C call, no frame
 )
 
 

@@ -55,6 +55,7 @@ def register_kernels(
     backward_fake: Callable,
     setup_context: Callable,
     make_backward: Callable,
+    inference: Callable | None = None,
 ) -> None:
     """Registers ``op``'s Triton and C++ backends.
 
@@ -66,7 +67,8 @@ def register_kernels(
     gradients), and is the eager and the traced path at once: a CPU step never enters Python
     below the op call. ``running(backend, forward)`` is the implementation of the op (its
     prepared arguments) that calls ``forward`` with the forward op's arguments;
-    ``unsupported[backend]`` its reasons."""
+    ``unsupported[backend]`` its reasons. ``inference`` replaces the forward launcher where
+    autograd records nothing (it may skip what only a backward reads; default: the launcher)."""
     (forward_op, backward_op), (forward, backward) = triton
     torch.library.register_fake(forward_op)(forward_fake)
     torch.library.register_fake(backward_op)(backward_fake)
@@ -78,7 +80,7 @@ def register_kernels(
         "triton",
         unsupported["triton"],
         traced=running("triton", forward_op),
-        inference=running("triton", forward),
+        inference=running("triton", forward if inference is None else inference),
     )(running("triton", eager))
     if not extension_available():  # never chosen (the reason: extension_status()), but explained
         op.register("cpp", unsupported["cpp"])(extension_missing)

@@ -409,6 +409,27 @@ def test_triton_path_is_the_library_gemm_unless_asked(triton_backend, triton_dev
     assert gemm_kernel_launches(fused_gemm=False) == 0
 
 
+@pytest.mark.parametrize("activation", ACTIVATION_NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_inference_is_the_library_products_around_an_aten_activation(
+    triton_backend, triton_device, activation, dtype
+):
+    """Without autograd and dropout (decoding) there is nothing to fuse: no Triton launch, the
+    activation in place where aten has that form, the error rule against float64 met."""
+    inputs = _inputs(37, 40, 100, dtype, device=triton_device)
+    with torch.no_grad():
+        with HostOps(feed_forward_module, ["_ACTIVATION_FORWARD", "_MATMUL"]) as host:
+            y = feed_forward(*inputs, activation)
+        same_dtype = feed_forward_module.feed_forward_reference(*inputs, activation, 0.0)
+        with HostOps(feed_forward_module, ["_ACTIVATION_FORWARD"]) as dropped:
+            feed_forward(*inputs, activation, dropout_p=0.5)  # the seeded mask: the kernel's
+    assert host.launches == [] and dropped.launches == ["_ACTIVATION_FORWARD"]
+    activation_op = {"relu": "relu_", "silu": "silu_", "gelu": "gelu"}[activation]
+    assert activation_op in host.aten and "empty" not in host.aten, host.aten
+    oracle = feed_forward_oracle(*inputs, activation)
+    assert_error_within(y, same_dtype, oracle, 2, ATOL[dtype])
+
+
 def test_triton_under_autocast_takes_the_autocast_dtype(triton_backend, triton_device):
     """fp32 parameters and a bf16 activation, as a bf16-autocast model passes them."""
     x, w1, b1, w2, b2 = (t.requires_grad_() for t in _inputs(37, 40, 100, device=triton_device))

@@ -367,6 +367,17 @@ def test_triton_forward_and_backward_launch_three_kernels(triton_device, dtype, 
         assert [op for op in host.aten if op not in _NO_LAUNCH] == ["fill_"] * poisoned, host.aten
 
 
+def test_triton_inference_launches_the_forward_and_keeps_no_statistics(triton_device):
+    """Without a backward to come (decoding): one launch, y and h allocated, no mean and rstd."""
+    x, residual, weight, bias = _inputs(9, 100, torch.float32, device=triton_device)
+    with fastnmt.backend("triton"), torch.no_grad():
+        add_layer_norm(x, residual, weight, bias)  # the backend's choice, cached
+        with HostOps(layer_norm_module, _KERNELS) as host:
+            add_layer_norm(x, residual, weight, bias)
+    assert host.launches == ["_FORWARD"]
+    assert [op for op in host.aten if op not in ("fill_", "detach")] == ["empty_like"] * 2
+
+
 def test_triton_reasons(triton_device):
     """CPU tensors: Triton only in the interpreter, and only when forced (with a GPU: not at
     all). Tensors on the Triton device: chosen on a GPU; forced, the kernel's own limits."""
