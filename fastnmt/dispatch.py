@@ -19,7 +19,9 @@ tens of microseconds), so the choice is cached per call signature: the forced ba
 autocast modes, and each argument (a tensor by shape, strides, dtype, device and requires_grad;
 anything else by value). A call whose signature was seen skips the argument checks and the
 reasons: a dict lookup, then the implementation. Reasons and checks read nothing else, so a cached
-choice is the one ``explain()`` gives.
+choice is the one ``explain()`` gives. Inside ``torch.autograd.forward_ad.dual_level()`` every
+call is decided afresh: a tensor carrying a tangent is a reason against the fused backends, whose
+kernels have no forward-mode derivative, so the reference ops run it (forcing one raises).
 
 Each backend may register three implementations: the eager one, an inference one for eager
 calls that autograd has nothing to record for (grad disabled, or no tensor argument requiring
@@ -41,6 +43,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 
 import torch
+from torch.autograd import forward_ad
 
 from fastnmt import environment
 from fastnmt._extension import extension_available, extension_status
@@ -125,6 +128,22 @@ _DEVICE_REASONS: dict[str, Callable[[torch.device, bool], list[str]]] = {
     "cpp": _cpp_device_reasons,
     "reference": lambda device, forced: [],
 }
+FUSED = ("triton", "cpp")  # backends whose kernels have a backward but no forward-mode AD (jvp)
+
+
+def _dual_level_active() -> bool:
+    """Inside ``torch.autograd.forward_ad.dual_level()``, where tensors may carry tangents."""
+    return forward_ad._current_level >= 0
+
+
+def _tangent_reasons(prepared: dict) -> list[str]:
+    for name, value in prepared.items():
+        if isinstance(value, torch.Tensor) and forward_ad.unpack_dual(value).tangent is not None:
+            return [
+                f"{name} carries a forward-mode AD tangent; the fused kernels have no jvp (the "
+                "reference ops do)"
+            ]
+    return []
 
 
 def _tracing() -> bool:
@@ -195,6 +214,8 @@ class Op:
                 continue
             _, unsupported = self._implementations[name]
             found[name] = _DEVICE_REASONS[name](device, forced == name)
+            if not found[name] and name in FUSED and _dual_level_active():
+                found[name] = _tangent_reasons(prepared)
             if not found[name] and unsupported is not None:
                 found[name] = list(unsupported(**prepared))
         return found
@@ -226,6 +247,7 @@ class Op:
             or environment.check_values
             or torch.compiler.is_compiling()
             or torch._C._are_functorch_transforms_active()
+            or forward_ad._current_level >= 0  # tangents are not in the signature
         ):
             return self._call_uncached(args, kwargs)
         key = [_forced.get(), environment.backend, torch.is_grad_enabled()]

@@ -2,10 +2,12 @@
 
 import pytest
 import torch
+import torch.autograd.forward_ad as forward_ad
+import torch.nn.functional as F
 
 import fastnmt
 from fastnmt import dispatch
-from tests.helpers import python_calls
+from tests.helpers import python_calls, require_backend
 
 
 def _toy_op(unsupported_by_cpp=()):
@@ -216,6 +218,30 @@ def test_calls_autograd_records_nothing_for_take_the_inference_implementation(ex
         with torch.inference_mode():
             assert call(leaf) == "inference"
         assert call(leaf) == "autograd"  # the grad mode is part of the signature
+
+
+@pytest.mark.parametrize("fused", ["cpp", "triton"])
+@pytest.mark.filterwarnings("ignore:`torch.jit.script`:DeprecationWarning")  # make_dual's own
+def test_forward_mode_ad_runs_on_the_reference_ops(fused):
+    """The fused kernels have no jvp: a tangent would be dropped silently (the C++ ops did) or
+    refused deep inside autograd. A call with one runs on the reference ops, tangent and all."""
+    require_backend(fused)
+    x, tangent, weight = torch.randn(4, 16), torch.randn(4, 16), torch.rand(16)
+    with fastnmt.backend(fused):
+        fastnmt.ops.add_layer_norm(x, None, weight)  # a cached choice for this signature
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(x, tangent)
+        reasons = fastnmt.explain("add_layer_norm", dual, None, weight)  # triton: CPU tensors
+        assert reasons["chosen"] == "reference" and "forward-mode AD" in reasons["cpp"][0]
+        y, _ = fastnmt.ops.add_layer_norm(dual, None, weight)
+        refused = pytest.raises(fastnmt.BackendUnavailableError, match="x carries a forward-mode")
+        with fastnmt.backend(fused), refused:
+            fastnmt.ops.add_layer_norm(dual, None, weight)
+        with fastnmt.backend(fused):  # no tangent, no reason
+            fastnmt.ops.add_layer_norm(x, None, weight)
+        expected = F.layer_norm(dual, (16,), weight)  # torch's own forward-mode derivative
+        got, expected = (forward_ad.unpack_dual(t).tangent for t in (y, expected))
+    torch.testing.assert_close(got, expected)
 
 
 def test_an_op_without_an_inference_implementation_runs_its_eager_one(extension_built):
