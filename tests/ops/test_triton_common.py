@@ -36,6 +36,27 @@ def test_the_interpreter_computes_fp32_dots_exactly(monkeypatch):
         torch.set_float32_matmul_precision(previous)
 
 
+@pytest.mark.parametrize("interpreter", [False, True])
+@pytest.mark.parametrize(
+    ("shape", "strides"), [((), None), ((5,), None), ((3, 4), None), ((2, 3), (1, 2))]
+)
+def test_new_output_has_the_shape_strides_dtype_and_device_asked_for(
+    monkeypatch, interpreter, shape, strides
+):
+    """On a GPU (no interpreter) as in the tests, which poison it."""
+    monkeypatch.setattr(triton_common, "INTERPRETER", interpreter)
+    out = triton_common.new_output(shape, torch.float16, torch.device("cpu"), strides)
+    expected_strides = torch.empty(shape).stride() if strides is None else strides
+    assert (out.shape, out.stride(), out.dtype, out.device.type) == (
+        torch.Size(shape),
+        expected_strides,
+        torch.float16,
+        "cpu",
+    )
+    if interpreter:
+        assert out.isnan().all()
+
+
 def test_device_guard_is_a_no_op_off_cuda():
     assert isinstance(triton_common.device_guard(torch.device("cpu")), contextlib.nullcontext)
 
