@@ -424,12 +424,9 @@ class Transformer(nn.Module):
 def reorder_self_attention(caches: list[LayerCache], index: torch.Tensor) -> None:
     """Keep hypotheses ``index`` (N',) in the layers' self-attention caches: one gather per rows
     table, however many layers share it (all of them in ``new_caches``'s)."""
-    reordered = set()
-    for cache in caches:
-        rows = id(cache.self_attn.shared_rows)
-        if rows not in reordered:
-            reordered.add(rows)
-            cache.self_attn.reorder(index)
+    one_per_table = {id(cache.self_attn.shared_rows): cache.self_attn for cache in caches}
+    for cache in one_per_table.values():
+        cache.reorder(index)
 
 
 class BlockedOutputLayer:

@@ -47,6 +47,7 @@ from fastnmt.ops import registration
 from fastnmt.ops.triton_common import (
     LaunchConfig,
     Launcher,
+    as_dtype,
     cdiv,
     chosen_seed,
     dot_precision,
@@ -872,8 +873,7 @@ def _launch_forward(
         ),
         options,
     )  # fmt: skip
-    # The interpreter's fp32 outputs of bf16 inputs go back to bf16; a GPU's need no call at all.
-    return (out if out.dtype == q.dtype else out.to(q.dtype)), lse
+    return as_dtype(out, q.dtype), lse
 
 
 def _launch_delta(out, grad_out, grad_lse):

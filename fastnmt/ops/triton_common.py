@@ -99,11 +99,10 @@ def new_output(shape, dtype: torch.dtype, device: torch.device, strides=None) ->
     """An output buffer for a kernel, contiguous unless ``strides`` are given (poisoned under
     the interpreter: ``_POISON``)."""
     if not INTERPRETER:
-        if strides is None and shape:  # sizes as arguments: a third less parsing than a tuple
-            return torch.empty(*shape, dtype=dtype, device=device)
-        if strides is None:
-            return torch.empty((), dtype=dtype, device=device)
-        return torch.empty_strided(shape, strides, dtype=dtype, device=device)
+        if strides is not None:
+            return torch.empty_strided(shape, strides, dtype=dtype, device=device)
+        # The sizes as arguments: a third less parsing than a tuple (a 0-d shape has none).
+        return torch.empty(*shape or ((),), dtype=dtype, device=device)
     if strides is None:
         return torch.full(shape, _POISON[dtype], dtype=dtype, device=device)
     return torch.empty_strided(shape, strides, dtype=dtype, device=device).fill_(_POISON[dtype])
