@@ -121,9 +121,8 @@ def test_linear_cross_entropy(device, reduction):
         loss.loss.backward()
 
 
+@pytest.mark.parametrize("device", ["reference", "cpp"], indirect=True)  # it has no Triton kernel
 def test_log_softmax_topk(device):
-    if fastnmt.dispatch.forced_backend("log_softmax_topk") == "triton":
-        pytest.skip("log_softmax_topk has no Triton kernel to force (auto runs the reference)")
     logits, banned = torch.randn(5, 50, device=device), torch.tensor([0, 1], device=device)
     with implicit_tensors_elsewhere(device):
         log_softmax_topk(logits, 4, banned)
