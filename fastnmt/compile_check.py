@@ -4,7 +4,8 @@ For each case of ``fastnmt.compile_cases`` (kernel, signature, block config), th
 cubin for sm_80 (A100) and sm_90 (H100), fp16 and bf16, reads registers and
 spilled bytes from the cubin with the wheel's ``cuobjdump``, and fails a case that spills
 (stack or local memory > 0), exceeds the chip's shared memory, or, for sm_90 matmul kernels, has no
-``wgmma`` instruction. Prints a table; exits 1 when a case fails.
+``wgmma`` instruction. Each compiles with the options every launch states
+(``triton_common.COMPILE_OPTIONS``). Prints a table; exits 1 when a case fails.
 
 Must run in a process without TRITON_INTERPRET (compiling for a GPU fails under the interpreter).
 """
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from fastnmt import compile_cases
 from fastnmt.compile_cases import CompileCase
+from fastnmt.ops import triton_common
 
 TARGETS = {80: 163 * 1024, 90: 227 * 1024}  # compute capability -> shared memory per block
 DTYPES = ("fp16", "bf16")
@@ -74,7 +76,11 @@ def compile_one(index: int, capability: int) -> CompileResult:
         compiled = triton.compile(
             source,
             target=GPUTarget("cuda", capability, 32),
-            options={"num_warps": case.num_warps, "num_stages": case.num_stages},
+            options={
+                "num_warps": case.num_warps,
+                "num_stages": case.num_stages,
+                **triton_common.COMPILE_OPTIONS,
+            },
         )
     except (TritonError, RuntimeError) as error:  # MLIR passes raise RuntimeError
         result.problems.append(f"does not compile: {str(error).splitlines()[0][:200]}")
@@ -124,7 +130,6 @@ def main() -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: GPU compilation does not work under the interpreter")
         return 2
-    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences Triton 3.9's warning
     results = run_all()
     print(format_table(results) if results else "no Triton kernels declare compile cases")
     failed = [r for r in results if r.problems]

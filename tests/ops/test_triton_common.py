@@ -273,6 +273,25 @@ def test_launcher_passes_what_triton_run_passes_to_the_compiled_kernel(compiled_
     assert direct[9:] == through_triton[9:] == (*args, True, 16)
 
 
+def test_launches_compile_with_fp_fusion_whatever_triton_defaults_to(compiled_path, monkeypatch):
+    """Triton 3.10 turns FP fusion (FMA contraction) off by default; a Launcher's first call
+    compiles through Triton's own ``JITFunction.run`` with it on all the same."""
+    from triton.runtime import jit
+
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")  # 3.10's default
+    monkeypatch.setattr(jit, "driver", StandInDriver())
+    kernel = jit.JITFunction(_signature)
+    compile_options = []
+
+    def compile_kernel(*args, **kwargs):
+        compile_options.extend(a for a in args if hasattr(a, "enable_fp_fusion"))
+        return StandInCompiled()
+
+    monkeypatch.setattr(kernel, "_do_compile", compile_kernel)
+    triton_common.Launcher(kernel)(CUDA0, (1, 1, 1), _args(), OPTIONS)
+    assert [options.enable_fp_fusion for options in compile_options] == [True]
+
+
 def _dropout_call(op: str, device: torch.device):
     """``run(seed)``: op ``op`` with dropout 0.5 on fixed inputs of ones (every element kept or
     dropped shows), keyed by ``seed``."""
