@@ -9,7 +9,8 @@ import torch
 import fastnmt
 from fastnmt._triton import tl
 from fastnmt.ops import triton_common
-from tests.helpers import StandInCompiled, StandInDriver, device_of
+from fastnmt.ops.feed_forward import feed_forward_triton
+from tests.helpers import TRITON_DEVICE, StandInCompiled, StandInDriver, device_of
 
 
 @pytest.mark.parametrize(
@@ -290,6 +291,39 @@ def test_launches_compile_with_fp_fusion_whatever_triton_defaults_to(compiled_pa
     monkeypatch.setattr(kernel, "_do_compile", compile_kernel)
     triton_common.Launcher(kernel)(CUDA0, (1, 1, 1), _args(), OPTIONS)
     assert [options.enable_fp_fusion for options in compile_options] == [True]
+
+
+def test_every_launch_of_every_op_states_the_compile_options(monkeypatch):
+    """Forward and backward of each op (feed_forward on both GEMM paths): a launcher that built
+    its options without ``launch_options`` would compile with Triton's defaults."""
+    launched = []
+    launch = triton_common.Launcher.__call__
+
+    def recording(self, device, grid, args, options):
+        launched.append((self.kernel, options))
+        launch(self, device, grid, args, options)
+
+    monkeypatch.setattr(triton_common.Launcher, "__call__", recording)
+    device = TRITON_DEVICE
+    q = torch.randn(2, 2, 5, 16, device=device, requires_grad=True)
+    x = torch.randn(6, 16, device=device, requires_grad=True)
+    w1, w2 = torch.randn(32, 16, device=device), torch.randn(16, 32, device=device)
+    embedding = torch.randn(50, 16, device=device, requires_grad=True)
+    target = torch.randint(0, 50, (6,), device=device)
+    calls = [
+        lambda: fastnmt.ops.attention(q, q, q, dropout_p=0.1),
+        lambda: fastnmt.ops.add_layer_norm(x, x, x[0], x[1], dropout_p=0.1)[0],
+        lambda: feed_forward_triton(x, w1, None, w2, None, "gelu", 0.1, fused_gemm=False),
+        lambda: feed_forward_triton(x, w1, None, w2, None, "gelu", 0.1, fused_gemm=True),
+        lambda: fastnmt.ops.linear_cross_entropy(x, embedding, None, target).loss,
+    ]
+    with fastnmt.backend("triton"):
+        for call in calls:
+            call().sum().backward()
+    kernels = {kernel for kernel, _ in launched}
+    assert len(kernels) == 13  # all of the four ops but _dropout_keep_kernel (a returned mask)
+    compile_options = triton_common.COMPILE_OPTIONS.items()
+    assert all(compile_options <= options.items() for _, options in launched)
 
 
 def _dropout_call(op: str, device: torch.device):
