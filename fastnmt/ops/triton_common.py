@@ -178,9 +178,9 @@ def power_of_2_at_least(n: int) -> int:
 
 
 # Compile options every kernel states rather than inherits from Triton's defaults: FP fusion
-# (a * b + c as one FMA) is on by default up to Triton 3.9 and off from 3.10. The kernels were
-# written, checked on an H100 and timed with it on (an unfused multiply-add costs two
-# instructions and one more rounding).
+# (a * b + c as one FMA) is on by default up to Triton 3.9, which warns that 3.10 turns it off.
+# The kernels were written, checked on an H100 and timed with it on (an unfused multiply-add
+# costs two instructions and one more rounding).
 COMPILE_OPTIONS = {"enable_fp_fusion": True}
 
 
