@@ -27,6 +27,13 @@ import torch
 from fastnmt.data import Batch
 
 
+# The fields a piece pads (tgt_positions lists every cell of a shape: the same for every piece),
+# the token fields padded with pad_id, and what pads the others.
+_PADDED = ("src", "src_lengths", "tgt_in", "tgt_out", "tgt_lengths", "indices")
+_TOKENS = frozenset({"src", "tgt_in", "tgt_out"})
+_FILLS = {"src_lengths": 0, "tgt_lengths": 0, "indices": -1}
+
+
 @dataclass(frozen=True)
 class BatchShape:
     rows: int
@@ -56,29 +63,48 @@ class ShapeBuckets:
             f"{self.shapes[-1].length}"
         )
 
-    def split(self, batch: Batch) -> list[Batch]:
-        """``batch`` as pieces of its bucket's shape, in row order."""
+    def row_ranges(self, batch: Batch) -> tuple[BatchShape, list[tuple[int, int]]]:
+        """The batch's bucket and the (start, end) rows of each of its pieces, in row order."""
         shape = self.shape_of(batch)
         rows = batch.src.shape[0]
-        return [
-            self._padded(batch, start, min(rows, start + shape.rows), shape)
-            for start in range(0, rows, shape.rows)
-        ]
+        return shape, [(i, min(rows, i + shape.rows)) for i in range(0, rows, shape.rows)]
 
-    def _padded(self, batch: Batch, start: int, end: int, shape: BatchShape) -> Batch:
-        def pad(tensor: torch.Tensor, fill: int) -> torch.Tensor:
-            part = tensor[start:end]
-            size = (shape.rows, *[shape.length] * (part.dim() - 1))
-            out = torch.full(size, fill, dtype=part.dtype, device=part.device)
-            out[tuple(slice(0, size) for size in part.shape)] = part
-            return out
+    def split(self, batch: Batch) -> list[Batch]:
+        """``batch`` as pieces of its bucket's shape, in row order."""
+        shape, ranges = self.row_ranges(batch)
+        device = batch.src.device
+        pieces = []
+        for start, end in ranges:
+            piece = self.empty(shape, device)
+            self.write(piece, batch, start, end)
+            pieces.append(piece)
+        return pieces
 
+    def empty(self, shape: BatchShape, device, *, pin_memory: bool = False) -> Batch:
+        """A batch of ``shape`` holding padding only (all-padded rows are inert); in pinned host
+        memory with ``pin_memory``, which a copy to a GPU reads without blocking the host."""
+
+        def full(size, fill):
+            out = torch.empty(size, dtype=torch.int64, device=device, pin_memory=pin_memory)
+            return out.fill_(fill)
+
+        grid = (shape.rows, shape.length)
         return Batch(
-            src=pad(batch.src, self.pad_id),
-            src_lengths=pad(batch.src_lengths, 0),
-            tgt_in=pad(batch.tgt_in, self.pad_id),
-            tgt_out=pad(batch.tgt_out, self.pad_id),
-            tgt_lengths=pad(batch.tgt_lengths, 0),
-            indices=pad(batch.indices, -1),
-            tgt_positions=torch.arange(shape.rows * shape.length, device=batch.src.device),
+            src=full(grid, self.pad_id),
+            src_lengths=full((shape.rows,), 0),
+            tgt_in=full(grid, self.pad_id),
+            tgt_out=full(grid, self.pad_id),
+            tgt_lengths=full((shape.rows,), 0),
+            indices=full((shape.rows,), -1),
+            tgt_positions=torch.arange(shape.rows * shape.length, device=device),
         )
+
+    def write(
+        self, out: Batch, batch: Batch, start: int, end: int, names: tuple[str, ...] = _PADDED
+    ) -> None:
+        """Rows [start, end) of ``batch``, padded, into ``out`` (a batch of their bucket's shape,
+        reused: every cell is written)."""
+        for name in names:
+            part, target = getattr(batch, name)[start:end], getattr(out, name)
+            target.fill_(self.pad_id if name in _TOKENS else _FILLS[name])
+            target[tuple(slice(0, size) for size in part.shape)] = part

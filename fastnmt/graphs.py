@@ -58,6 +58,18 @@ def capture_reasons(device: torch.device, loss_scaling: bool) -> list[str]:
     return reasons
 
 
+def workspace_allowances() -> frozenset[int] | None:
+    """What a capture may leave allocated: nothing, or the workspace cuBLAS and cuBLASLt each
+    allocate for a stream at its first GEMM and keep (PyTorch's own leak check frees them
+    before it compares). Exact sizes: a leak of another size is still one. None where this
+    torch does not say its workspace sizes (no check)."""
+    getters = ("_cuda_getCublasWorkspaceSize", "_cuda_getCublasLtWorkspaceSize")
+    if not all(hasattr(torch._C, name) for name in getters):
+        return None
+    cublas, cublas_lt = (getattr(torch._C, name)() for name in getters)
+    return frozenset({0, cublas, cublas_lt, cublas + cublas_lt})
+
+
 class Program:
     """A function of no arguments over static tensors: called, or replayed once captured."""
 
@@ -72,9 +84,26 @@ class Program:
             self.function()
 
     def capture(self, pool) -> None:
+        """Capture the function as a CUDA graph in the memory ``pool`` it shares with others.
+
+        The capture mode is the capturing thread's own: the default, global mode fails any CUDA
+        call another thread makes meanwhile that is unsafe during a capture, such as a loader
+        thread pinning a batch. Graphs sharing a pool may replay in any order only if nothing a
+        program allocates outlives it, so a capture that leaves more memory allocated than it
+        found raises (bar the cuBLAS workspaces a capture's first GEMM on its stream allocates
+        and keeps: ``workspace_allowances``)."""
+        device = torch.cuda.current_device()
+        allocated = torch.cuda.memory_allocated(device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             self.function()
+        kept = torch.cuda.memory_allocated(device) - allocated
+        allowed = workspace_allowances()
+        if allowed is not None and kept not in allowed:
+            raise RuntimeError(
+                f"{kept} bytes allocated while capturing {self.function} outlive it: graphs "
+                "sharing a memory pool would overwrite them"
+            )
         self.graph = graph
 
 
@@ -126,6 +155,28 @@ def warm_up(
                 program()
 
 
+def capture_on(
+    device: torch.device,
+    programs: list[Program],
+    pool,
+    warm_up: Callable[[], None],
+    captured: Callable[[int], None] = lambda i: None,
+) -> None:
+    """``warm_up()`` on a side stream of ``device`` (never the current device's, which may be
+    another GPU's), then capture ``programs`` there in the memory ``pool``; ``captured(i)``
+    after the i-th."""
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            warm_up()
+        torch.cuda.current_stream(device).wait_stream(side)
+        for i, program in enumerate(programs):
+            program.capture(pool)
+            captured(i)
+        torch.cuda.synchronize(device)
+
+
 def capture(
     programs: list[Program],
     model: torch.nn.Module,
@@ -133,27 +184,50 @@ def capture(
     tensors: tuple[torch.Tensor, ...],
     captured: Callable[[int], None] = lambda i: None,
 ) -> None:
-    """Capture ``programs`` as CUDA graphs sharing one memory pool, after warm-up calls on a
-    side stream (``warm_up``; ``tensors``: the update's device state besides the model and the
-    optimizer); ``captured(i)`` after the i-th. Raises RuntimeError (every program left a call)
-    when one cannot be captured."""
+    """Capture ``programs`` as CUDA graphs sharing one memory pool, after warm-up calls
+    (``warm_up``; ``tensors``: the update's device state besides the model and the optimizer);
+    ``captured(i)`` after the i-th. Raises RuntimeError (every program left a call) when one
+    cannot be captured."""
     device = next(model.parameters()).device
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        warm_up(programs, model, optimizer, tensors)
-    torch.cuda.current_stream(device).wait_stream(side)
     try:
         with state_preserved(model, optimizer, tensors):  # capture draws random offsets too
-            pool = torch.cuda.graph_pool_handle()
-            for i, program in enumerate(programs):
-                program.capture(pool)
-                captured(i)
+            capture_on(
+                device,
+                programs,
+                torch.cuda.graph_pool_handle(),
+                lambda: warm_up(programs, model, optimizer, tensors),
+                captured,
+            )
     except RuntimeError:
         for program in programs:
             program.graph = None
         raise
-    torch.cuda.synchronize(device)
+
+
+class HostStaging:
+    """One shape's host buffer of a piece, through which pieces reach the program's inputs.
+
+    A copy to a GPU is asynchronous only from pinned memory: from pageable memory the host
+    waits for it. A loader's pinned batch loses its pinning when a piece is padded into fresh
+    tensors, so each shape pads its pieces into one pinned buffer, reused. Before refilling it the
+    host waits for the buffer's last copy out (an event), which lets the host run about one
+    piece ahead of the GPU: a few pieces make an update, so that is all the overlap there is."""
+
+    def __init__(self, buckets: ShapeBuckets, shape: BatchShape, device: torch.device):
+        pinned = device.type == "cuda"
+        self.buckets = buckets
+        self.batch = buckets.empty(shape, "cpu", pin_memory=pinned)
+        self.copied = torch.cuda.Event() if pinned else None
+
+    def copy(self, batch: Batch, start: int, end: int, inputs: Batch) -> None:
+        """Rows [start, end) of the host ``batch``, padded, into the device ``inputs``."""
+        if self.copied is not None:
+            self.copied.synchronize()  # its previous piece has left the buffer
+        self.buckets.write(self.batch, batch, start, end, _INPUTS)
+        for name in _INPUTS:
+            getattr(inputs, name).copy_(getattr(self.batch, name), non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
 
 
 class BucketedUpdates:
@@ -177,7 +251,8 @@ class BucketedUpdates:
     ):
         self.model, self.buckets, self.device, self.state = model, buckets, device, state
         self.gradients = self._static_gradients(model)
-        self.inputs = {shape: self._static_batch(shape) for shape in buckets.shapes}
+        self.inputs = {shape: buckets.empty(shape, device) for shape in buckets.shapes}
+        self.staging = {shape: HostStaging(buckets, shape, device) for shape in buckets.shapes}
         self.pieces = {
             shape: Program(lambda batch=batch: piece(batch)) for shape, batch in self.inputs.items()
         }
@@ -201,24 +276,6 @@ class BucketedUpdates:
             offset += p.numel()
         return flat
 
-    def _static_batch(self, shape: BatchShape) -> Batch:
-        """The inputs of one shape's program: padding only (all-padded rows are inert)."""
-        pad = self.buckets.pad_id
-
-        def full(size, fill):
-            return torch.full(size, fill, dtype=torch.int64, device=self.device)
-
-        grid = (shape.rows, shape.length)
-        return Batch(
-            src=full(grid, pad),
-            src_lengths=full((shape.rows,), 0),
-            tgt_in=full(grid, pad),
-            tgt_out=full(grid, pad),
-            tgt_lengths=full((shape.rows,), 0),
-            indices=full((shape.rows,), -1),
-            tgt_positions=torch.arange(shape.rows * shape.length, device=self.device),
-        )
-
     def _reduced(self, update, reduce):
         if reduce is None:
             return update
@@ -230,14 +287,14 @@ class BucketedUpdates:
         return reduced_update
 
     def accumulate(self, batches: list[Batch]) -> None:
-        """Forward + backward of ``batches`` (host tensors): each piece copied into its shape's
-        inputs and its program run. ``update()`` then applies them."""
+        """Forward + backward of ``batches`` (host tensors): each piece padded into its shape's
+        host staging, copied into the program's inputs, and the program run. ``update()`` then
+        applies them."""
         for batch in batches:
-            shape = self.buckets.shape_of(batch)
-            inputs, program = self.inputs[shape], self.pieces[shape]
-            for piece in self.buckets.split(batch):
-                for name in _INPUTS:
-                    getattr(inputs, name).copy_(getattr(piece, name), non_blocking=True)
+            shape, ranges = self.buckets.row_ranges(batch)
+            inputs, staging, program = self.inputs[shape], self.staging[shape], self.pieces[shape]
+            for start, end in ranges:
+                staging.copy(batch, start, end, inputs)
                 program()
 
     def capture(self, optimizer: torch.optim.Optimizer, report: Callable[[str], None]) -> None:

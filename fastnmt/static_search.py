@@ -30,12 +30,13 @@ Elsewhere the same programs are called: that is how they are tested without a GP
 from __future__ import annotations
 
 import warnings
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
 
 from fastnmt.attention import FixedKVCache, KVCache, StepClock
-from fastnmt.graphs import Program
+from fastnmt.graphs import Program, capture_on
 from fastnmt.model import LayerCache, Transformer
 from fastnmt.ops import log_softmax_topk
 from fastnmt.search import Hypothesis, LengthPenalty, _best, _hypothesis, check_arguments
@@ -43,6 +44,9 @@ from fastnmt.search import Hypothesis, LengthPenalty, _best, _hypothesis, check_
 CHECK_EVERY = 4  # steps between the host's checks that every sentence is done
 SOURCE_ROUNDING = 16  # bucket lengths (source positions, decoding steps) are multiples of this
 WARMUP_CALLS = 2  # eager calls of each program before capture (allocation, autotuning)
+# Searches (buckets x settings) a model keeps, each with its caches and graphs: a corpus needs a
+# few; a server seeing every batch size and length could otherwise hold hundreds.
+MAX_SEARCHES = 32
 
 NEG_INF = float("-inf")
 
@@ -229,17 +233,14 @@ class StaticSearch:
         return found
 
     def capture(self, pool) -> None:
-        """Warm up (allocating the caches, compiling kernels) on a side stream, then capture
-        both programs."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_CALLS):
-                self.start()
-                self.step()
-        torch.cuda.current_stream().wait_stream(side)
-        self.start.capture(pool)
-        self.step.capture(pool)
+        """Warm up (allocating the caches, compiling kernels), then capture both programs, on
+        the model's device."""
+        capture_on(self.src.device, [self.start, self.step], pool, self._warm_up)
+
+    def _warm_up(self) -> None:
+        for _ in range(WARMUP_CALLS):
+            self.start()
+            self.step()
 
 
 def _rounded(value: int, multiple: int) -> int:
@@ -257,7 +258,8 @@ class StaticSearches:
     def __init__(self, model: Transformer, *, capture: bool):
         self.model, self.capture = model, capture
         self.pool = torch.cuda.graph_pool_handle() if capture else None
-        self.searches: dict[tuple, StaticSearch] = {}
+        # Least recently used first: past MAX_SEARCHES the first goes, with its graphs and caches.
+        self.searches: OrderedDict[tuple, StaticSearch] = OrderedDict()
 
     @torch.inference_mode()
     def search(
@@ -288,7 +290,11 @@ class StaticSearches:
         key = (bucket, beam, penalty, eos, tuple(prefix))
         search = self.searches.get(key)
         fresh = search is None
-        if fresh:
+        if not fresh:
+            self.searches.move_to_end(key)
+        else:
+            if len(self.searches) == MAX_SEARCHES:
+                self.searches.popitem(last=False)
             search = StaticSearch(
                 self.model,
                 bucket,

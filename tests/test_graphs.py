@@ -1,6 +1,7 @@
 """Graph training's programs: the same updates as eager training, exact resume, state untouched
 by warm-up; captured as CUDA graphs on a GPU, called on a CPU."""
 
+import contextlib
 import copy
 import subprocess
 import sys
@@ -140,3 +141,144 @@ def test_cuda_graphs_on_the_device_at_hand(corpus, tmp_path):
     replayed = _trained(corpus, tmp_path / "graphs", *gpu, "--cuda-graphs", "on")
     for name, expected in eager.items():
         torch.testing.assert_close(replayed[name], expected, atol=1e-5, rtol=1e-4, msg=name)
+
+
+class FakeCuda:
+    """Stand-ins for the torch.cuda calls a capture makes, recording them: a capture's logic
+    runs on a CPU. ``allocated`` lists what memory_allocated returns, call by call."""
+
+    def __init__(self, monkeypatch, allocated=(0, 0)):
+        self.calls, self.allocated = [], list(allocated)
+        fake = self
+
+        class Graph:
+            def replay(self):
+                fake.calls.append("replay")
+
+        class Stream:
+            def __init__(self, device=None):
+                fake.calls.append(("Stream", device))
+
+            def wait_stream(self, other):
+                pass
+
+        @contextlib.contextmanager
+        def graph(cuda_graph, pool=None, capture_error_mode="global"):
+            self.calls.append(("graph", pool, capture_error_mode))
+            yield
+
+        @contextlib.contextmanager
+        def entered(name, value):
+            self.calls.append((name, value))
+            yield
+
+        for name, value in {
+            "CUDAGraph": Graph,
+            "Stream": Stream,
+            "graph": graph,
+            "device": lambda device: entered("device", device),
+            "stream": lambda stream: entered("stream", stream),
+            "current_stream": lambda device=None: Stream(device),
+            "current_device": lambda: 1,
+            "memory_allocated": lambda device=None: self.allocated.pop(0),
+            "synchronize": lambda device=None: None,
+        }.items():
+            monkeypatch.setattr(torch.cuda, name, value)
+
+
+def test_a_capture_is_thread_local_on_the_programs_device(monkeypatch):
+    """Captures take the thread-local mode (a loader thread pinning memory meanwhile must not
+    fail them), and warm-up and capture run on the model's device and its side stream."""
+    cuda = FakeCuda(monkeypatch)
+    ran = []
+    program = graphs.Program(lambda: ran.append("program"))
+    device = torch.device("cuda", 1)
+    graphs.capture_on(device, [program], "pool", lambda: ran.append("warm-up"))
+    assert ran == ["warm-up", "program"]
+    assert cuda.calls[0] == ("device", device)
+    assert ("Stream", device) in cuda.calls and ("graph", "pool", "thread_local") in cuda.calls
+    program()
+    assert cuda.calls[-1] == "replay" and ran == ["warm-up", "program"]
+
+
+@pytest.mark.parametrize(
+    ("kept", "raises"), [(0, False), (4096, True), (-512, True), (1 << 20, False)]
+)
+def test_a_capture_leaving_memory_allocated_raises(monkeypatch, kept, raises):
+    """A tensor a program allocates and keeps would be overwritten by another graph of the
+    shared pool; only a cuBLAS workspace (here 1 MiB) may stay."""
+    FakeCuda(monkeypatch, allocated=[1000, 1000 + kept])
+    monkeypatch.setattr(graphs, "workspace_allowances", lambda: frozenset({0, 1 << 20}))
+    program = graphs.Program(lambda: None)
+    if raises:
+        with pytest.raises(RuntimeError, match=f"{kept} bytes allocated while capturing"):
+            program.capture("pool")
+        assert program.graph is None
+    else:
+        program.capture("pool")
+        assert program.graph is not None
+
+
+def test_workspace_allowances_are_cublas_sizes_or_no_check(monkeypatch):
+    monkeypatch.setattr(torch._C, "_cuda_getCublasWorkspaceSize", lambda: 8, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCublasLtWorkspaceSize", lambda: 3, raising=False)
+    assert graphs.workspace_allowances() == {0, 3, 8, 11}
+    monkeypatch.delattr(torch._C, "_cuda_getCublasLtWorkspaceSize")
+    assert graphs.workspace_allowances() is None
+
+
+def test_pieces_reach_the_programs_through_one_reused_host_buffer_per_shape(monkeypatch):
+    """Each shape pads its pieces into one host buffer (pinned for a GPU, so the copy in does
+    not block the host), waits for its last copy out before refilling it, and the program sees
+    exactly the pieces ``split`` makes."""
+    model = Transformer(ModelConfig(vocab_size=30, d_model=16, heads=2, d_ff=32))
+    buckets = ShapeBuckets(max_tokens=60, max_len=11, count=3, pad_id=0)
+    seen = []
+
+    def piece(batch):
+        seen.append({name: getattr(batch, name).clone() for name in graphs._INPUTS})
+
+    updates = graphs.BucketedUpdates(model, buckets, piece, lambda: None, None, torch.device("cpu"))
+    buffers = {shape: staging.batch.src for shape, staging in updates.staging.items()}
+    batches = [_random_batch(rows, seed) for seed, rows in enumerate((1, 9, 23))]
+    expected = [p for batch in batches for p in buckets.split(batch)]
+    for _ in range(2):  # buffers reused: a second pass sees the same pieces
+        seen.clear()
+        updates.accumulate(batches)
+        assert len(seen) == len(expected) > len(batches)
+        for got, want in zip(seen, expected, strict=True):
+            for name, tensor in got.items():
+                assert torch.equal(tensor, getattr(want, name)), name
+    assert all(updates.staging[s].batch.src is b for s, b in buffers.items())
+
+    events, pinned = [], []
+    monkeypatch.setattr(
+        ShapeBuckets, "empty", lambda self, shape, device, pin_memory=False: pinned.append(
+            (torch.device(device).type, pin_memory)
+        ) or _empty(self, shape, "cpu")
+    )  # fmt: skip
+
+    class Event:
+        def synchronize(self):
+            events.append("wait")
+
+        def record(self):
+            events.append("record")
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    shape = buckets.shape_of(batches[0])
+    staging = graphs.HostStaging(buckets, shape, torch.device("cuda"))
+    assert pinned == [("cpu", True)]
+    inputs = _empty(buckets, shape, "cpu")
+    staging.copy(batches[0], 0, 1, inputs)
+    staging.copy(batches[0], 0, 1, inputs)
+    assert events == ["wait", "record", "wait", "record"]
+
+
+_empty = ShapeBuckets.empty
+
+
+def _random_batch(rows: int, seed: int):
+    from tests.test_buckets import _batch
+
+    return _batch(rows, 11, seed)

@@ -7,6 +7,7 @@ import torch
 
 from fastnmt.model import ModelConfig, Transformer
 from fastnmt.search import LengthPenalty, beam_search
+from fastnmt import static_search
 from fastnmt.static_search import CHECK_EVERY, StaticSearches, graph_reasons
 from fastnmt.translator import Translator
 from tests.helpers import count_host_syncs, tiny_checkpoint
@@ -147,3 +148,21 @@ def test_captured_graphs_replay_what_calls_compute():
         options = dict(beam=4, nbest=2, penalty=LengthPenalty())
         _same(captured.search(*batch, **options), called.search(*batch, **options))
     assert all(s.step.graph is not None for s in captured.searches.values())
+
+
+def test_searches_are_bounded_least_recently_used_first(monkeypatch):
+    """A model keeps at most MAX_SEARCHES buckets (their caches and graphs); a search used
+    again is kept over older ones, and one dropped is rebuilt with the same results."""
+    monkeypatch.setattr(static_search, "MAX_SEARCHES", 2)
+    model = _model(vocab_size=23)
+    searches = StaticSearches(model, capture=False)
+    options = dict(beam=2, penalty=LengthPenalty())
+    batches = {count: _batch(model.cfg, count) for count in (1, 2, 3)}  # buckets of 1, 2, 4
+    first = searches.search(*batches[1], **options)
+    searches.search(*batches[2], **options)
+    kept = searches.searches[next(iter(searches.searches))]
+    searches.search(*batches[1], **options)  # used again: now the most recent
+    searches.search(*batches[3], **options)  # drops bucket 2, the least recently used
+    assert [key[0][0] for key in searches.searches] == [1, 4]
+    assert searches.searches[next(iter(searches.searches))] is kept
+    _same(searches.search(*batches[1], **options), first)
