@@ -26,7 +26,6 @@ import torch
 
 from fastnmt.data import Batch
 
-
 # The fields a piece pads (tgt_positions lists every cell of a shape: the same for every piece),
 # the token fields padded with pad_id, and what pads the others.
 _PADDED = ("src", "src_lengths", "tgt_in", "tgt_out", "tgt_lengths", "indices")

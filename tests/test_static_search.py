@@ -5,9 +5,9 @@ GPU) captured graphs replaying what calls compute."""
 import pytest
 import torch
 
+from fastnmt import static_search
 from fastnmt.model import ModelConfig, Transformer
 from fastnmt.search import LengthPenalty, beam_search
-from fastnmt import static_search
 from fastnmt.static_search import CHECK_EVERY, StaticSearches, graph_reasons
 from fastnmt.translator import Translator
 from tests.helpers import count_host_syncs, tiny_checkpoint
