@@ -3,15 +3,15 @@ fixture that times a call, measures its peak memory and records everything in ``
 
 The benchmark modules are imported with ``--import-mode=importlib`` and so cannot import each other
 or a helper module; everything they share lives here, reached through fixtures. Every benchmark
-takes the fixtures ``impl`` (a fastnmt backend, forced, or "torch": the PyTorch built-in the op
-replaces), ``case`` (shape and padding), ``dtype`` and ``pass_name`` ("fwd" or "fwd+bwd").
+takes the fixtures ``impl`` (a fastnmt backend, forced; with "torch" the benchmark calls the
+PyTorch built-ins the op replaces itself), ``case`` (shape and padding), ``dtype`` and
+``pass_name`` ("fwd" or "fwd+bwd").
 
 Run: ``pytest benchmarks --benchmark-only`` (add ``--benchmark-json=FILE`` to keep extra_info).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import random
@@ -46,7 +46,7 @@ SEED = 0
 # bf16 is the half type CPUs compute in (AVX512-BF16, AMX); fp16, common on GPUs, joins there.
 DTYPES = (torch.float32, torch.bfloat16) + ((torch.float16,) if DEVICE.type == "cuda" else ())
 PASSES = ("fwd", "fwd+bwd")
-IMPLS = (*fastnmt.BACKENDS, "torch")
+IMPLS = fastnmt.BACKENDS
 
 # Rounds per benchmark: enough to fill TARGET_SECONDS, within [min rounds, MAX_ROUNDS]. Fixed
 # round counts (pedantic mode) rather than pytest-benchmark's calibration, which would spend its
@@ -269,8 +269,7 @@ class Bench:
         ``forward_flops`` / ``forward_bytes``: the forward's arithmetic / minimal memory traffic,
         reported as TFLOP/s / GB/s; a backward counts as 2.5x the forward's FLOPs (FlashAttention's
         convention) and 1.5x its bytes (it reads the gradients besides the saved tensors)."""
-        forced = self.impl in fastnmt.BACKENDS
-        with fastnmt.backend(self.impl) if forced else contextlib.nullcontext():
+        with fastnmt.backend(self.impl):
             step = self._step(forward)
             self._clear_grads()
             peak_mb = peak_memory_mb(step)  # untimed, as is _rounds' call: they are the warm-up

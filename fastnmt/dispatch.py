@@ -49,7 +49,10 @@ from fastnmt import environment
 from fastnmt._extension import extension_available, extension_status
 from fastnmt._triton import TRITON_AVAILABLE, triton_status
 
-BACKENDS = ("triton", "cpp", "reference")
+# "torch" runs each op as PyTorch's built-ins (SDPA, F.layer_norm, F.linear, F.cross_entropy):
+# the baseline a model written without fastnmt runs. After "reference", which runs everything,
+# it is never chosen by itself, only forced (benchmarks, ``--backend torch``).
+BACKENDS = ("triton", "cpp", "reference", "torch")
 ENV_VAR = environment.BACKEND
 _AUTO = "auto"
 # Distinct call signatures remembered per op: bucketed MT batches and decoding lengths give a few
@@ -127,6 +130,7 @@ _DEVICE_REASONS: dict[str, Callable[[torch.device, bool], list[str]]] = {
     "triton": _triton_device_reasons,
     "cpp": _cpp_device_reasons,
     "reference": lambda device, forced: [],
+    "torch": lambda device, forced: [],
 }
 FUSED = ("triton", "cpp")  # backends whose kernels have a backward but no forward-mode AD (jvp)
 

@@ -300,3 +300,75 @@ def test_triton_calls_without_grad_launch_without_an_autograd_function(name):
     assert implementation is not op.implementation("triton")
     assert recorded.grad_fn is not None and inferred.grad_fn is None
     torch.testing.assert_close(inferred, recorded.detach(), rtol=0, atol=0)
+
+
+def _torch_backend_calls():
+    """Each op's call on odd shapes: padding with an all-padded row, causal with Lq != Lk."""
+    q, k = torch.randn(3, 2, 5, 8), torch.randn(3, 2, 7, 8)
+    v = torch.randn(3, 2, 7, 6)
+    x, r = torch.randn(2, 5, 12), torch.randn(2, 5, 12)
+    w, b = torch.randn(12), torch.randn(12)
+    target = torch.tensor([1, 2, -100, 4, 0, 10, 3, 3, 9, 5])
+    bool_mask = torch.rand(5, 7) > 0.3
+    return {
+        "attention padded": ("attention", (q, k, v), {"key_lengths": torch.tensor([7, 0, 3])}),
+        "attention causal": ("attention", (q, k, v), {"causal": True}),
+        "attention masks": (
+            "attention",
+            (q, k, v),
+            {"attn_mask": bool_mask, "key_padding_mask": torch.rand(3, 7) > 0.5},
+        ),
+        "attention float mask": (
+            "attention",
+            (q, k, v),
+            {"attn_mask": torch.randn(5, 7), "key_lengths": torch.tensor([1, 7, 4])},
+        ),
+        "add_layer_norm": ("add_layer_norm", (x, r, w, b), {}),
+        "feed_forward": (
+            "feed_forward",
+            (x, torch.randn(20, 12), torch.randn(20), torch.randn(12, 20), None, "gelu"),
+            {},
+        ),
+        "linear_cross_entropy": (
+            "linear_cross_entropy",
+            (x.reshape(10, 12), torch.randn(11, 12), torch.randn(11), target, 0.1),
+            {},
+        ),
+        "log_softmax_topk": ("log_softmax_topk", (x.reshape(10, 12), 3), {}),
+    }
+
+
+@pytest.mark.parametrize("case", list(_torch_backend_calls()))
+def test_the_torch_backend_runs_pytorchs_builtins_only_when_forced(case):
+    """PyTorch's built-ins (SDPA, F.cross_entropy, ...), the baseline of the benchmarks: never
+    chosen by itself, forced it computes what the reference does (all-padded rows 0)."""
+    name, args, kwargs = _torch_backend_calls()[case]
+    leaves = [
+        a.requires_grad_() for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()
+    ]
+    op = getattr(fastnmt.ops, name)
+    assert fastnmt.explain(name, *args, **kwargs)["chosen"] != "torch"
+    results = {}
+    for backend in ("reference", "torch"):
+        with fastnmt.backend(backend):
+            out = op(*args, **kwargs)
+        first = out[0]
+        grads = ()
+        if first.requires_grad:
+            grads = torch.autograd.grad(first.float().sum(), leaves, allow_unused=True)
+        results[backend] = (out, grads)
+    (expected, expected_grads), (got, got_grads) = results["reference"], results["torch"]
+    for want, have in zip([*expected, *expected_grads], [*got, *got_grads], strict=True):
+        if want is None:
+            assert have is None
+        else:
+            torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_torch_backend_gives_reasons_for_what_sdpa_cannot_do():
+    q = torch.randn(1, 2, 3, 8)
+    reasons = fastnmt.explain("attention", q, q, q, return_lse=True)["torch"]
+    assert reasons == ["return_lse: F.scaled_dot_product_attention returns no log-sum-exp"]
+    forced = fastnmt.backend("torch")
+    with forced, pytest.raises(fastnmt.BackendUnavailableError, match="returns no log-sum-exp"):
+        fastnmt.ops.attention(q, q, q, return_lse=True)

@@ -677,6 +677,30 @@ def attention_reference(
     return out, lse
 
 
+def attention_torch(
+    q, k, v, key_lengths, key_padding_mask, attn_mask, causal, dropout_p, scale, return_lse,
+    cache_rows, dropout_seed=None,
+):  # fmt: skip
+    """PyTorch's ``F.scaled_dot_product_attention`` given every mask as one (what a model
+    written with PyTorch's built-ins runs: the baseline fastnmt is measured against). Its dropout
+    draws from torch's generator; it returns no log-sum-exp (``_torch_reasons``)."""
+    if cache_rows is not None:
+        k, v = gather_cache_rows(k, cache_rows), gather_cache_rows(v, cache_rows)
+    hidden = hidden_keys(key_lengths, key_padding_mask, causal, q.shape[-2], k.shape[-2], q.device)
+    mask = attn_mask
+    if hidden is not None:
+        if attn_mask is None:
+            mask = ~hidden  # SDPA's bool masks say where a query may attend
+        elif attn_mask.dtype == torch.bool:
+            mask = attn_mask & ~hidden
+        else:
+            mask = attn_mask.masked_fill(hidden, float("-inf"))
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale
+    )  # rows that see no key are 0, as the contract says (torch >= 2.5)
+    return out, None
+
+
 def attention_probabilities(
     q,
     k,
@@ -1094,6 +1118,14 @@ def _prepare(
 
 ATTENTION = dispatch.define("attention", _prepare)
 ATTENTION.register("reference")(attention_reference)
+
+
+def _torch_reasons(return_lse, **_):
+    if return_lse:
+        yield "return_lse: F.scaled_dot_product_attention returns no log-sum-exp"
+
+
+ATTENTION.register("torch", _torch_reasons)(attention_torch)
 
 
 # Each fused backend is two torch.library ops (forward, backward), opaque to torch.compile, tied

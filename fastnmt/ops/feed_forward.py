@@ -655,6 +655,8 @@ def _prepare(x, w1, b1, w2, b2, activation="relu", dropout_p=0.0, dropout_seed=N
 
 FEED_FORWARD = dispatch.define("feed_forward", _prepare)
 FEED_FORWARD.register("reference")(feed_forward_reference)
+# The reference is PyTorch's built-ins already: the baseline fastnmt is measured against.
+FEED_FORWARD.register("torch")(feed_forward_reference)
 # The Triton ops and the C++ ops (same signatures but for the Triton ops' trailing GEMM-path
 # flag) share their fakes; the C++ ops' autograd is in C++ (csrc/feed_forward.cpp).
 registration.register_kernels(

@@ -577,6 +577,8 @@ def _prepare(
 
 ADD_LAYER_NORM = dispatch.define("add_layer_norm", _prepare)
 ADD_LAYER_NORM.register("reference")(add_layer_norm_reference)
+# The reference is PyTorch's built-ins already: the baseline fastnmt is measured against.
+ADD_LAYER_NORM.register("torch")(add_layer_norm_reference)
 # The Triton ops and the C++ ops (same signatures) share their fakes; the C++ ops' autograd is in
 # C++ (csrc/add_layer_norm.cpp).
 registration.register_kernels(

@@ -226,6 +226,26 @@ def linear_cross_entropy_reference(
     return loss, statistics
 
 
+def linear_cross_entropy_torch(
+    hidden, weight, bias, target, label_smoothing, ignore_index, reduction
+):
+    """``F.cross_entropy(F.linear(...))`` over fp32 logits: what a model written with PyTorch's
+    built-ins runs (the baseline fastnmt is measured against); its statistics from the same
+    logits, outside autograd."""
+    hidden, target = _flat(hidden, target)
+    logits = F.linear(hidden, weight, bias).float()  # (N, V)
+    loss = F.cross_entropy(
+        logits, target, ignore_index=ignore_index, reduction=reduction,
+        label_smoothing=label_smoothing,
+    )  # fmt: skip
+    with torch.no_grad():
+        counted = target != ignore_index
+        nll = F.cross_entropy(logits, target, ignore_index=ignore_index, reduction="sum")
+        correct = ((logits.argmax(dim=-1) == target) & counted).sum()
+        statistics = torch.stack([nll, correct, counted.sum()]).double()
+    return loss, statistics
+
+
 def _flat(hidden, target):
     """hidden as (N, E) and target as int64 (N,), N tokens."""
     return hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1).long()
@@ -621,6 +641,7 @@ def _check_target_range(target, vocab: int, ignore_index: int) -> None:
 
 LINEAR_CROSS_ENTROPY = dispatch.define("linear_cross_entropy", _prepare)
 LINEAR_CROSS_ENTROPY.register("reference")(linear_cross_entropy_reference)
+LINEAR_CROSS_ENTROPY.register("torch")(linear_cross_entropy_torch)
 LINEAR_CROSS_ENTROPY.register(
     "triton",
     _fused_unsupported("Triton"),
