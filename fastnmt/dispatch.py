@@ -29,8 +29,8 @@ grad: both are in the call signature, so this too is decided once), and a traced
 ``torch.compile``, ``torch.func`` transforms and export. Triton's eager one calls its kernels
 through a plain ``torch.autograd.Function``, the leanest path into them with a backward; its
 inference one calls the kernels' launchers directly (no Function, no saved context: a decoding
-step makes dozens of such calls); its traced one the torch.library ops, with fakes, that graphs
-keep opaque. The C++ ops carry their autograd in C++ and serve all three
+step makes dozens of such calls); its traced one the torch.library ops, with fakes (``triton_op``s
+whose kernels graphs hold). The C++ ops carry their autograd in C++ and serve all three
 (``ops/registration.py``).
 """
 

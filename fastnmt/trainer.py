@@ -585,6 +585,8 @@ class Trainer:
             "tgt_tokens_per_s": window.tokens_per_second(),
             "elapsed": self.elapsed(),
         }
+        if self.device.type == "cuda":  # the caching allocator's, graph pools included
+            values["memory_reserved_mib"] = torch.cuda.memory_reserved(self.device) / 2**20
         self.window = Window()
         self.log.record("train", **values)
         self.log.line(

@@ -1,7 +1,6 @@
 """Test setup. Without a GPU, Triton kernels run in the Triton interpreter, which only works when
 TRITON_INTERPRET=1 is set before the first ``import triton`` in the process: set it here, first."""
 
-import gzip
 import os
 from pathlib import Path
 
@@ -13,7 +12,7 @@ if not torch.cuda.is_available():
 import pytest
 
 import fastnmt
-from tests.helpers import TRITON_DEVICE, multi30k_file, require_backend
+from tests.helpers import TRITON_DEVICE, require_backend, small_corpus
 
 # Multi30k: the shared local copy beside the repository when there is one (CI: no download),
 # else whatever the package finds ($FASTNMT_DATA_DIR, or its download cache).
@@ -55,10 +54,4 @@ def triton_device():
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
     """300 training and 20 validation pairs of Multi30k en-de as PREFIX.{en,de} files."""
-    folder = tmp_path_factory.mktemp("corpus")
-    for split, lines in (("train", 300), ("val", 20)):
-        for lang in ("en", "de"):
-            with gzip.open(multi30k_file(split, lang), "rt", encoding="utf-8") as f:
-                text = [next(f) for _ in range(lines)]
-            (folder / f"{split}.{lang}").write_text("".join(text), encoding="utf-8")
-    return folder
+    return small_corpus(tmp_path_factory.mktemp("corpus"))

@@ -1,9 +1,11 @@
 """Oracles and comparisons shared by the tests."""
 
 import contextlib
+import gzip
 import math
 import os
 import sys
+from pathlib import Path
 from typing import NamedTuple
 
 import pytest
@@ -99,6 +101,19 @@ def attention_oracle(q, k, v, *, key_lengths=None, causal=False, scale=None, att
         total.squeeze(-1) > 0, torch.log(total.squeeze(-1)) + row_max.squeeze(-1), float("-inf")
     )
     return probs @ v, lse, probs
+
+
+def small_corpus(folder: Path) -> Path:
+    """``folder`` with 300 training and 20 validation pairs of Multi30k en-de as
+    PREFIX.{en,de} files (train.en, val.de, ...): what the tests and the GPU check's smoke run
+    train on."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, lines in (("train", 300), ("val", 20)):
+        for lang in ("en", "de"):
+            with gzip.open(multi30k_file(split, lang), "rt", encoding="utf-8") as f:
+                text = [next(f) for _ in range(lines)]
+            (folder / f"{split}.{lang}").write_text("".join(text), encoding="utf-8")
+    return folder
 
 
 def multi30k_file(split: str, lang: str):

@@ -2,8 +2,10 @@
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
+import time
 import weakref
 from pathlib import Path
 
@@ -141,3 +143,80 @@ def test_each_step_row_is_built_after_the_last_rows_step_is_freed():
     rows = [bench.step_row("a step", name, build, torch.device("cpu")) for name in "ab"]
     assert [row.name for row in rows] == ["a", "b"] and len(built) == 2
     assert all(row.ms > 0 and row.peak_mib is None for row in rows)  # no peak off CUDA
+
+
+# The GPU check: a priority run whose rows reach its report as they are measured.
+
+STAGE_TABLES = {
+    "firsts": "### Firsts: the code that never ran on a GPU",
+    "kernels": "### Kernel-only:",
+    "eager": "### Host µs per forward + backward call",
+    "train": "### python -m fastnmt.train",
+    "decode": "### test2016 with the auto run's checkpoint",
+    "hf": "### Hugging Face Marian-base step",
+}
+
+
+def _table_rows(report: str, title: str) -> list[list[str]]:
+    """The cells of each row of the table under ``title`` in a markdown report."""
+    lines = report.split(title, 1)[1].splitlines()[1:]
+    rows = []
+    for line in lines[3:]:  # the title's end, the header, the rule
+        if not line.startswith("| "):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def test_gpu_check_smoke_runs_the_whole_plan(tmp_path):
+    """``tools/gpu-check --smoke``: every stage of the rows call, each exiting 0, each table
+    with its rows, every first check passing, three training runs and four decoding rows."""
+    env = {**os.environ, "GPU_CHECK_BUDGET": "1200"}
+    result = subprocess.run(
+        ["bash", str(ROOT / "tools" / "gpu-check"), "--smoke", str(tmp_path)],
+        capture_output=True, text=True, timeout=1500, cwd=ROOT, env=env,
+    )  # fmt: skip
+    report = (tmp_path / "gpu-check.md").read_text()
+    assert result.returncode == 0, report
+    for stage, title in STAGE_TABLES.items():
+        assert f"- {stage}: exit 0 in " in report, stage
+        assert _table_rows(report, title), stage
+    firsts = _table_rows(report, STAGE_TABLES["firsts"])
+    assert len(firsts) == 9 and all(row[2] == "PASS" for row in firsts), firsts
+    training = _table_rows(report, STAGE_TABLES["train"])
+    assert [row[0] for row in training] == ["torch", "auto", "reference"]
+    assert all(int(row[1]) == 4 and row[-1].startswith("0 ") for row in training), training
+    decoding = _table_rows(report, STAGE_TABLES["decode"])
+    assert [(row[0], row[1]) for row in decoding] == [
+        ("static", "4"), ("dynamic", "4"), ("static", "1"), ("dynamic", "1")
+    ]  # fmt: skip
+    assert all(float(row[2].replace(",", "")) > 0 for row in decoding), decoding
+
+
+def test_a_cut_gpu_check_stage_keeps_every_row_it_reached(tmp_path):
+    """Rows are on disk as soon as they are measured: a stage killed midway keeps them."""
+    stage = subprocess.Popen(
+        [sys.executable, str(ROOT / "tools" / "gpu_check.py"), "firsts", "--smoke", "--out",
+         str(tmp_path)],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    report = tmp_path / "gpu-check.md"
+    deadline = time.monotonic() + 300
+    try:
+        while stage.poll() is None and time.monotonic() < deadline:
+            if report.exists() and len(_table_rows(report.read_text(), "### Firsts")) >= 2:
+                break
+            time.sleep(0.05)
+    finally:
+        stage.kill()
+        stage.wait()
+    rows = _table_rows(report.read_text(), "### Firsts")
+    assert len(rows) >= 2 and rows[0][0] == "attention, key lengths" and rows[0][2] == "PASS"
+
+
+def test_gpu_check_refuses_a_cpu_without_smoke(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "gpu_check.py"), "kernels", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 2 and "no CUDA device" in result.stderr

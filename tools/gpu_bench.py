@@ -29,6 +29,7 @@ whatever device there is, to check the script itself (tests/test_tools.py).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import itertools
@@ -70,10 +71,13 @@ class Sizes:
     presets: tuple[str, ...]
     decode_batch: int  # sentences of a decoding batch (of train_length source tokens)
     hf_batches: tuple[int, ...]  # sentence pairs of a Hugging Face step (of train_length tokens)
+    hf_tiny: bool  # the Hugging Face model at width 16 (marian_base's tiny)
 
 
-FULL = Sizes(64, 8, 64, (32, 64, 128), 8192, 512, 32000, 512, 32, ("tiny", "base"), 256, (64, 256))
-SMOKE = Sizes(2, 2, 16, (8,), 64, 32, 100, 4, 6, ("tiny",), 3, (2,))
+FULL = Sizes(
+    64, 8, 64, (32, 64, 128), 8192, 512, 32000, 512, 32, ("tiny", "base"), 256, (64, 256), False
+)
+SMOKE = Sizes(2, 2, 16, (8,), 64, 32, 100, 4, 6, ("tiny",), 3, (2,), True)
 
 
 class Row(NamedTuple):
@@ -208,10 +212,17 @@ def per_token_rows(sizes: Sizes, dtype, device) -> list[Row]:
 TRAINING_MODES = ("eager", "CUDA graph", "torch.compile")
 
 
-def training_step(name: str, sizes: Sizes, dtype, device, mode: str) -> Callable[[], None]:
-    """One Adam update of a fresh ``name`` preset model on a random padded batch, run as
-    ``mode`` (one of TRAINING_MODES) on the backend in force when it is built."""
+def training_step(
+    name: str, sizes: Sizes, dtype, device, mode: str, dropout: float | None = None
+) -> Callable[[], None]:
+    """One Adam update of a fresh ``name`` preset model (its dropout, or ``dropout``) on a
+    random padded batch, run as ``mode`` (one of TRAINING_MODES) on the backend in force when it
+    is built. The step's ``model`` attribute is its model."""
     cfg = preset(name)
+    if dropout is not None:
+        cfg = dataclasses.replace(
+            cfg, dropout=dropout, attention_dropout=dropout, activation_dropout=dropout
+        )
     model = Transformer(cfg).to(device)
     graphed = mode == "CUDA graph"
     optimizer = torch.optim.Adam(
@@ -234,10 +245,12 @@ def training_step(name: str, sizes: Sizes, dtype, device, mode: str) -> Callable
         optimizer.step()
         optimizer.zero_grad(set_to_none=not graphed)  # a graph keeps its gradient tensors
 
+    step.model = model
     if not graphed:
         return step
     program = Program(step)
-    capture([program], model, optimizer)
+    capture([program], model, optimizer, ())
+    program.model = model
     return program
 
 
@@ -290,18 +303,22 @@ def hf_rows(sizes: Sizes, dtype, device, snapshots: Path | None = None) -> list[
     rows = []
     for batch, variant in itertools.product(sizes.hf_batches, HF_VARIANTS):
         label = hf_label(batch, sizes)
-        build = functools.partial(hf_step, batch, sizes.train_length, variant, dtype, device)
+        build = functools.partial(
+            hf_step, batch, sizes.train_length, variant, dtype, device, sizes.hf_tiny
+        )
         name = f"hf-{variant.replace(' ', '-')}-{batch}.pickle"
         rows.append(step_row(label, variant, build, device, snapshots and snapshots / name))
     return rows
 
 
-def hf_step(batch: int, length: int, variant: str, dtype, device) -> Callable[[], None]:
+def hf_step(
+    batch: int, length: int, variant: str, dtype, device, tiny: bool = False
+) -> Callable[[], None]:
     from marian_base import EOS, PAD, marian_base  # tools/, beside this script
 
     from fastnmt.integrations.transformers import apply_fastnmt
 
-    model = marian_base().to(device).train()
+    model = marian_base(tiny=tiny).to(device).train()
     if variant == "apply_fastnmt":
         apply_fastnmt(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
@@ -375,7 +392,9 @@ def eager_steps(sizes: Sizes, device, groups: list[str]):
             yield training_label(name, sizes, "eager"), f"fastnmt ops ({backend})", backend, build
     if "hf" in groups:
         for batch, variant in itertools.product(sizes.hf_batches, HF_VARIANTS):
-            build = functools.partial(hf_step, batch, sizes.train_length, variant, dtype, device)
+            build = functools.partial(
+                hf_step, batch, sizes.train_length, variant, dtype, device, sizes.hf_tiny
+            )
             yield hf_label(batch, sizes), variant, "auto", build
 
 

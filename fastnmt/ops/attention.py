@@ -1128,13 +1128,14 @@ def _torch_reasons(return_lse, **_):
 ATTENTION.register("torch", _torch_reasons)(attention_torch)
 
 
-# Each fused backend is two torch.library ops (forward, backward), opaque to torch.compile, tied
-# together by autograd: the Triton ops' below, the C++ ops' (csrc/attention.cpp, the same
-# arguments in the same order) in C++. The forward saves its inputs, output, LSE and the dropout
+# Each fused backend is two torch.library ops (forward, backward) tied together by autograd: the
+# Triton ops' below (``triton_library_op``: torch.compile sees their kernels), the C++ ops'
+# (csrc/attention.cpp, the same arguments in the same order; opaque to torch.compile) in C++.
+# The forward saves its inputs, output, LSE and the dropout
 # seed; the backward recomputes P from the LSE and regenerates the dropout mask from the seed.
 
 
-@torch.library.custom_op("fastnmt::attention_forward", mutates_args=())
+@registration.triton_library_op("fastnmt::attention_forward")
 def _attention_forward_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -1152,7 +1153,7 @@ def _attention_forward_op(
     )
 
 
-@torch.library.custom_op("fastnmt::attention_backward", mutates_args=())
+@registration.triton_library_op("fastnmt::attention_backward")
 def _attention_backward_op(
     grad_out: torch.Tensor,
     grad_lse: torch.Tensor | None,

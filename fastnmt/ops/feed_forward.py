@@ -462,7 +462,7 @@ def _launch_inference(x, w1, b1, w2, b2, activation, dropout_p, seed, fused_gemm
     return (F.linear(_INFERENCE_ACTIVATIONS[activation](F.linear(x, w1, b1)), w2, b2),)
 
 
-@torch.library.custom_op("fastnmt::feed_forward_triton", mutates_args=())
+@registration.triton_library_op("fastnmt::feed_forward_triton")
 def _feed_forward_op(
     x: torch.Tensor,
     w1: torch.Tensor,
@@ -503,7 +503,7 @@ def _launch_backward(dy, x, w1, w2, z, a, seed, activation, dropout_p, fused_gem
     return dx.view(x.shape), dw1, db1, dw2, db2
 
 
-@torch.library.custom_op("fastnmt::feed_forward_triton_backward", mutates_args=())
+@registration.triton_library_op("fastnmt::feed_forward_triton_backward")
 def _feed_forward_backward_op(
     dy: torch.Tensor,
     x: torch.Tensor,

@@ -392,7 +392,7 @@ def _sum_partials(dweight_partial, dbias_partial):
 # ---------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("fastnmt::add_layer_norm_triton", mutates_args=())
+@registration.triton_library_op("fastnmt::add_layer_norm_triton")
 def _add_layer_norm_op(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -427,7 +427,7 @@ def _backward(dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_residual, 
     )
 
 
-@torch.library.custom_op("fastnmt::add_layer_norm_triton_backward", mutates_args=())
+@registration.triton_library_op("fastnmt::add_layer_norm_triton_backward")
 def _add_layer_norm_backward_op(
     dy: torch.Tensor,
     dh_out: torch.Tensor | None,

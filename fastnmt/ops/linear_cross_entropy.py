@@ -430,7 +430,7 @@ def _fp32_sum(total, g, h=None):
 # ---------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("fastnmt::linear_cross_entropy_triton", mutates_args=())
+@registration.triton_library_op("fastnmt::linear_cross_entropy_triton")
 def _triton_op(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -478,7 +478,7 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-@torch.library.custom_op("fastnmt::linear_cross_entropy_triton_backward", mutates_args=())
+@registration.triton_library_op("fastnmt::linear_cross_entropy_triton_backward")
 def _triton_backward_op(
     dloss: torch.Tensor,
     statistics: torch.Tensor,

@@ -2,7 +2,9 @@
 
 Triton kernels, twice:
 - traced (``torch.compile``, ``torch.func``, export): torch.library ops, with the fake
-  implementations ``torch.compile`` traces and ``register_autograd``; graphs keep them opaque;
+  implementations ``torch.compile`` traces and ``register_autograd``; ``triton_op``s, so that
+  ``torch.compile`` traces into them and its graphs hold their Triton kernels
+  (``triton_library_op``);
 - eager: a plain ``torch.autograd.Function`` calling the same launchers. torch.library's Python
   layers (the autograd kernel, pytree walks over the arguments, the dispatcher's Python
   implementation of a ``custom_op``) cost far more per call than a small kernel takes on a GPU;
@@ -23,6 +25,20 @@ import torch
 
 from fastnmt import dispatch
 from fastnmt._extension import extension_available, extension_status
+from fastnmt.ops.triton_common import INTERPRETER
+
+
+def triton_library_op(name: str) -> Callable:
+    """Decorator: the torch.library op ``name`` over a function that calls Triton launchers.
+
+    A ``triton_op``: ``torch.compile`` traces into it, so its kernels appear in the graph as
+    Triton kernels (``Launcher`` launches them through ``wrap_triton`` there) and Inductor fuses
+    around them, also inside ``mode="reduce-overhead"``'s CUDA graphs. Under the interpreter its
+    kernels cannot be traced (``wrap_triton`` takes compiled kernels only): a ``custom_op``, which
+    graphs keep opaque, as they keep the C++ ops."""
+    if INTERPRETER:
+        return torch.library.custom_op(name, mutates_args=())
+    return torch.library.triton_op(name, mutates_args=())
 
 
 def eager_function(name: str, forward: Callable, setup_context: Callable, backward: Callable):

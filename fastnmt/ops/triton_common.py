@@ -223,6 +223,9 @@ class Launcher:
 
     ``kernel[grid]`` serves every call under the interpreter, while Triton launch hooks are
     registered (a profiler's), and on a device other than the current one (under its guard).
+    Tensors without data (``torch.compile`` tracing an op's ``triton_op`` body) make the launch a
+    graph node instead (``wrap_triton``): noticed when keying them fails, so an eager call pays
+    nothing for it.
     """
 
     def __init__(self, kernel):
@@ -244,18 +247,22 @@ class Launcher:
             return
         index = device.index
         tensor = torch.Tensor
-        key = (
-            id(options),
-            index,
-            *[  # ints first (most arguments are), each by what Triton's specialization reads
-                (a & 15 if a != 1 and -_I32 <= a < _I32 else (a >> 31, a & 15))
-                if a.__class__ is int
-                else (a.dtype, a.data_ptr() & 15)
-                if isinstance(a, tensor)
-                else a.__class__  # float, bool, None: specialized by type only
-                for a in args
-            ],
-        )
+        try:
+            key = (
+                id(options),
+                index,
+                *[  # ints first (most arguments are), each by what Triton's specialization reads
+                    (a & 15 if a != 1 and -_I32 <= a < _I32 else (a >> 31, a & 15))
+                    if a.__class__ is int
+                    else (a.dtype, a.data_ptr() & 15)
+                    if isinstance(a, tensor)
+                    else a.__class__  # float, bool, None: specialized by type only
+                    for a in args
+                ],
+            )
+        except RuntimeError:  # tensors without data: torch.compile tracing a triton_op's body
+            self._traced(grid, args, options)
+            return
         compiled = self._compiled.get(key)
         enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
         if (
@@ -269,6 +276,14 @@ class Launcher:
         run, function, metadata, constexprs, _ = compiled
         stream = torch._C._cuda_getCurrentRawStream(index)
         run(*grid, stream, function, metadata, None, None, None, *args, *constexprs)
+
+    def _traced(self, grid, args, options) -> None:
+        """The launch as a node of the graph being traced (``wrap_triton``), which Inductor
+        compiles and fuses around. Compile options are Inductor's to choose."""
+        from torch.library import wrap_triton
+
+        launch = {k: v for k, v in options.items() if k not in COMPILE_OPTIONS}
+        wrap_triton(self.kernel)[grid](*args, **launch)
 
     def _launch_and_keep(self, key, device, grid, args, options) -> None:
         assert len(args) <= self._positional, f"{self.kernel}: pass constexprs in options"

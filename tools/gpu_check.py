@@ -1,0 +1,534 @@
+"""The GPU check's measurements, one stage per process, each row written as it is measured.
+
+    python tools/gpu_check.py STAGE --out DIR [--smoke] [--seconds S]
+
+``tools/gpu-check`` runs the stages in priority order inside one device call, each under its own
+time limit, and appends their rows to DIR/gpu-check.md: every row is flushed to the file the
+moment it is measured, so a stage cut short (or a whole call) keeps every row it reached.
+
+- ``firsts``: the code that never ran on a GPU, each check a PASS/FAIL row: every op forward +
+  backward in fp16 and bf16 through the Launcher's direct path (a call's second run bitwise
+  equal to its first, both within FlashAttention's rule of the float64 oracle), attention on
+  (B, L, H, D) views, batched dropout seeds, a few captured training updates, a captured static
+  search against the dynamic one.
+- ``kernels``: GPU time of forward + backward captured in one CUDA graph (replays timed),
+  fastnmt against PyTorch's built-ins: SDPA with a bool mask, ``F.layer_norm(x + r)``,
+  Linear-GELU-Linear, ``F.cross_entropy(F.linear(...))``; B64 H8 D64 (tokens: B x L, width
+  512, FFN 2048, vocabulary 32k), L 64/128/32/256, bf16 then fp16.
+- ``eager``: the same calls eager (what a user sees: do_bench's wall time), and each op's host
+  µs per forward + backward call on tiny tensors.
+- ``train``: ``python -m fastnmt.train`` on Multi30k for ``--seconds`` each: auto (CUDA graphs),
+  ``--backend reference`` and ``--backend torch`` (PyTorch's built-ins); target tokens/s (median
+  of the logged windows) and the most memory reserved (the graph pool included).
+- ``decode``: test2016 with the auto run's checkpoint, beam 4 and greedy, static against dynamic
+  search (sentences/s as ``fastnmt.evaluate`` prints them).
+- ``hf``: the Hugging Face Marian-base step of 64 and 256 pairs, ``apply_fastnmt`` against SDPA,
+  time and memory.
+
+``--smoke`` runs a stage at tiny shapes on whatever device there is (CPU: calls timed instead of
+graph replays), to check the plan itself (tests/test_tools.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the tests' oracle and tools/, from a checkout
+
+import fastnmt  # noqa: E402
+from fastnmt.model import Transformer, preset  # noqa: E402
+from fastnmt.ops import add_layer_norm, attention, feed_forward, linear_cross_entropy  # noqa: E402
+from fastnmt.ops.triton_common import dropout_seeds  # noqa: E402
+from fastnmt.search import LengthPenalty, beam_search  # noqa: E402
+from fastnmt.static_search import StaticSearches, graph_reasons  # noqa: E402
+from tests.helpers import error_check, small_corpus  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "tools"))
+import gpu_bench  # noqa: E402  (tools/, beside this script)
+
+BF16, FP16 = torch.bfloat16, torch.float16
+
+
+class Report:
+    """Markdown appended to one file, a line at a time, each flushed and synced to disk."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def line(self, text: str = "") -> None:
+        with self.path.open("a") as f:
+            f.write(text + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def table(self, title: str, *columns: str) -> Callable[..., None]:
+        """Start a table; returns its ``row(*cells)``."""
+        self.line(f"\n### {title}\n")
+        self.line("| " + " | ".join(columns) + " |")
+        self.line("|" + "---|" * len(columns))
+        return lambda *cells: self.line("| " + " | ".join(str(c) for c in cells) + " |")
+
+
+# ---------------------------------------------------------------------------------------------
+# firsts: correctness of the code paths that never ran on a GPU.
+# ---------------------------------------------------------------------------------------------
+
+
+def _fwd_bwd(forward: Callable[[], torch.Tensor], inputs: list[torch.Tensor], grad_out):
+    """(output, gradients of ``inputs``) of one forward + backward with ``grad_out``."""
+    out = forward()
+    grads = torch.autograd.grad(out, inputs, grad_out)
+    return [out.detach().clone(), *(g.clone() for g in grads)]
+
+
+def _op_cases(device, dtype, small: bool):
+    """name -> (inputs, forward): each op on odd shapes (padding, Lq != Lk, views)."""
+    b, h, lq, lk, d = (2, 2, 5, 7, 16) if small else (8, 4, 45, 70, 64)
+    n, e, f, vocab = (12, 16, 32, 50) if small else (1000, 512, 2048, 8000)
+
+    def leaf(*shape, scale=1.0):
+        return (torch.randn(shape, device=device) * scale).to(dtype).requires_grad_()
+
+    q, k, v = leaf(b, h, lq, d), leaf(b, h, lk, d), leaf(b, h, lk, d)
+    lengths = torch.randint(1, lk + 1, (b,), device=device)
+    lengths[0] = lk
+    # (B, L, H, D) as a model's projections come: attention takes their views, no copy
+    qt, kt, vt = (leaf(b, length, h, d) for length in (lq, lk, lk))
+    x, r = leaf(n, e), leaf(n, e)
+    weight, bias = leaf(e), leaf(e)
+    w1, b1, w2, b2 = leaf(f, e, scale=e**-0.5), leaf(f), leaf(e, f, scale=f**-0.5), leaf(e)
+    out_w = leaf(vocab, e, scale=e**-0.5)
+    target = torch.randint(vocab, (n,), device=device)
+    return {
+        "attention, key lengths": (
+            [q, k, v],
+            lambda q, k, v: attention(q, k, v, key_lengths=lengths),
+        ),
+        "attention, causal": (
+            [q, k, v],
+            lambda q, k, v: attention(q, k[:, :, :lq], v[:, :, :lq], causal=True),
+        ),
+        "attention, (B, L, H, D) views": (
+            [qt, kt, vt],
+            lambda q, k, v: attention(*(t.transpose(1, 2) for t in (q, k, v)), key_lengths=lengths),
+        ),
+        "add_layer_norm": ([x, r, weight, bias], lambda x, r, w, b: add_layer_norm(x, r, w, b)[0]),
+        "feed_forward gelu": (
+            [x, w1, b1, w2, b2],
+            lambda *tensors: feed_forward(*tensors, "gelu"),
+        ),
+        "linear_cross_entropy": (
+            [x, out_w],
+            lambda x, w: linear_cross_entropy(x, w, None, target, 0.1).loss,
+        ),
+    }
+
+
+def check_op(case) -> tuple[bool, str]:
+    """(passed, detail): a signature's second call (the Launcher's direct path) bitwise equal to
+    its first, and each tensor within FlashAttention's rule: at most 2x (outputs) or 3x
+    (gradients) as far from the float64 reference as PyTorch's built-ins in the same dtype (the
+    torch backend), + 1e-3."""
+    inputs, forward = case
+    out = forward(*inputs)
+    grad_out = torch.randn_like(out) if out.dim() else torch.ones_like(out)
+    first = _fwd_bwd(lambda: forward(*inputs), inputs, grad_out)
+    second = _fwd_bwd(lambda: forward(*inputs), inputs, grad_out)
+    repeat = all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    with fastnmt.backend("torch"):
+        same_dtype = _fwd_bwd(lambda: forward(*inputs), inputs, grad_out)
+    exact = [t.detach().double().requires_grad_() for t in inputs]
+    with fastnmt.backend("reference"):
+        oracle = _fwd_bwd(lambda: forward(*exact), exact, grad_out.double())
+    worst, failed = 0.0, []
+    for i, (got, torch_got, want) in enumerate(zip(first, same_dtype, oracle, strict=True)):
+        check = error_check(got, torch_got, want, 2 if i == 0 else 3, 1e-3)
+        worst = max(worst, check.error / check.allowed)
+        if check.error > check.allowed:
+            tensor = "out" if i == 0 else f"grad {i}"
+            failed.append(f"{tensor} {check.error:.3g} > {check.allowed:.3g} at {check.where}")
+    detail = f"repeat {'bitwise' if repeat else 'DIFFERS'}; worst error / allowed {worst:.2f}"
+    return repeat and not failed, "; ".join([detail, *failed])
+
+
+def check_dropout_seeds(device, dtype) -> tuple[bool, str]:
+    """Batched seeds: one per call, the same seed the same mask, others other masks, keep
+    fraction 1 - p."""
+    x = torch.ones(4096, 256, device=device, dtype=dtype)
+    seeds = dropout_seeds(3, device)
+    masks = [
+        add_layer_norm(x, None, None, None, dropout_p=0.3, dropout_seed=s)[1] != 0 for s in seeds
+    ]
+    again = add_layer_norm(x, None, None, None, dropout_p=0.3, dropout_seed=seeds[0])[1] != 0
+    kept = masks[0].float().mean().item()
+    same = torch.equal(masks[0], again)
+    distinct = not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])
+    passed = same and distinct and abs(kept - 0.7) < 0.01
+    return passed, f"same seed same mask {same}; seeds distinct {distinct}; kept {kept:.4f} (0.7)"
+
+
+def check_captured_updates(device, sizes) -> tuple[bool, str]:
+    """A few training updates captured as one CUDA graph (the hazards' checks included)
+    against the same updates eager: finite, and the parameters close."""
+    if graph_reasons(device):
+        return True, "not captured: " + graph_reasons(device)[0]
+    torch.manual_seed(0)
+    eager = gpu_bench.training_step("tiny", sizes, BF16, device, "eager", dropout=0.0)
+    torch.manual_seed(0)
+    graphed = gpu_bench.training_step("tiny", sizes, BF16, device, "CUDA graph", dropout=0.0)
+    for _ in range(3):
+        eager()
+        graphed()
+    torch.cuda.synchronize(device)
+    pairs = zip(eager.model.parameters(), graphed.model.parameters(), strict=True)
+    difference = max((a.float() - b.float()).abs().max().item() for a, b in pairs)
+    finite = all(p.isfinite().all() for p in graphed.model.parameters())
+    return (
+        finite and difference < 1e-2,
+        f"finite {finite}; largest parameter difference {difference:.2e}",
+    )
+
+
+def check_static_search(device, smoke: bool) -> tuple[bool, str]:
+    """The static search (captured on CUDA) finds beam_search's hypotheses."""
+    cfg = preset("tiny")
+    torch.manual_seed(0)
+    model = Transformer(cfg).to(device).eval()
+    with torch.no_grad():
+        model.embedding.weight.mul_(4.0)  # peaked, varied choices
+    batch, length = (3, 6) if smoke else (32, 20)
+    src = torch.randint(3, cfg.vocab_size, (batch, length))
+    src[:, -1] = cfg.eos_id
+    lengths = torch.full((batch,), length)
+    max_lens = torch.full((batch,), length + 5)
+    static = StaticSearches(model, capture=not graph_reasons(device))
+    options = dict(beam=4, penalty=LengthPenalty())
+    with torch.inference_mode():
+        found = static.search(src, lengths, max_lens, **options)
+        expected = beam_search(model, src.to(device), lengths.to(device), max_lens, **options)
+    differ = sum(a[0].tokens != b[0].tokens for a, b in zip(found, expected, strict=True))
+    return differ == 0, f"{'captured' if static.capture else 'called'}; {differ} of {batch} differ"
+
+
+def firsts(args, device, report: Report) -> None:
+    row = report.table(
+        "Firsts: the code that never ran on a GPU", "check", "dtype", "result", "detail"
+    )
+    smoke = args.smoke
+    for dtype in (BF16, FP16) if device.type == "cuda" else (torch.float32,):
+        label = str(dtype).removeprefix("torch.")
+        for name, case in _op_cases(device, dtype, smoke).items():
+            _checked(row, name, label, functools.partial(check_op, case))
+        _checked(
+            row, "dropout seeds", label, lambda dtype=dtype: check_dropout_seeds(device, dtype)
+        )
+    sizes = gpu_bench.SMOKE if smoke else gpu_bench.FULL
+    _checked(
+        row, "captured training updates", "bf16", lambda: check_captured_updates(device, sizes)
+    )
+    _checked(row, "static search beam 4", "fp32", lambda: check_static_search(device, smoke))
+
+
+def _checked(row, name: str, dtype: str, check: Callable[[], tuple[bool, str]]) -> None:
+    """One check's row; an exception is a FAIL row naming it (the stage goes on)."""
+    try:
+        passed, detail = check()
+    except Exception as error:
+        passed, detail = (
+            False,
+            f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
+        )
+    row(name, dtype, "PASS" if passed else "**FAIL**", detail.replace("|", "/"))
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels and eager: the ops against PyTorch's built-ins.
+# ---------------------------------------------------------------------------------------------
+
+
+def _shapes(smoke: bool):
+    return (
+        dict(batch=2, heads=2, head_dim=8, lengths=(8,), ffn=4, vocab=100)
+        if smoke
+        else dict(batch=64, heads=8, head_dim=64, lengths=(64, 128, 32, 256), ffn=4, vocab=32000)
+    )
+
+
+def _pairs(shape: dict, length: int, dtype, device):
+    """op -> (inputs, fastnmt forward, PyTorch forward) at one length: B x L tokens."""
+    b, h, d = shape["batch"], shape["heads"], shape["head_dim"]
+    e, tokens = h * d, b * length
+
+    def leaf(*size, scale=1.0):
+        return (torch.randn(size, device=device) * scale).to(dtype).requires_grad_()
+
+    q, k, v = (leaf(b, h, length, d) for _ in "qkv")
+    lengths = gpu_bench.padded_lengths(b, length, device)
+    allowed = (torch.arange(length, device=device) < lengths[:, None])[:, None, None, :]
+    x, r, w, bias = leaf(tokens, e), leaf(tokens, e), leaf(e), leaf(e)
+    f = shape["ffn"] * e
+    w1, b1, w2, b2 = leaf(f, e, scale=e**-0.5), leaf(f), leaf(e, f, scale=f**-0.5), leaf(e)
+    out_w = leaf(shape["vocab"], e, scale=e**-0.5)
+    target = torch.randint(shape["vocab"], (tokens,), device=device)
+    sdpa = F.scaled_dot_product_attention
+    return {
+        "attention": (
+            [q, k, v],
+            lambda: attention(q, k, v, key_lengths=lengths),
+            lambda: sdpa(q, k, v, attn_mask=allowed),
+        ),
+        "add_layer_norm": (
+            [x, r, w, bias],
+            lambda: add_layer_norm(x, r, w, bias)[0],
+            lambda: F.layer_norm(x + r, (e,), w, bias),
+        ),
+        "feed_forward gelu": (
+            [x, w1, b1, w2, b2],
+            lambda: feed_forward(x, w1, b1, w2, b2, "gelu"),
+            lambda: F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2),
+        ),
+        "linear_cross_entropy": (
+            [x, out_w],
+            lambda: linear_cross_entropy(x, out_w, None, target, 0.1).loss,
+            lambda: F.cross_entropy(F.linear(x, out_w).float(), target, label_smoothing=0.1),
+        ),
+    }
+
+
+def _step(forward: Callable[[], torch.Tensor], inputs: list[torch.Tensor]) -> Callable[[], object]:
+    """Forward + backward into fresh gradient tensors (none accumulate: a graph may replay it)."""
+    return lambda: torch.autograd.grad(forward().float().sum(), inputs)
+
+
+def graph_ms(step: Callable[[], object], device, replays: int = 20) -> float:
+    """ms per replay of ``step`` captured as a CUDA graph: kernel time, no host work (off CUDA,
+    the median of a few calls)."""
+    if graph_reasons(device):
+        return gpu_bench.milliseconds(step, device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        step()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / replays)
+    return statistics.median(times)
+
+
+def _op_rows(args, device, report: Report, title: str, measure) -> None:
+    row = report.table(title, "L", "dtype", "op", "fastnmt ms", "PyTorch ms", "speedup")
+    shape = _shapes(args.smoke)
+    dtypes = (BF16, FP16) if device.type == "cuda" else (BF16,)
+    for dtype in dtypes:
+        for length in shape["lengths"]:
+            for name, (inputs, ours, theirs) in _pairs(shape, length, dtype, device).items():
+                try:
+                    mine, base = (measure(_step(fn, inputs), device) for fn in (ours, theirs))
+                except Exception as error:
+                    row(length, dtype, name, f"{type(error).__name__}", "", str(error)[:80])
+                    continue
+                label = str(dtype).removeprefix("torch.")
+                row(length, label, name, f"{mine:.3f}", f"{base:.3f}", f"{base / mine:.2f}x")
+
+
+def kernels(args, device, report: Report) -> None:
+    title = "Kernel-only: forward + backward captured in a CUDA graph, replays timed"
+    _op_rows(args, device, report, title, graph_ms)
+
+
+def host_microseconds(step: Callable[[], object], device, calls: int) -> float:
+    """µs per call of ``step`` issued back to back on tiny tensors: the host's cost per call
+    (the GPU keeps up)."""
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    for _ in range(calls):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - started) / calls * 1e6
+
+
+def eager(args, device, report: Report) -> None:
+    _op_rows(
+        args, device, report, "Eager: forward + backward wall time per call", gpu_bench.milliseconds
+    )
+    row = report.table(
+        "Host µs per forward + backward call (tiny tensors)",
+        "op",
+        "fastnmt µs",
+        "PyTorch µs",
+        "ratio",
+    )
+    tiny = dict(batch=1, heads=1, head_dim=64, ffn=4, vocab=64)
+    for name, (inputs, ours, theirs) in _pairs(tiny, 8, BF16, device).items():
+        calls = 3 if args.smoke else 200
+        mine, base = (host_microseconds(_step(fn, inputs), device, calls) for fn in (ours, theirs))
+        row(name, f"{mine:.1f}", f"{base:.1f}", f"{mine / base:.2f}")
+
+
+# ---------------------------------------------------------------------------------------------
+# train, decode, hf: the commands and the Hugging Face step.
+# ---------------------------------------------------------------------------------------------
+
+TRAIN_RUNS = {"auto": (), "reference": ("--backend", "reference"), "torch": ("--backend", "torch")}
+
+
+def _train_command(args, device, name: str) -> list[str]:
+    output = args.out / f"train-{name}"
+    command = [sys.executable, "-m", "fastnmt.train", "--device", str(device), "--output-dir",
+               str(output), "--prepared-dir", str(args.out / "prepared"), "--no-progress",
+               "--log-interval", "20", *TRAIN_RUNS[name]]  # fmt: skip
+    if args.smoke:  # a small model on the tests' corpus
+        corpus = _smoke_corpus(args)
+        return [*command, "--train", str(corpus / "train"), "--valid", str(corpus / "val"),
+                          "--test", str(corpus / "val"), "--vocab-size", "300", "--d-model",
+                          "32", "--heads", "2", "--d-ff", "64", "--encoder-layers", "1",
+                          "--decoder-layers", "1", "--max-tokens", "400", "--max-steps", "4",
+                          "--log-interval", "1", "--beam", "1"]  # fmt: skip
+    return [*command, "--max-time", f"{args.seconds:g}s"]
+
+
+def _smoke_corpus(args) -> Path:
+    folder = args.out / "corpus"
+    return folder if (folder / "val.de").exists() else small_corpus(folder)
+
+
+def train_summary(output: Path) -> tuple[int, float, float | None]:
+    """(steps, target tokens/s: median of the logged windows, most MiB reserved) of a run."""
+    path = output / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    windows = [r for r in records if r["event"] == "train"]
+    steps = max((r.get("step", 0) for r in windows), default=0)
+    speed = statistics.median(r["tgt_tokens_per_s"] for r in windows) if windows else 0.0
+    reserved = [r["memory_reserved_mib"] for r in windows if "memory_reserved_mib" in r]
+    return steps, speed, max(reserved) if reserved else None
+
+
+def train(args, device, report: Report) -> None:
+    row = report.table(
+        f"python -m fastnmt.train, {'4 steps' if args.smoke else f'{args.seconds:g} s'} each",
+        "backend", "steps", "target tok/s", "vs torch", "MiB reserved", "exit",
+    )  # fmt: skip
+    speeds = {}
+    for name in ("torch", "auto", "reference"):  # the baseline first: every ratio has it
+        log = args.out / f"train-{name}.log"
+        with log.open("w") as out:
+            status = subprocess.run(
+                _train_command(args, device, name), stdout=out, stderr=out
+            ).returncode
+        steps, speeds[name], reserved = train_summary(args.out / f"train-{name}")
+        ratio = f"{speeds[name] / speeds['torch']:.2f}x" if speeds.get("torch") else ""
+        mib = "" if reserved is None else f"{reserved:,.0f}"
+        row(name, steps, f"{speeds[name]:,.0f}", ratio, mib, f"{status} (log: {log.name})")
+
+
+_SPEED = re.compile(r"\(([\d,.]+) sent/s\)")
+
+
+def decode(args, device, report: Report) -> None:
+    row = report.table(
+        "test2016 with the auto run's checkpoint", "search", "beam", "sent/s", "exit"
+    )
+    checkpoint = args.out / "train-auto"
+    extra = ["--test", str(_smoke_corpus(args) / "val")] if args.smoke else ["--split", "test2016"]
+    for beam, search in ((4, "on"), (4, "off"), (1, "on"), (1, "off")):
+        command = [sys.executable, "-m", "fastnmt.evaluate", "--checkpoint", str(checkpoint),
+                   "--device", str(device), "--beam", str(beam), "--static-search", search,
+                   *extra]  # fmt: skip
+        result = subprocess.run(command, capture_output=True, text=True)
+        found = _SPEED.search(result.stdout)
+        speed = found.group(1) if found else (result.stderr.strip().splitlines() or ["?"])[-1][:80]
+        row("static" if search == "on" else "dynamic", beam, speed, result.returncode)
+
+
+def hf(args, device, report: Report) -> None:
+    row = report.table(
+        "Hugging Face Marian-base step (bf16, AdamW)", "pairs", "variant", "ms", "MiB reserved"
+    )
+    try:
+        import transformers  # noqa: F401
+    except ImportError as error:
+        row("-", "-", f"not run: {error}", "")
+        return
+    sizes = gpu_bench.SMOKE if args.smoke else gpu_bench.FULL
+    for batch in sizes.hf_batches:
+        for variant in gpu_bench.HF_VARIANTS:
+            build = functools.partial(
+                gpu_bench.hf_step, batch, sizes.train_length, variant, BF16, device, sizes.hf_tiny
+            )
+            with _reserved(device) as reserved:
+                measured = gpu_bench.step_row("", variant, build, device)
+            row(batch, variant, f"{measured.ms:.2f}", reserved())
+
+
+@contextlib.contextmanager
+def _reserved(device) -> Iterator[Callable[[], str]]:
+    """The most memory the caching allocator reserved inside, in MiB (CUDA)."""
+    if device.type != "cuda":
+        yield lambda: ""
+        return
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    most = []
+    yield lambda: f"{most[0]:,.0f}" if most else ""
+    most.append(torch.cuda.max_memory_reserved(device) / 2**20)
+
+
+STAGES = {
+    "firsts": firsts,
+    "kernels": kernels,
+    "eager": eager,
+    "train": train,
+    "decode": decode,
+    "hf": hf,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("stage", choices=list(STAGES))
+    parser.add_argument("--out", type=Path, required=True, help="the report's folder")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes: check the plan")
+    parser.add_argument("--seconds", type=float, default=90.0, help="each training run's time")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda" and not args.smoke:
+        print("error: no CUDA device (use --smoke to check the plan on a CPU)", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    STAGES[args.stage](args, device, Report(args.out / "gpu-check.md"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
