@@ -459,7 +459,11 @@ def decode(args, device, report: Report) -> None:
         "test2016 with the auto run's checkpoint", "search", "beam", "sent/s", "exit"
     )
     checkpoint = args.out / "train-auto"
-    extra = ["--test", str(_smoke_corpus(args) / "val")] if args.smoke else ["--split", "test_2016_flickr"]
+    extra = (
+        ["--test", str(_smoke_corpus(args) / "val")]
+        if args.smoke
+        else ["--split", "test_2016_flickr"]
+    )
     for beam, search in ((4, "on"), (4, "off"), (1, "on"), (1, "off")):
         command = [sys.executable, "-m", "fastnmt.evaluate", "--checkpoint", str(checkpoint),
                    "--device", str(device), "--beam", str(beam), "--static-search", search,
