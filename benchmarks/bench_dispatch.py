@@ -3,7 +3,7 @@ next to no time, against its PyTorch equivalent. What is left is the Python, dis
 allocation work of a call, which at translation shapes on a GPU is most of an op's wall time (a
 kernel takes tens of microseconds), and the same Python runs there.
 
-Each row times fastnmt's auto backend and PyTorch alternately in one sitting (medians of
+Each row times fastnmt's auto backend and PyTorch alternately in one run (medians of
 ``SAMPLES`` batches of ``CALLS_PER_SAMPLE`` steps) and records in extra_info: ``ratio`` (fastnmt's
 time / PyTorch's: the target is at most 1.2), both times in µs, and per step the Python function
 calls and the aten ops dispatched. A step is ``forward().sum().backward()`` on both sides, or

@@ -7,23 +7,22 @@ import os
 import sys
 
 # oneDNN (through ideep) keeps a compiled GEMM primitive per distinct shape, 1,024 by default. A
-# translation trainer meets new shapes with every token bucket and decoder step: the caches grew a
-# 25-minute CPU training run to 5.2 GB of RSS. 64 entries kept a 100-step run at 1.2 GB instead of
-# 2.3 GB, at the same speed (measured 2026-11-22). Decoding is another matter: its GEMMs take
-# every number of live hypotheses as it falls, hundreds of shapes in turn, and with 64 entries
-# it rebuilt primitives all the time: beam-4 decoding of test2016 ran at 361-382 sentences/s
-# against 546-559 with 512 or 1,024 entries (bf16 on a 2-core Sapphire Rapids, 2026-11-25; RSS
-# 716 vs 894 MB), so a process that only translates keeps the default. Both variables are read
-# when the first primitive is created, so setting them at the start of a process is early enough.
+# translation trainer meets new shapes with every token bucket and decoder step, and the caches
+# grow without bound in practice (5.2 GB of RSS over a 25-minute CPU training run); 64 entries
+# cost no speed there. Decoding is another matter: its GEMMs take every number of live
+# hypotheses as it falls, hundreds of shapes in turn, and with 64 entries it rebuilds primitives
+# all the time (beam-4 decoding about a third slower), so a process that only translates keeps
+# the default. Both variables are read when the first primitive is created, so setting them at
+# the start of a process is early enough.
 TRAINING_PRIMITIVE_CACHE_CAPACITY = "64"
 DECODING_PRIMITIVE_CACHE_CAPACITY = "1024"
 
 # glibc's malloc serves blocks from 128 KB up (raised adaptively to at most 32 MB) with mmap and
 # gives them back on free, and trims the heap top past 128 KB: every step of decoding or training
-# then page-faults its large tensors in afresh (zeroed by the kernel). Beam-4 decoding of 1,000
-# sentences took 535k minor faults and 4.0 s of system time for three passes; with the settings
-# below, 177k and 1.7 s (measured 2026-11-22). The cost is that freed memory stays with the
-# process for reuse, as PyTorch's CUDA caching allocator does on a GPU.
+# then page-faults its large tensors in afresh (zeroed by the kernel). The settings below cut
+# the system time of beam-4 decoding by more than half (a third of the page faults). The cost is
+# that freed memory stays with the process for reuse, as PyTorch's CUDA caching allocator does
+# on a GPU.
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 _MALLOC_SETTINGS = {
     _M_MMAP_THRESHOLD: 32 << 20,  # glibc's maximum: blocks below it come from the heap

@@ -234,8 +234,8 @@ def test_bad_arguments_are_named():
 def test_a_beam_search_step_dispatches_a_bounded_number_of_ops(layers):
     """The host work of a decoding step, which eager decoding on a GPU is made of (each op not a
     view is a launch there): aten ops per step of a beam-3 search (steps 6-12, nothing finishing)
-    on the C++ kernels, fp32. 41 per step and 41 per decoder layer on 2026-11-26; 44 and 36 since
-    the layers' self-attention caches share their rows (one write and one gather a step)."""
+    on the C++ kernels, fp32. The layers' self-attention caches share their rows, so a step
+    writes and gathers them once, not once per layer."""
     require_backend("cpp")
     cfg = ModelConfig(
         vocab_size=50, d_model=32, heads=2, d_ff=64, encoder_layers=1, decoder_layers=layers

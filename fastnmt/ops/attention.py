@@ -753,8 +753,8 @@ _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # first that fits is used; a bucket a kernel lacks falls back to "short"). Wide heads need
 # narrower key blocks or more warps to stay in registers: every config below compiles without
 # spills with every mask feature and dropout on (python -m fastnmt.compile_check), under triton
-# 3.6 (what the H100 machine runs; it spilled 8-456 bytes per thread in 28 of the configs before
-# 2026-11-26, whose key blocks were twice as wide) and 3.9.
+# 3.6 (what the H100 machine runs; it allocates registers less tightly than 3.9, so key blocks
+# twice as wide spill there) and 3.9.
 _GPU_CONFIGS = {
     "forward": {
         "decode": {128: LaunchConfig(16, 32, 4, 2)},

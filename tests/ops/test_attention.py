@@ -536,9 +536,9 @@ def test_the_host_work_of_a_triton_call_is_a_few_dozen_python_calls(monkeypatch)
     """Forward + backward on the Triton path with the launches taken out (through kernel[grid],
     two Python calls each): the dispatcher's cached decision, the autograd.Function, the launch
     plans cached per signature and four Launcher calls. SDPA's forward + backward makes 14 (the
-    ``sum`` and ``backward`` of the step are most of them); ours made 67 on 2026-11-26 (68 once the
-    output took its (B, Lq, H, Dv) layout), 164
-    before the launch plans were cached and triton's constexpr-function ``cdiv`` replaced."""
+    ``sum`` and ``backward`` of the step are most of them). The bound holds the launch plans'
+    caching and the grids computed without triton's constexpr-function ``cdiv``, which alone
+    would more than double the count."""
     monkeypatch.setattr(triton_common, "INTERPRETER", True)  # kernel[grid] on a GPU too
     for name in TRITON_KERNELS:
         monkeypatch.setattr(getattr(attention_module, name), "kernel", _NoLaunch())
@@ -643,9 +643,9 @@ def test_triton_gpu_tiling_matches_float64_oracle(case, causal, monkeypatch):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_triton_gpu_tiling_bf16_with_an_odd_value_dim(causal):
-    """The one case that failed on an H100 (2026-11-25 and 26, grads 0.25-0.40 off where 0.017
-    was allowed; launch configs since changed): bf16, D 112, Dv 65, lengths (full, none, one
-    key), 45 queries over 70 keys. The interpreter (bf16 upcast) passes it, and so did a float32
+    """A case an H100 failed under launch configs with key blocks twice as wide (grads 0.25-0.40
+    off where 0.017 is allowed): bf16, D 112, Dv 65, lengths (full, none, one key), 45 queries
+    over 70 keys. The interpreter (bf16 upcast) passes it, and so did a float32
     emulation of the kernels' bf16 roundings (P and dS rounded before their dots, delta from the
     bf16 output: at most 0.35 of the bound over 20 draws), so their arithmetic is not the cause;
     the assertion names the gradient that fails there."""
