@@ -12,6 +12,8 @@ Run: ``pytest benchmarks --benchmark-only`` (add ``--benchmark-json=FILE`` to ke
 
 from __future__ import annotations
 
+import contextlib
+import importlib.metadata
 import math
 import os
 import random
@@ -53,6 +55,16 @@ IMPLS = fastnmt.BACKENDS
 # full max_time (1 s) on every one of the ~250 CPU benchmarks.
 TARGET_SECONDS = 0.3
 MAX_ROUNDS = 1000
+
+
+def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: dict) -> None:
+    """The versions that decide the figures, beside pytest-benchmark's CPU and Python, for
+    benchmarks/results.py to state with them."""
+    versions = {"torch": torch.__version__, "fastnmt": fastnmt.__version__}
+    for name in ("triton", "transformers", "ctranslate2"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions[name] = importlib.metadata.version(name)
+    machine_info["fastnmt_versions"] = versions
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
