@@ -6,12 +6,12 @@
     python benchmarks/results.py gpu.md gpu-check/gpu-check.md   # -> benchmarks/results/gpu-h100.md
 
 Inputs, any number, merged into one file per device:
-- pytest-benchmark JSON (``--benchmark-json``): one table per benchmark group, a row per
-  benchmark with its ``extra_info`` (a benchmark whose ``extra_info`` holds one dict per row, as
-  the server's load benchmark does, gives those rows) and its median time; values every row of
-  a table shares are stated once above it. The machine comes from pytest-benchmark's
-  ``machine_info`` (CPU model and flags), the versions from what ``benchmarks/conftest.py`` adds
-  to it, the commit from its ``commit_info``.
+- pytest-benchmark JSON (``--benchmark-json``): per benchmark group, a row per benchmark with
+  its ``extra_info`` (a benchmark whose ``extra_info`` holds one dict per row, as the server's
+  load benchmark does, gives those rows) and its median time, in one table per set of fields
+  the rows record; values every row of a table shares are stated once above it. The machine
+  comes from pytest-benchmark's ``machine_info`` (CPU model and flags), the versions from what
+  ``benchmarks/conftest.py`` adds to it, the commit from its ``commit_info``.
 - markdown: ``tools/gpu_bench.py``'s output or ``tools/gpu-check``'s report (``gpu-check.md``), or
   any markdown of tables: its tables, each under its ``###`` heading (or the file's name), copied
   as they are; the GPU, the versions and the commit read from its header lines.
@@ -89,6 +89,14 @@ def cell(value) -> str:
     return f"{value:.4g}" if abs(value) >= 0.001 else f"{value:.2e}"
 
 
+def heading(key: str) -> str:
+    """An extra_info key as a column heading: ``tgt_tokens_per_s`` -> ``tgt tokens/s``."""
+    for suffix, unit in (("_per_s", "/s"), ("_us", " µs"), ("_ms", " ms"), ("_mb", " MB")):
+        if key.endswith(suffix):
+            key = key.removesuffix(suffix) + unit
+    return key.replace("_", " ")
+
+
 def benchmark_rows(benchmark: dict) -> list[dict]:
     """The table rows of one pytest-benchmark entry: its scalar extra_info, and one row per dict
     value when extra_info holds some (named by their key), each with the median time."""
@@ -116,8 +124,9 @@ def table(rows: list[dict]) -> list[str]:
     columns = [c for c in columns if c not in shared] or columns
     lines = []
     if shared and columns:
-        lines += ["All rows: " + ", ".join(f"{k} {cell(v)}" for k, v in shared.items()) + ".", ""]
-    lines.append("| " + " | ".join(columns) + " |")
+        values = ", ".join(f"{heading(k)} {cell(v)}" for k, v in shared.items())
+        lines += [f"All rows: {values}.", ""]
+    lines.append("| " + " | ".join(map(heading, columns)) + " |")
     lines.append("|" + "---|" * len(columns))
     lines += ["| " + " | ".join(cell(row.get(c, "")) for c in columns) + " |" for row in rows]
     return lines
@@ -141,7 +150,12 @@ def read_benchmark_json(path: Path, results: Results) -> None:
             benchmark_rows(benchmark)
         )
     for group, rows in groups.items():
-        results.sections.append((group, table(rows)))
+        # rows of different benchmarks in one group may record different fields: a table each
+        kinds: dict[tuple, list[dict]] = {}
+        for row in rows:
+            kinds.setdefault(tuple(row), []).append(row)
+        body = [line for kind in kinds.values() for line in [*table(kind), ""]]
+        results.sections.append((group, body[:-1]))
 
 
 def read_markdown(path: Path, results: Results) -> None:

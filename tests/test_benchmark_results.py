@@ -95,9 +95,9 @@ def test_a_benchmark_json_becomes_one_table_per_group(tmp_path):
     assert "All rows: op attention, dtype float32, tokens 2,450." in attention
     assert "| backend | median ms |" in attention
     assert "| cpp | 12.5 |" in attention and "| ref | 24.1 |" in attention
-    assert "| preset | tgt_tokens_per_s |\n|---|---|\n| tiny | 4,112 |" in text
+    assert "| preset | tgt tokens/s |\n|---|---|\n| tiny | 4,112 |" in text
     # one row per dict of extra_info, named by its key; no median of the whole run
-    assert "| row | sent_per_s |\n|---|---|\n| offline | 229.9 |\n| 64 clients | 154.5 |" in text
+    assert "| row | sent/s |\n|---|---|\n| offline | 229.9 |\n| 64 clients | 154.5 |" in text
 
 
 def test_gpu_bench_and_gpu_check_markdown(tmp_path):
