@@ -130,7 +130,7 @@ def test_training_run_summary_reads_the_metrics_log(tmp_path):
 
 def test_each_step_row_is_built_after_the_last_rows_step_is_freed():
     """A row's peak memory is its own: the previous row's model and optimizer state are garbage
-    before the next step is built (they were still referenced, and counted in its peak)."""
+    before the next step is built (still referenced, they would count in its peak)."""
     bench = _gpu_bench()
     built = []
 
