@@ -8,10 +8,11 @@
 Inputs, any number, merged into one file per device:
 - pytest-benchmark JSON (``--benchmark-json``): per benchmark group, a row per benchmark with
   its ``extra_info`` (a benchmark whose ``extra_info`` holds one dict per row, as the server's
-  load benchmark does, gives those rows) and its median time, in one table per set of fields
-  the rows record; values every row of a table shares are stated once above it. The machine
-  comes from pytest-benchmark's ``machine_info`` (CPU model and flags), the versions from what
-  ``benchmarks/conftest.py`` adds to it, the commit from its ``commit_info``.
+  load benchmark does, gives those rows) and its median time. Rows whose fields neither include
+  nor are included in a table's start another table; values every row of a table shares are
+  stated once above it. The machine comes from pytest-benchmark's ``machine_info`` (CPU model
+  and flags), the versions from what ``benchmarks/conftest.py`` adds to it, the commit from its
+  ``commit_info``.
 - markdown: ``tools/gpu_bench.py``'s output or ``tools/gpu-check``'s report (``gpu-check.md``), or
   any markdown of tables: its tables, each under its ``###`` heading (or the file's name), copied
   as they are; the GPU, the versions and the commit read from its header lines.
@@ -150,11 +151,18 @@ def read_benchmark_json(path: Path, results: Results) -> None:
             benchmark_rows(benchmark)
         )
     for group, rows in groups.items():
-        # rows of different benchmarks in one group may record different fields: a table each
-        kinds: dict[tuple, list[dict]] = {}
+        # a group's benchmarks may record different fields: rows whose fields include, or are
+        # included in, a table's join it; the others start a table of their own
+        tables: list[tuple[set, list[dict]]] = []
         for row in rows:
-            kinds.setdefault(tuple(row), []).append(row)
-        body = [line for kind in kinds.values() for line in [*table(kind), ""]]
+            fields = set(row)
+            joined = next((t for t in tables if t[0] <= fields or fields <= t[0]), None)
+            if joined is None:
+                tables.append((fields, [row]))
+            else:
+                joined[0].update(fields)
+                joined[1].append(row)
+        body = [line for _, kind in tables for line in [*table(kind), ""]]
         results.sections.append((group, body[:-1]))
 
 
