@@ -153,3 +153,17 @@ def test_a_missing_input_is_a_usage_error(tmp_path, capsys):
         results.main([str(tmp_path / "absent.json")])
     assert exit_info.value.code == 2
     assert "no such input" in capsys.readouterr().err
+
+
+def test_rows_of_other_fields_join_a_table_or_start_one(tmp_path):
+    rows = [
+        _row("translate", None, search="greedy", cache="kv", sent_per_s=300.0),
+        _row("translate", None, search="greedy", engine="fastnmt", sent_per_s=600.0),
+        _row("translate", None, search="greedy", engine="ct2", sent_per_s=400.0, batching="32"),
+    ]
+    source = _benchmark_json(tmp_path / "b.json", ["avx2"], rows)
+    assert results.main([str(source), "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "cpu-avx2.md").read_text()
+    assert "| search | cache | sent/s |\n|---|---|---|\n| greedy | kv | 300 |\n" in text
+    joined = ["| engine | sent/s | batching |", "|---|---|---|", "| fastnmt | 600 |  |"]
+    assert "\n".join([*joined, "| ct2 | 400 | 32 |"]) in text
