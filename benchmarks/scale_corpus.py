@@ -10,7 +10,7 @@ Pair i of a synthetic corpus is Multi30k training pair i mod M (M = 29,000), joi
 twice Multi30k's length (closer to WMT's), and the text keeps Multi30k's vocabulary. Each stage
 runs as a subprocess; its peak RSS is the largest resident set of its process tree (the trainer,
 its DataLoader worker, the preprocessing workers), as ``/usr/bin/time -v`` reports it. Prints a
-Markdown table (README's) and writes the figures as JSON beside the corpora.
+Markdown table (docs/large-corpora.md's) and writes the figures as JSON beside the corpora.
 """
 
 from __future__ import annotations

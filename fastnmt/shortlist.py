@@ -12,7 +12,8 @@ a shortlist keeps the ``frequent`` most frequent target tokens (always scored) a
 source token, the ``per_token`` other targets of highest p(t | s) (ties to the lower id). A
 batch's vocabulary is the frequent tokens plus the lists of every source token in the batch. The
 search normalizes the softmax over that vocabulary (as Marian does), so scores move slightly and
-a translation can only use listed words: check BLEU with and without (README has the numbers).
+a translation can only use listed words: check BLEU with and without (docs/translation.md has
+the numbers).
 
     python -m fastnmt.shortlist --prepared-dir runs/multi30k/prepared --output shortlist.st
     python -m fastnmt.translate --checkpoint runs/multi30k --shortlist shortlist.st

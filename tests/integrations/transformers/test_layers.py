@@ -283,8 +283,8 @@ def _saved_bytes(model, batch) -> int:
 @pytest.mark.parametrize("backend", ["cpp", "triton"])
 def test_a_training_step_keeps_less_for_backward_than_sdpa(backend, packing, bound):
     """No logits, and packed: only the kept positions, and no packed copies kept by the
-    unpacking: the fused step saves well under transformers' SDPA step (README: at Marian-base,
-    about half), on each fused backend; padded (a GPU's default), still under it."""
+    unpacking: the fused step saves well under transformers' SDPA step (at Marian-base, about
+    half), on each fused backend; padded (a GPU's default), still under it."""
     require_backend(backend)
     device = device_of(backend)
     sdpa = tiny_model("marian", vocab_size=1000).train().to(device)
