@@ -61,9 +61,12 @@ class Results:
     commits: list[str] = field(default_factory=list)
     sections: list[tuple[str, list[str]]] = field(default_factory=list)
 
-    def add_commit(self, commit: str | None) -> None:
-        if commit and commit[:7] not in self.commits:
-            self.commits.append(commit[:7])
+    def add_commit(self, commit: str | None, dirty: bool = False) -> None:
+        if not commit:
+            return
+        name = f"`{commit[:7]}` with uncommitted changes" if dirty else f"`{commit[:7]}`"
+        if name not in self.commits:
+            self.commits.append(name)
 
 
 def isa(flags: Iterable[str]) -> dict[str, bool]:
@@ -101,7 +104,7 @@ def heading(key: str) -> str:
 def benchmark_rows(benchmark: dict) -> list[dict]:
     """The table rows of one pytest-benchmark entry: its scalar extra_info, and one row per dict
     value when extra_info holds some (named by their key), each with the median time."""
-    info = benchmark.get("extra_info", {})
+    info = benchmark.get("extra_info") or {"benchmark": benchmark["name"]}
     scalars = {k: v for k, v in info.items() if not isinstance(v, dict)}
     stats = benchmark.get("stats") or {}
     if "median" in stats and not any(isinstance(v, dict) for v in info.values()):
@@ -109,7 +112,7 @@ def benchmark_rows(benchmark: dict) -> list[dict]:
     nested = [{"row": k, **v} for k, v in info.items() if isinstance(v, dict)]
     if nested:
         return [{**scalars, **row} for row in nested]
-    return [scalars or {"benchmark": benchmark["name"]}]
+    return [scalars]
 
 
 def table(rows: list[dict]) -> list[str]:
@@ -144,7 +147,8 @@ def read_benchmark_json(path: Path, results: Results) -> None:
             results.cpu += f", {cpu['count']} cores"
     versions = {"python": machine.get("python_version"), **machine.get("fastnmt_versions", {})}
     results.versions.update({k: v for k, v in versions.items() if v})
-    results.add_commit(data.get("commit_info", {}).get("id"))
+    commit = data.get("commit_info", {})
+    results.add_commit(commit.get("id"), dirty=commit.get("dirty", False))
     groups: dict[str, list[dict]] = {}
     for benchmark in data.get("benchmarks", []):
         groups.setdefault(benchmark.get("group") or "ungrouped", []).extend(
@@ -206,7 +210,7 @@ def render(results: Results, device: str, argv: list[str], note: str | None) -> 
     if names:
         machine.append(("versions", ", ".join(f"{n} {results.versions[n]}" for n in names)))
     if results.commits:
-        machine.append(("commit", ", ".join(f"`{c}`" for c in results.commits)))
+        machine.append(("commit", ", ".join(results.commits)))
     lines += ["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in machine), ""]
     for heading, body in results.sections:
         lines += [f"## {heading}", "", *body, ""]

@@ -5,6 +5,7 @@ inputs it names."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -138,6 +139,9 @@ def test_real_pytest_benchmark_output(tmp_path):
             """
         )
     )
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "c"], check=True)
     output = tmp_path / "b.json"
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_b.py"]
     command += ["-c", "pytest.ini", f"--benchmark-json={output}"]
@@ -145,6 +149,7 @@ def test_real_pytest_benchmark_output(tmp_path):
     assert results.main([str(output), "--out", str(tmp_path), "--device", "here"]) == 0
     text = (tmp_path / "here.md").read_text()
     assert "## group b\n\n| op | tokens | median ms |" in text
+    assert re.search(r"\| commit \| `[0-9a-f]{7}`( with uncommitted changes)? \|", text)
     assert "| CPU | " in text and "| ISA | AMX " in text and "| versions | python " in text
 
 
