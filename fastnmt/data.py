@@ -350,7 +350,6 @@ class MarianVocabulary:
 
     FILES = ("source.spm", "target.spm", "vocab.json")
     SPECIALS = "specials.json"
-    PIECES = (("pad_id", "<pad>"), ("eos_id", "</s>"), ("unk_id", "<unk>"))
 
     def __init__(self, files: dict[str, bytes], bos_id: int):
         self.files = {name: files[name] for name in self.FILES}
@@ -358,13 +357,16 @@ class MarianVocabulary:
             spm.SentencePieceProcessor(model_proto=files[name]) for name in self.FILES[:2]
         )
         self._ids: dict[str, int] = json.loads(files["vocab.json"])
-        self._pieces = {i: piece for piece, i in self._ids.items()}
-        for name, piece in self.PIECES:
-            if piece not in self._ids:
-                raise DataError(f"vocab.json has no {piece} piece")
-            setattr(self, name, self._ids[piece])
+        self.pad_id, self.eos_id, self.unk_id = map(self._special, ("<pad>", "</s>", "<unk>"))
         self.bos_id = bos_id
-        self._specials = {self.pad_id, self.bos_id, self.eos_id, self.unk_id}
+        self._pieces = {i: piece for piece, i in self._ids.items()}
+        specials = {self.pad_id, self.bos_id, self.eos_id, self.unk_id}
+        self._text_pieces = {i: p for i, p in self._pieces.items() if i not in specials}
+
+    def _special(self, piece: str) -> int:
+        if piece not in self._ids:
+            raise DataError(f"vocab.json has no {piece} piece")
+        return self._ids[piece]
 
     @classmethod
     def from_directory(cls, directory: str | Path, bos_id: int) -> MarianVocabulary:
@@ -426,7 +428,7 @@ class MarianVocabulary:
         for sequence in ids:
             if self.eos_id in sequence:
                 sequence = sequence[: sequence.index(self.eos_id)]
-            pieces = [self._pieces[i] for i in sequence if i not in self._specials]
+            pieces = [self._text_pieces[i] for i in sequence if i in self._text_pieces]
             texts.append(self._target.decode_pieces(pieces).replace("\u2581", " ").strip())
         return texts
 

@@ -23,9 +23,9 @@ from fastnmt.translator import is_pretrained_directory, load_checkpoint
 
 # From scratch: the learning rate and warmup of the small pre-norm presets.
 SCRATCH_LR, SCRATCH_WARMUP, SCRATCH_PRESET = 2e-3, 500, "tiny"
-# From trained weights: a peak 40x lower, as fine-tuning recipes for Opus-MT use (transformers'
-# translation examples: 2e-5 to 5e-5 with Adam); 2e-3 moves the weights far from the minimum
-# they were trained into, and the model forgets its general domain within a few hundred steps.
+# From trained weights: a peak 40x lower, the default of transformers' Trainer with which Opus-MT
+# models are commonly fine-tuned; 2e-3 moves the weights far from the minimum they were trained
+# into, and the model forgets its general domain within a few hundred steps.
 # The warmup only has to let Adam's second-moment estimates settle (a few hundred updates at
 # beta2 0.98 is already more than enough); a long one would spend most of a small in-domain
 # corpus at a learning rate too low to adapt.
