@@ -84,26 +84,33 @@ def _check_supported(config) -> None:
         )
 
 
+# ModelConfig fields and the transformers config attributes that hold them (encoder and decoder
+# share heads and FFN width in fastnmt: the encoder's are read, both are written on export).
+CONFIG_FIELDS = {
+    "d_model": "d_model",
+    "heads": "encoder_attention_heads",
+    "d_ff": "encoder_ffn_dim",
+    "encoder_layers": "encoder_layers",
+    "decoder_layers": "decoder_layers",
+    "dropout": "dropout",
+    "attention_dropout": "attention_dropout",
+    "activation_dropout": "activation_dropout",
+    "max_positions": "max_position_embeddings",
+    "pad_id": "pad_token_id",
+    "bos_id": "decoder_start_token_id",
+    "eos_id": "eos_token_id",
+    "scale_embedding": "scale_embedding",
+}
+
+
 def _model_config(config, vocab_size: int) -> ModelConfig:
     _check_supported(config)
     return ModelConfig(
         vocab_size=vocab_size,
-        d_model=config.d_model,
-        heads=config.encoder_attention_heads,
-        d_ff=config.encoder_ffn_dim,
-        encoder_layers=config.encoder_layers,
-        decoder_layers=config.decoder_layers,
-        dropout=config.dropout,
-        attention_dropout=config.attention_dropout,
-        activation_dropout=config.activation_dropout,
+        **{field: getattr(config, name) for field, name in CONFIG_FIELDS.items()},
         activation=_activation(config),
         prenorm=FAMILIES[config.model_type],
-        max_positions=config.max_position_embeddings,
-        pad_id=config.pad_token_id,
-        bos_id=config.decoder_start_token_id,
-        eos_id=config.eos_token_id,
         positions=POSITIONS[config.model_type],
-        scale_embedding=config.scale_embedding,
         output_bias=config.model_type == "marian",  # M2M100's LM head has no bias
     )
 

@@ -28,7 +28,7 @@ import transformers
 
 from fastnmt.data import MarianVocabulary, Vocabulary
 from fastnmt.integrations.transformers.attention import UnsupportedModelError
-from fastnmt.integrations.transformers.convert import parameter_sources
+from fastnmt.integrations.transformers.convert import CONFIG_FIELDS, parameter_sources
 from fastnmt.model import ModelConfig
 
 ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "silu": "swish"}  # fastnmt's -> Marian's
@@ -76,22 +76,10 @@ def marian_config(cfg: ModelConfig) -> transformers.MarianConfig:
     return transformers.MarianConfig(
         vocab_size=cfg.vocab_size,
         decoder_vocab_size=cfg.vocab_size,
-        d_model=cfg.d_model,
-        encoder_layers=cfg.encoder_layers,
-        decoder_layers=cfg.decoder_layers,
-        encoder_attention_heads=cfg.heads,
+        **{name: getattr(cfg, field) for field, name in CONFIG_FIELDS.items()},
         decoder_attention_heads=cfg.heads,
-        encoder_ffn_dim=cfg.d_ff,
         decoder_ffn_dim=cfg.d_ff,
         activation_function=ACTIVATIONS[cfg.activation],
-        dropout=cfg.dropout,
-        attention_dropout=cfg.attention_dropout,
-        activation_dropout=cfg.activation_dropout,
-        max_position_embeddings=cfg.max_positions,
-        scale_embedding=cfg.scale_embedding,
-        pad_token_id=cfg.pad_id,
-        eos_token_id=cfg.eos_id,
-        decoder_start_token_id=cfg.bos_id,
         forced_eos_token_id=None,
         share_encoder_decoder_embeddings=True,
         tie_word_embeddings=True,
