@@ -4,8 +4,8 @@ With no arguments: English->German Multi30k, the ``tiny`` preset, the fastest pr
 device, then a test-set score. ``--init-from DIR`` fine-tunes an Opus-MT (Marian) model or a
 fastnmt checkpoint instead (``fastnmt.fine_tune``; docs/fine-tuning.md).
 ``torchrun --nproc_per_node N -m fastnmt.train ...`` trains with DDP (one GPU per process,
-``cuda:$LOCAL_RANK``; ``--nnodes`` for several machines). The training text
-is prepared once (``fastnmt.preprocess``) into ``--prepared-dir`` and memory-mapped from there.
+``cuda:$LOCAL_RANK``; ``--nnodes`` for several machines). The training text is prepared once
+(``fastnmt.preprocess``) into ``--prepared-dir`` and memory-mapped from there.
 Exit codes: 0 done, 1 training failed (non-finite loss), 2 bad input, 130 interrupted (saved).
 
 This module is the command line and the setting up of a run; the loop is ``fastnmt.trainer``,
@@ -365,8 +365,9 @@ def prepare(args) -> Trainer:
     vocabulary = initial.vocab.to_bytes() if initial else None
     if loaded is not None:
         vocabulary = loaded.vocabulary
-        cfg = model_config(args, vocabulary_from_bytes(vocabulary), initial)
-        check_compatible(loaded, args, cfg)
+        check_compatible(
+            loaded, args, model_config(args, vocabulary_from_bytes(vocabulary), initial)
+        )
     prepared = prepared_data(args, world, vocabulary)
     corpora = load_corpora(args)
     cfg = model_config(args, prepared.vocab, initial)
