@@ -6,6 +6,7 @@ from the export and exported again translates as transformers' ``generate`` does
 import gzip
 import json
 import math
+import shutil
 import subprocess
 import sys
 
@@ -159,8 +160,14 @@ def test_flags_that_contradict_the_model_are_one_line_errors(
     assert not (tmp_path / "prepared").exists()  # refused before any work
 
 
-def test_init_from_what_is_no_model_to_start_from_is_a_one_line_error(data, tmp_path, capsys):
+def test_init_from_what_is_no_model_to_start_from_is_a_one_line_error(
+    marian, data, tmp_path, capsys
+):
+    without_vocabulary = tmp_path / "no-vocab"
+    shutil.copytree(marian, without_vocabulary)
+    (without_vocabulary / "vocab.json").unlink()
     cases = [
+        (without_vocabulary, "vocab.json: file not found"),
         (tmp_path / "missing", "missing: not a directory"),
         (nllb_directory(tmp_path), "--init-from fine-tunes Marian (Opus-MT) models"),
         (data, "holds no checkpoint (no model.safetensors"),
