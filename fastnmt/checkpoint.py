@@ -4,7 +4,8 @@ code.
 A checkpoint directory holds
     model.safetensors    the weights
     config.json          model config, data and training arguments
-    spm.model            the sentencepiece model
+    spm.model            the sentencepiece model (a model fine-tuned from an Opus-MT checkpoint:
+                         marian_vocabulary.zip, its tokenizer files; ``fastnmt.data``)
     trainer_state.pt     optimizer, step, epoch, position in the epoch, RNG states (tensors and
                          plain containers only: loads with ``torch.load(weights_only=True)``)
 
@@ -40,8 +41,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from fastnmt.data import VOCABULARY_FILES, vocabulary_file
+
 LAST, BEST, AVERAGE = "checkpoint_last", "checkpoint_best", "checkpoint_average"
-WEIGHTS, CONFIG, SPM, STATE = "model.safetensors", "config.json", "spm.model", "trainer_state.pt"
+WEIGHTS, CONFIG, STATE = "model.safetensors", "config.json", "trainer_state.pt"
 STEP_PREFIX = "checkpoint_step"
 # Suffixes of the hidden names a save works under (see the module docstring).
 NEW, OLD, DELETED, LINK_TEMPORARY = ".new", ".old", ".deleted", ".tmp"
@@ -55,7 +58,7 @@ class CheckpointError(ValueError):
 class Checkpoint:
     weights: dict[str, torch.Tensor]
     config: dict
-    spm_model: bytes
+    vocabulary: bytes  # ``fastnmt.data.vocabulary_from_bytes`` reads it
     trainer_state: dict | None  # None when loaded for inference only
 
 
@@ -77,7 +80,8 @@ def write(output_dir: Path, name: str, checkpoint: Checkpoint) -> Path:
     new.chmod(0o755)
     _write_file(new / WEIGHTS, lambda path: save_file(checkpoint.weights, str(path)))
     _write_file(new / CONFIG, lambda path: path.write_text(_json(checkpoint.config)))
-    _write_file(new / SPM, lambda path: path.write_bytes(checkpoint.spm_model))
+    vocabulary = new / vocabulary_file(checkpoint.vocabulary)
+    _write_file(vocabulary, lambda path: path.write_bytes(checkpoint.vocabulary))
     _write_file(new / STATE, lambda path: torch.save(checkpoint.trainer_state, path))
     fsync(new)
     if final.exists():  # the same name saved again: keep the old one until the new one is in
@@ -206,14 +210,19 @@ def load(path: Path, *, with_trainer_state: bool) -> Checkpoint:
     try:
         weights = load_file(str(path / WEIGHTS))
         config = json.loads((path / CONFIG).read_text())
-        spm_model = (path / SPM).read_bytes()
+        vocabulary = _vocabulary_path(path).read_bytes()
         state = torch.load(path / STATE, weights_only=True) if with_trainer_state else None
     # Parsers of damaged files raise what they meet (the weights-only unpickler an IndexError on
     # a truncated file): whatever it is, the checkpoint does not load.
     except Exception as error:
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise CheckpointError(f"cannot load checkpoint {path}: {message}") from error
-    return Checkpoint(weights, config, spm_model, state)
+    return Checkpoint(weights, config, vocabulary, state)
+
+
+def _vocabulary_path(path: Path) -> Path:
+    present = [path / name for name in VOCABULARY_FILES if (path / name).exists()]
+    return present[0] if present else path / VOCABULARY_FILES[0]  # reading it names the file
 
 
 def load_last(output_dir: Path) -> Checkpoint | None:

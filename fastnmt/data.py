@@ -10,12 +10,14 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
+import json
 import math
 import mmap
 import os
 import random
 import tempfile
 import urllib.request
+import zipfile
 import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields, replace
@@ -305,13 +307,7 @@ class Vocabulary:
 
     @classmethod
     def load(cls, path: str | Path) -> Vocabulary:
-        path = Path(path)
-        try:
-            return cls.from_bytes(path.read_bytes())
-        except FileNotFoundError:
-            raise DataError(f"{path}: file not found") from None
-        except DataError as error:
-            raise DataError(f"{path}: {error}") from None
+        return _read_vocabulary(path, cls.from_bytes)
 
     def __len__(self) -> int:
         return self._processor.get_piece_size()
@@ -323,6 +319,10 @@ class Vocabulary:
     def encode(self, sentences: list[str]) -> list[list[int]]:
         """Token ids per sentence, without bos/eos."""
         return [self._processor.encode(sentence, out_type=int) for sentence in sentences]
+
+    def encode_target(self, sentences: list[str]) -> list[list[int]]:
+        """Target-side ids: one joint model for both sides, so ``encode``'s."""
+        return self.encode(sentences)
 
     def decode(self, ids: list[list[int]]) -> list[str]:
         """Text per id sequence: everything from the first eos on is dropped, as are pad and bos,
@@ -337,6 +337,134 @@ class Vocabulary:
     def pieces(self, ids: list[int]) -> list[str]:
         """The subword string of each id, for attention plots."""
         return [self._processor.id_to_piece(i) for i in ids]
+
+
+class MarianVocabulary:
+    """An Opus-MT (Marian) checkpoint's tokenizer, without transformers: source text split by its
+    source.spm, target text by its target.spm, pieces mapped to ids by the vocab.json both sides
+    share, as transformers' ``MarianTokenizer`` does (a leading ``>>lang<<`` code of a
+    multi-target model is one token; a piece vocab.json lacks is <unk>). The decoder starts from
+    ``bos_id`` (Marian's: pad). Serialised (``to_bytes``) as a zip of the three files and the
+    special ids, written byte-identically each time: prepared data and checkpoints compare it by
+    hash."""
+
+    FILES = ("source.spm", "target.spm", "vocab.json")
+    SPECIALS = "specials.json"
+
+    def __init__(self, files: dict[str, bytes], bos_id: int):
+        self.files = {name: files[name] for name in self.FILES}
+        self._source, self._target = (
+            spm.SentencePieceProcessor(model_proto=files[name]) for name in self.FILES[:2]
+        )
+        self._ids: dict[str, int] = json.loads(files["vocab.json"])
+        self.pad_id, self.eos_id, self.unk_id = map(self._special, ("<pad>", "</s>", "<unk>"))
+        self.bos_id = bos_id
+        self._pieces = {i: piece for piece, i in self._ids.items()}
+        specials = {self.pad_id, self.bos_id, self.eos_id, self.unk_id}
+        self._text_pieces = {i: p for i, p in self._pieces.items() if i not in specials}
+
+    def _special(self, piece: str) -> int:
+        if piece not in self._ids:
+            raise DataError(f"vocab.json has no {piece} piece")
+        return self._ids[piece]
+
+    @classmethod
+    def from_directory(cls, directory: str | Path, bos_id: int) -> MarianVocabulary:
+        """The tokenizer files of a saved Marian checkpoint (``save_pretrained``'s layout)."""
+        directory = Path(directory)
+        if (directory / "target_vocab.json").exists():
+            raise DataError(
+                f"{directory}: separate source and target vocabularies are not supported "
+                "(fastnmt's model shares one embedding)"
+            )
+        files = {}
+        for name in cls.FILES:
+            try:
+                files[name] = (directory / name).read_bytes()
+            except OSError:
+                raise DataError(f"{directory / name}: file not found") from None
+        return cls(files, bos_id)
+
+    def to_bytes(self) -> bytes:
+        buffer = io.BytesIO()
+        with zipfile.ZipFile(buffer, "w") as archive:
+            specials = json.dumps({"bos_id": self.bos_id}).encode()
+            for name, data in [*self.files.items(), (self.SPECIALS, specials)]:
+                archive.writestr(zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0)), data)
+        return buffer.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> MarianVocabulary:
+        try:
+            with zipfile.ZipFile(io.BytesIO(data)) as archive:
+                files = {name: archive.read(name) for name in (*cls.FILES, cls.SPECIALS)}
+            bos_id = json.loads(files[cls.SPECIALS])["bos_id"]
+            return cls(files, bos_id)
+        except (zipfile.BadZipFile, KeyError, ValueError, RuntimeError) as error:
+            raise DataError(f"not a Marian tokenizer archive ({error})") from None
+
+    def __len__(self) -> int:
+        return max(self._ids.values()) + 1
+
+    def _encode(self, processor, sentence: str) -> list[int]:
+        code = []
+        if sentence.startswith(">>") and (end := sentence.find("<<")) != -1:
+            code, sentence = [sentence[: end + 2]], sentence[end + 2 :]
+        pieces = code + processor.encode(sentence, out_type=str)
+        return [self._ids.get(piece, self.unk_id) for piece in pieces]
+
+    def encode(self, sentences: list[str]) -> list[list[int]]:
+        """Source ids per sentence, without eos."""
+        return [self._encode(self._source, sentence) for sentence in sentences]
+
+    def encode_target(self, sentences: list[str]) -> list[list[int]]:
+        """Target ids per sentence, without eos."""
+        return [self._encode(self._target, sentence) for sentence in sentences]
+
+    def decode(self, ids: list[list[int]]) -> list[str]:
+        """Target text per id sequence, up to its first eos, without special pieces (as
+        ``MarianTokenizer.decode(skip_special_tokens=True)``)."""
+        texts = []
+        for sequence in ids:
+            if self.eos_id in sequence:
+                sequence = sequence[: sequence.index(self.eos_id)]
+            pieces = [self._text_pieces[i] for i in sequence if i in self._text_pieces]
+            texts.append(self._target.decode_pieces(pieces).replace("\u2581", " ").strip())
+        return texts
+
+    def pieces(self, ids: list[int]) -> list[str]:
+        return [self._pieces.get(i, "<unk>") for i in ids]
+
+
+_ZIP_MAGIC = b"PK\x03\x04"
+# The file a vocabulary's bytes are saved as (checkpoints, prepared data): joint, Marian.
+VOCABULARY_FILES = ("spm.model", "marian_vocabulary.zip")
+
+
+def vocabulary_file(data: bytes) -> str:
+    return VOCABULARY_FILES[data.startswith(_ZIP_MAGIC)]
+
+
+def vocabulary_from_bytes(data: bytes) -> Vocabulary | MarianVocabulary:
+    """The vocabulary ``to_bytes`` wrote: a joint sentencepiece model, or a Marian tokenizer."""
+    if data.startswith(_ZIP_MAGIC):
+        return MarianVocabulary.from_bytes(data)
+    return Vocabulary.from_bytes(data)
+
+
+def load_vocabulary(path: str | Path) -> Vocabulary | MarianVocabulary:
+    """The vocabulary file a checkpoint or prepared directory holds, of either kind."""
+    return _read_vocabulary(path, vocabulary_from_bytes)
+
+
+def _read_vocabulary(path: str | Path, parse):
+    path = Path(path)
+    try:
+        return parse(path.read_bytes())
+    except FileNotFoundError:
+        raise DataError(f"{path}: file not found") from None
+    except DataError as error:
+        raise DataError(f"{path}: {error}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -492,7 +620,7 @@ def encode_corpus(
     validation loss (training data goes through ``fastnmt.preprocess``); score BLEU on the
     unfiltered sentences so the reference set stays whole."""
     src = TokenArray.from_lists(vocab.encode(corpus.src))
-    tgt = TokenArray.from_lists(vocab.encode(corpus.tgt))
+    tgt = TokenArray.from_lists(vocab.encode_target(corpus.tgt))
     codes = filter_codes(src.lengths, tgt.lengths, max_len, ratio)
     dropped = count_dropped(codes)
     kept = np.flatnonzero(codes == 0)

@@ -1,6 +1,8 @@
 """``python -m fastnmt.export --checkpoint DIR --format ctranslate2 --output OUT``: a fastnmt
 checkpoint as a CTranslate2 model directory, for deployments built on CTranslate2 (as OpenNMT-py
-and fairseq models are converted to it).
+and fairseq models are converted to it). ``--format huggingface``: as a Hugging Face Marian
+directory that transformers loads (``MarianMTModel``, ``MarianTokenizer``; the mapping and what
+Marian cannot express are in ``fastnmt.integrations.transformers.export``).
 
 The mapping onto CTranslate2's Transformer specification:
 
@@ -21,14 +23,18 @@ The mapping onto CTranslate2's Transformer specification:
 
 CTranslate2 takes sentencepiece pieces, not text: ``to_pieces`` and ``from_pieces`` tokenize and
 detokenize around it, and ``search_options`` bans what fastnmt's search never generates (README:
-"Exporting to CTranslate2"). ``ctranslate2`` is an optional dependency (the
-``ctranslate2`` extra). Exit codes: 0 done, 2 bad input or checkpoint, 130 Ctrl-C.
+"Exporting to CTranslate2"). ``ctranslate2`` and ``transformers`` are optional dependencies (the
+``ctranslate2`` and ``transformers`` extras). Exit codes: 0 done, 2 bad input or checkpoint, 130
+Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -38,7 +44,7 @@ from fastnmt.model import ModelConfig, position_table
 from fastnmt.translate import UsageError, run_command
 from fastnmt.translator import is_pretrained_directory, load_checkpoint
 
-FORMATS = ("ctranslate2",)
+FORMATS = ("ctranslate2", "huggingface")
 QUANTIZATIONS = (
     "float32", "int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16",
     "bfloat16",
@@ -62,8 +68,8 @@ def load_for_export(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], V
     directory: its best checkpoint)."""
     if is_pretrained_directory(path):
         raise UsageError(
-            f"{path} is a Hugging Face model: CTranslate2 converts it itself "
-            "(ct2-transformers-converter --model DIR)"
+            f"{path} is a Hugging Face model already (CTranslate2 converts it itself: "
+            "ct2-transformers-converter --model DIR)"
         )
     model, vocab = load_checkpoint(path)
     return model.cfg, model.state_dict(), vocab
@@ -167,6 +173,11 @@ def from_pieces(vocab: Vocabulary, hypotheses: list[list[str]]) -> list[str]:
     return vocab.decode([[index[piece] for piece in tokens] for tokens in hypotheses])
 
 
+def _check_output(output: Path, force: bool) -> None:
+    if output.exists() and not force:
+        raise UsageError(f"--output {output} exists; pass --force to replace it")
+
+
 def export_ctranslate2(
     checkpoint_path: str | Path, output: str | Path, quantization: str = "float32", force=False
 ) -> Path:
@@ -174,8 +185,7 @@ def export_ctranslate2(
     if quantization not in QUANTIZATIONS:
         raise UsageError(f"quantization must be one of {', '.join(QUANTIZATIONS)}")
     output = Path(output)
-    if output.exists() and not force:
-        raise UsageError(f"--output {output} exists; pass --force to replace it")
+    _check_output(output, force)
     cfg, weights, vocab = load_for_export(Path(checkpoint_path))
     spec = ctranslate2_spec(cfg, weights, vocab)
 
@@ -186,19 +196,58 @@ def export_ctranslate2(
     return Path(_Converter().convert(str(output), quantization=quantization, force=force))
 
 
+def _marian_export():
+    try:
+        from fastnmt.integrations.transformers import UnsupportedModelError, export
+    except ImportError as error:
+        raise UsageError(f"the Hugging Face export: {error}") from None
+    return export, UnsupportedModelError
+
+
+def export_huggingface(checkpoint_path: str | Path, output: str | Path, force=False) -> Path:
+    """Write the Hugging Face Marian directory of a fastnmt checkpoint; returns its path. The
+    directory appears complete or not at all (written beside it, then renamed)."""
+    output = Path(output)
+    _check_output(output, force)
+    export, unsupported = _marian_export()
+    cfg, weights, vocab = load_for_export(Path(checkpoint_path))
+    output.parent.mkdir(parents=True, exist_ok=True)
+    temporary = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    try:
+        export.save_marian(cfg, weights, vocab, temporary)
+        temporary.chmod(0o755)  # mkdtemp makes it private; a model directory is meant to be shared
+        if output.exists():
+            shutil.rmtree(output)
+        os.rename(temporary, output)
+    except unsupported as error:
+        raise UsageError(f"cannot export {checkpoint_path} to Marian: {error}") from None
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
+    return output
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fastnmt.export", description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", required=True, help="checkpoint or training output directory")
     p.add_argument("--format", required=True, choices=FORMATS)
     p.add_argument("--output", required=True, help="the model directory to write")
     p.add_argument(
-        "--quantization", default="float32", choices=QUANTIZATIONS, help="weights (default fp32)"
+        "--quantization",
+        default="float32",
+        choices=QUANTIZATIONS,
+        help="CTranslate2's weights (default fp32); a Hugging Face export is fp32",
     )
     p.add_argument("--force", action="store_true", help="replace --output if it exists")
     return p
 
 
 def run(args) -> int:
+    if args.format == "huggingface":
+        if args.quantization != "float32":
+            raise UsageError("--quantization is for --format ctranslate2")
+        path = export_huggingface(args.checkpoint, args.output, args.force)
+        print(f"wrote {path} (Hugging Face Marian)", file=sys.stderr)
+        return 0
     path = export_ctranslate2(args.checkpoint, args.output, args.quantization, args.force)
     print(f"wrote {path} (CTranslate2, {args.quantization})", file=sys.stderr)
     return 0

@@ -6,7 +6,8 @@ cores and writes a prepared directory:
 
     manifest.json        what it was made from (input files with size, mtime and sha256; the
                          vocabulary options; the length filters) and what it holds (counts, arrays)
-    spm.model            the sentencepiece model
+    spm.model            the sentencepiece model (given an Opus-MT model's tokenizer to encode with:
+                         marian_vocabulary.zip, its files; ``fastnmt.data.MarianVocabulary``)
     train.{src,tgt}.ids      token ids of the kept pairs, concatenated (uint16 when the
                              vocabulary fits, else uint32), raw little-endian
     train.{src,tgt}.offsets  int64, pairs + 1: sequence i is ids[offsets[i]:offsets[i + 1]]
@@ -53,15 +54,18 @@ from fastnmt.data import (
     count_dropped,
     filter_codes,
     find_side,
+    load_vocabulary,
     multi30k_file,
     not_utf8,
     nothing_kept,
     seeded_generator,
     split_tsv_line,
+    vocabulary_file,
+    vocabulary_from_bytes,
 )
 
 FORMAT, VERSION = "fastnmt-prepared", 1
-MANIFEST, SPM = "manifest.json", "spm.model"
+MANIFEST = "manifest.json"
 SIDES, ARRAYS = ("src", "tgt"), ("ids", "offsets", "lengths")
 CHUNK_PAIRS = 20_000  # pairs a worker encodes at a time
 DEFAULT_SAMPLE = 2_000_000  # sentences the vocabulary is trained on, both sides together
@@ -275,9 +279,10 @@ def open_prepared(directory: Path) -> Prepared:
 
 
 def _open(directory: Path, manifest: dict) -> Prepared:
-    vocab = Vocabulary.load(directory / SPM)
+    path = directory / manifest["vocabulary"]["file"]
+    vocab = load_vocabulary(path)
     if _sha256(vocab.to_bytes()) != manifest["vocabulary"]["sha256"]:
-        raise DataError(f"{directory / SPM}: not the vocabulary {MANIFEST} names")
+        raise DataError(f"{path}: not the vocabulary {MANIFEST} names")
     sides = []
     for side in SIDES:
         files = [
@@ -459,8 +464,8 @@ def _build(
             vocab = _train_vocabulary(source, options, bar)
             log(f"vocabulary of {len(vocab):,} trained in {time.monotonic() - started:.0f} s")
         else:
-            vocab = Vocabulary.from_bytes(vocabulary)
-        (temporary / SPM).write_bytes(vocab.to_bytes())
+            vocab = vocabulary_from_bytes(vocabulary)
+        (temporary / vocabulary_file(vocab.to_bytes())).write_bytes(vocab.to_bytes())
         started = time.monotonic()
         counts = _encode(source, vocab, options, workers, temporary, bar)
         log(f"{counts['pairs']['read']:,} pairs encoded in {time.monotonic() - started:.0f} s")
@@ -471,7 +476,7 @@ def _build(
             "inputs": inputs,
             "filters": options.filters(),
             "vocabulary": {
-                "file": SPM,
+                "file": vocabulary_file(vocab.to_bytes()),
                 "sha256": _sha256(vocab.to_bytes()),
                 "size": len(vocab),
                 "trained_with": None if vocabulary else options.vocabulary_options(),
@@ -608,7 +613,7 @@ _worker_vocab: Vocabulary | None = None  # the vocabulary of this worker process
 def _start_worker(model: bytes) -> None:
     global _worker_vocab
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
-    _worker_vocab = Vocabulary.from_bytes(model)
+    _worker_vocab = vocabulary_from_bytes(model)
 
 
 def _encode_chunk(chunk: _Chunk, max_len, ratio, id_type, length_type):
@@ -616,7 +621,7 @@ def _encode_chunk(chunk: _Chunk, max_len, ratio, id_type, length_type):
     pairs only, in the file's types."""
     src_text, tgt_text = chunk.texts()
     src = TokenArray.from_lists(_worker_vocab.encode(src_text), id_type)
-    tgt = TokenArray.from_lists(_worker_vocab.encode(tgt_text), id_type)
+    tgt = TokenArray.from_lists(_worker_vocab.encode_target(tgt_text), id_type)
     codes = filter_codes(src.lengths, tgt.lengths, max_len, ratio)
     kept = np.flatnonzero(codes == 0)
     src, tgt = src.select(kept), tgt.select(kept)

@@ -1,9 +1,11 @@
 """``python -m fastnmt.train``: train an encoder-decoder Transformer for translation.
 
 With no arguments: English->German Multi30k, the ``tiny`` preset, the fastest precision for the
-device, then a test-set score. ``torchrun --nproc_per_node N -m fastnmt.train ...`` trains with DDP
-(one GPU per process, ``cuda:$LOCAL_RANK``; ``--nnodes`` for several machines). The training text
-is prepared once (``fastnmt.preprocess``) into ``--prepared-dir`` and memory-mapped from there.
+device, then a test-set score. ``--init-from DIR`` fine-tunes an Opus-MT (Marian) model or a
+fastnmt checkpoint instead (``fastnmt.fine_tune``; docs/fine-tuning.md).
+``torchrun --nproc_per_node N -m fastnmt.train ...`` trains with DDP (one GPU per process,
+``cuda:$LOCAL_RANK``; ``--nnodes`` for several machines). The training text is prepared once
+(``fastnmt.preprocess``) into ``--prepared-dir`` and memory-mapped from there.
 Exit codes: 0 done, 1 training failed (non-finite loss), 2 bad input, 130 interrupted (saved).
 
 This module is the command line and the setting up of a run; the loop is ``fastnmt.trainer``,
@@ -24,10 +26,18 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import fastnmt
-from fastnmt import checkpoint, graphs, preprocess
+from fastnmt import checkpoint, fine_tune, graphs, preprocess
 from fastnmt.checkpoint import CheckpointError
-from fastnmt.data import DataError, Vocabulary, load_multi30k, read_parallel_prefix, read_tsv
+from fastnmt.data import (
+    DataError,
+    Vocabulary,
+    load_multi30k,
+    read_parallel_prefix,
+    read_tsv,
+    vocabulary_from_bytes,
+)
 from fastnmt.distributed import Distributed, resolve_device
+from fastnmt.fine_tune import Initial
 from fastnmt.model import PRESETS, ModelConfig, preset
 from fastnmt.preprocess import UsageError
 from fastnmt.runtime import configure_process
@@ -94,7 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="replay each update as CUDA graphs (auto: on a GPU, unless --precision fp16)",
     )
     model = p.add_argument_group("model")
-    model.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    model.add_argument(
+        "--init-from",
+        metavar="DIR",
+        help="fine-tune this model: a Hugging Face Marian (Opus-MT) directory or a fastnmt "
+        "checkpoint; its weights, vocabulary and tokenizer (docs/fine-tuning.md)",
+    )
+    model.add_argument(
+        "--preset", choices=sorted(PRESETS), help=f"default {fine_tune.SCRATCH_PRESET}"
+    )
     model.add_argument("--postnorm", action="store_true", help="post-norm instead of pre-norm")
     for flag, kind in (
         ("--encoder-layers", int),
@@ -108,8 +126,18 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         model.add_argument(flag, type=kind, help="override the preset's value")
     optim = p.add_argument_group("optimisation")
-    optim.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
-    optim.add_argument("--warmup", type=int, default=500, help="linear warmup steps")
+    optim.add_argument(
+        "--lr",
+        type=float,
+        help=f"peak learning rate (default {fine_tune.SCRATCH_LR}; "
+        f"{fine_tune.FINE_TUNE_LR} with --init-from)",
+    )
+    optim.add_argument(
+        "--warmup",
+        type=int,
+        help=f"linear warmup steps (default {fine_tune.SCRATCH_WARMUP}; "
+        f"{fine_tune.FINE_TUNE_WARMUP} with --init-from)",
+    )
     optim.add_argument("--label-smoothing", type=float, default=0.1)
     optim.add_argument("--clip-norm", type=float, default=0.0, help="0 = no clipping")
     optim.add_argument("--update-freq", type=int, default=1, help="batches per update")
@@ -183,6 +211,8 @@ def check_arguments(args) -> None:
             raise UsageError(f"{flag} must be positive, got {value}")
     if args.lr <= 0:
         raise UsageError(f"--lr must be positive, got {args.lr}")
+    if args.warmup < 0:
+        raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,7 +301,10 @@ def resolve_cuda_graphs(args, device: torch.device) -> None:
         args.shape_buckets = GRAPH_BUCKETS
 
 
-def model_config(args, vocab: Vocabulary) -> ModelConfig:
+def model_config(args, vocab: Vocabulary, initial: Initial | None) -> ModelConfig:
+    """The model to train: the preset with the flags' overrides, or the initial model's."""
+    if initial is not None:
+        return initial.cfg
     overrides = dict(
         vocab_size=len(vocab),
         pad_id=vocab.pad_id,
@@ -315,6 +348,7 @@ def check_compatible(loaded: checkpoint.Checkpoint, args, cfg: ModelConfig) -> N
 
 def prepare(args) -> Trainer:
     """Everything before the first step: data, vocabulary, model, and a checkpoint to resume."""
+    fine_tune.apply_defaults(args)
     check_arguments(args)
     try:
         device = resolve_device(args.device)
@@ -325,15 +359,20 @@ def prepare(args) -> Trainer:
     world = Distributed.from_environment(device)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
+    initial = fine_tune.load_initial(args) if args.init_from else None
     loaded = existing_checkpoint(args, world)
-    vocabulary = None
-    if loaded is not None:  # the data must be encoded with the checkpoint's vocabulary
-        vocabulary = loaded.spm_model
-        check_compatible(loaded, args, model_config(args, Vocabulary.from_bytes(vocabulary)))
+    # The data must be encoded with the vocabulary of the checkpoint or the initial model.
+    vocabulary = initial.vocab.to_bytes() if initial else None
+    if loaded is not None:
+        vocabulary = loaded.vocabulary
+        check_compatible(
+            loaded, args, model_config(args, vocabulary_from_bytes(vocabulary), initial)
+        )
     prepared = prepared_data(args, world, vocabulary)
     corpora = load_corpora(args)
-    cfg = model_config(args, prepared.vocab)
-    trainer = Trainer(args, cfg, prepared.vocab, prepared.corpus, corpora, device, world)
+    cfg = model_config(args, prepared.vocab, initial)
+    weights = initial.weights if initial and loaded is None else None
+    trainer = Trainer(args, cfg, prepared.vocab, prepared.corpus, corpora, device, world, weights)
     trainer.log.line(prepared.summary())
     if loaded is not None:
         trainer.restore(loaded)

@@ -36,7 +36,9 @@ from fastnmt.translator import Translator, autocast
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 # What must match for a run to continue from an output directory's checkpoint (with the model).
-RESUME_KEYS = ("dataset", "train", "train_tsv", "src_lang", "tgt_lang", "vocab_size", "preset")
+RESUME_KEYS = (
+    "dataset", "train", "train_tsv", "src_lang", "tgt_lang", "vocab_size", "preset", "init_from"
+)  # fmt: skip
 
 
 class NonFiniteLoss(RuntimeError):
@@ -216,12 +218,17 @@ class Trainer:
         corpora: Corpora,
         device: torch.device,
         world: Distributed,
+        weights: dict[str, torch.Tensor] | None = None,
     ):
+        """``weights``: the model's initial state (fine-tuning), else a fresh initialisation."""
         self.args, self.cfg, self.vocab, self.corpora = args, cfg, vocab, corpora
         self.device, self.world = device, world
         self.output_dir = Path(args.output_dir)
         self.autocast_dtype = PRECISIONS[args.precision]
-        self.model = Transformer(cfg).to(device)
+        self.model = Transformer(cfg)
+        if weights is not None:
+            self.model.load_state_dict(weights)
+        self.model.to(device)
         # The update's device state: what a captured update reads and writes (graphs.py).
         self.updates = torch.zeros((), dtype=torch.float64, device=device)  # = progress.step
         self.lr = torch.zeros((), dtype=torch.float32, device=device)
@@ -636,7 +643,7 @@ class Trainer:
             averaged = checkpoint.Checkpoint(
                 {k: v.contiguous() for k, v in self.model.state_dict().items()},
                 latest.config,
-                latest.spm_model,
+                latest.vocabulary,
                 None,
             )
             path = checkpoint.write(self.output_dir, checkpoint.AVERAGE, averaged)

@@ -20,7 +20,7 @@ import torch
 
 from fastnmt import checkpoint
 from fastnmt.checkpoint import CheckpointError
-from fastnmt.data import DataError, Vocabulary, make_batch
+from fastnmt.data import DataError, Vocabulary, make_batch, vocabulary_from_bytes
 from fastnmt.distributed import resolve_device
 from fastnmt.model import AttentionRecord, ModelConfig, Transformer
 from fastnmt.quantize import bf16_packing_supported, int8_supported, pack_bf16, quantize_int8
@@ -84,13 +84,13 @@ def load_checkpoint(path: str | Path) -> tuple[Transformer, Vocabulary]:
         cfg = ModelConfig(**loaded.config["model"])
         model = Transformer(cfg)
         model.load_state_dict(loaded.weights)
-        vocab = Vocabulary.from_bytes(loaded.spm_model)
+        vocab = vocabulary_from_bytes(loaded.vocabulary)
     except (KeyError, TypeError, RuntimeError, DataError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
         raise CheckpointError(f"cannot load checkpoint {resolved}: {reason}") from None
     if len(vocab) != cfg.vocab_size:
         raise CheckpointError(
-            f"cannot load checkpoint {resolved}: spm.model has {len(vocab)} pieces, the "
+            f"cannot load checkpoint {resolved}: the vocabulary has {len(vocab)} pieces, the "
             f"model {cfg.vocab_size}"
         )
     return model, vocab

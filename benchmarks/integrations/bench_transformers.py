@@ -18,66 +18,29 @@ Run: ``pytest benchmarks/integrations --benchmark-only``.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
 
 import pytest
-import sentencepiece as spm
 import torch
 
 import fastnmt
-from fastnmt.data import load_multi30k
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
 fastnmt_hf = pytest.importorskip("fastnmt.integrations.transformers")
-from tools.marian_base import EOS, PAD, marian_base  # noqa: E402 (after the import checks)
+from tools.marian_base import PAD, marian_base  # noqa: E402 (after the import checks)
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
-SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "multi30k"
 SENTENCES = int(os.environ.get("FASTNMT_BENCH_SENTENCES", "100"))
 MAX_NEW_TOKENS = 128
 
 
-def _data_dir() -> Path | None:
-    return None if os.environ.get("FASTNMT_DATA_DIR") or not SHARED_DATA.exists() else SHARED_DATA
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory) -> Path:
-    """A Marian tokenizer: en and de sentencepiece models of 6,000 pieces, and 58,101 ids."""
-    folder = tmp_path_factory.mktemp("marian-base")
-    train = load_multi30k("train", "en", "de", _data_dir())
-    for name, texts in (("source", train.src), ("target", train.tgt)):
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(texts), model_prefix=str(folder / name), vocab_size=6000,
-            bos_id=-1, eos_id=-1, minloglevel=2,
-        )  # fmt: skip
-        (folder / f"{name}.model").rename(folder / f"{name}.spm")
-    vocab = {"</s>": EOS, "<unk>": 1}
-    for name in ("source", "target"):
-        processor = spm.SentencePieceProcessor(model_file=str(folder / f"{name}.spm"))
-        for i in range(processor.get_piece_size()):
-            vocab.setdefault(processor.id_to_piece(i), len(vocab))
-    # Every id has a piece, as in Opus-MT's vocab.json: a random model emits any of them.
-    vocab.update({f"\u2581filler{i}": i for i in range(len(vocab), PAD)})
-    vocab["<pad>"] = PAD
-    (folder / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
-    tokenizer = transformers.MarianTokenizer(
-        source_spm=str(folder / "source.spm"),
-        target_spm=str(folder / "target.spm"),
-        vocab=str(folder / "vocab.json"),
-    )
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("variant", ["hf sdpa", "apply_fastnmt"])
-def test_fine_tuning_step(benchmark, peak_memory, tokenizer_dir, variant, precision):
+def test_fine_tuning_step(benchmark, peak_memory, tokenizer_dir, multi30k, variant, precision):
     tokenizer = transformers.MarianTokenizer.from_pretrained(tokenizer_dir)
-    train = load_multi30k("train", "en", "de", _data_dir())
+    train = multi30k("train")
     batch = tokenizer(train.src[:64], text_target=train.tgt[:64], return_tensors="pt", padding=True)
     batch["labels"] = batch["labels"].masked_fill(batch["labels"] == PAD, -100)
     model = marian_base().train()
@@ -105,8 +68,8 @@ def test_fine_tuning_step(benchmark, peak_memory, tokenizer_dir, variant, precis
 
 
 @pytest.fixture(scope="module")
-def translation_setup(request, tmp_path_factory):
-    test = load_multi30k("test_2016_flickr", "en", "de", _data_dir())
+def translation_setup(request, tmp_path_factory, multi30k):
+    test = multi30k("test_2016_flickr")
     if trained := os.environ.get("FASTNMT_BENCH_HF_MODEL"):
         return Path(trained), test.src[:SENTENCES], {}
     folder = tmp_path_factory.mktemp("marian-base-model")

@@ -84,58 +84,70 @@ def _check_supported(config) -> None:
         )
 
 
+# ModelConfig fields and the transformers config attributes that hold them (encoder and decoder
+# share heads and FFN width in fastnmt: the encoder's are read, both are written on export).
+CONFIG_FIELDS = {
+    "d_model": "d_model",
+    "heads": "encoder_attention_heads",
+    "d_ff": "encoder_ffn_dim",
+    "encoder_layers": "encoder_layers",
+    "decoder_layers": "decoder_layers",
+    "dropout": "dropout",
+    "attention_dropout": "attention_dropout",
+    "activation_dropout": "activation_dropout",
+    "max_positions": "max_position_embeddings",
+    "pad_id": "pad_token_id",
+    "bos_id": "decoder_start_token_id",
+    "eos_id": "eos_token_id",
+    "scale_embedding": "scale_embedding",
+}
+
+
 def _model_config(config, vocab_size: int) -> ModelConfig:
     _check_supported(config)
     return ModelConfig(
         vocab_size=vocab_size,
-        d_model=config.d_model,
-        heads=config.encoder_attention_heads,
-        d_ff=config.encoder_ffn_dim,
-        encoder_layers=config.encoder_layers,
-        decoder_layers=config.decoder_layers,
-        dropout=config.dropout,
-        attention_dropout=config.attention_dropout,
-        activation_dropout=config.activation_dropout,
+        **{field: getattr(config, name) for field, name in CONFIG_FIELDS.items()},
         activation=_activation(config),
         prenorm=FAMILIES[config.model_type],
-        max_positions=config.max_position_embeddings,
-        pad_id=config.pad_token_id,
-        bos_id=config.decoder_start_token_id,
-        eos_id=config.eos_token_id,
         positions=POSITIONS[config.model_type],
-        scale_embedding=config.scale_embedding,
         output_bias=config.model_type == "marian",  # M2M100's LM head has no bias
     )
 
 
-def _attention_weights(prefix: str, attention: nn.Module) -> dict[str, torch.Tensor]:
+# fastnmt's parameters as lists of the transformers tensors they are made of, concatenated
+# along their first dimension (q, k, v -> in_proj): read to import, split and written to export.
+Sources = dict[str, list[torch.Tensor]]
+
+
+def _attention_sources(prefix: str, attention: nn.Module) -> Sources:
     projections = (attention.q_proj, attention.k_proj, attention.v_proj)
     return {
-        f"{prefix}.in_proj_weight": torch.cat([p.weight for p in projections]),
-        f"{prefix}.in_proj_bias": torch.cat([p.bias for p in projections]),
-        f"{prefix}.out_proj.weight": attention.out_proj.weight,
-        f"{prefix}.out_proj.bias": attention.out_proj.bias,
+        f"{prefix}.in_proj_weight": [p.weight for p in projections],
+        f"{prefix}.in_proj_bias": [p.bias for p in projections],
+        f"{prefix}.out_proj.weight": [attention.out_proj.weight],
+        f"{prefix}.out_proj.bias": [attention.out_proj.bias],
     }
 
 
-def _norm_weights(prefix: str, norm: nn.LayerNorm) -> dict[str, torch.Tensor]:
-    return {f"{prefix}.weight": norm.weight, f"{prefix}.bias": norm.bias}
+def _norm_sources(prefix: str, norm: nn.LayerNorm) -> Sources:
+    return {f"{prefix}.weight": [norm.weight], f"{prefix}.bias": [norm.bias]}
 
 
-def _layer_weights(prefix: str, layer: nn.Module) -> dict[str, torch.Tensor]:
-    weights = {
-        **_attention_weights(f"{prefix}.self_attn", layer.self_attn),
-        **_norm_weights(f"{prefix}.self_attn_norm", layer.self_attn_layer_norm),
-        **_norm_weights(f"{prefix}.ffn_norm", layer.final_layer_norm),
-        f"{prefix}.ffn.linear1.weight": layer.fc1.weight,
-        f"{prefix}.ffn.linear1.bias": layer.fc1.bias,
-        f"{prefix}.ffn.linear2.weight": layer.fc2.weight,
-        f"{prefix}.ffn.linear2.bias": layer.fc2.bias,
+def _layer_sources(prefix: str, layer: nn.Module) -> Sources:
+    sources = {
+        **_attention_sources(f"{prefix}.self_attn", layer.self_attn),
+        **_norm_sources(f"{prefix}.self_attn_norm", layer.self_attn_layer_norm),
+        **_norm_sources(f"{prefix}.ffn_norm", layer.final_layer_norm),
+        f"{prefix}.ffn.linear1.weight": [layer.fc1.weight],
+        f"{prefix}.ffn.linear1.bias": [layer.fc1.bias],
+        f"{prefix}.ffn.linear2.weight": [layer.fc2.weight],
+        f"{prefix}.ffn.linear2.bias": [layer.fc2.bias],
     }
     if hasattr(layer, "encoder_attn"):
-        weights.update(_attention_weights(f"{prefix}.cross_attn", layer.encoder_attn))
-        weights.update(_norm_weights(f"{prefix}.cross_attn_norm", layer.encoder_attn_layer_norm))
-    return weights
+        sources.update(_attention_sources(f"{prefix}.cross_attn", layer.encoder_attn))
+        sources.update(_norm_sources(f"{prefix}.cross_attn_norm", layer.encoder_attn_layer_norm))
+    return sources
 
 
 def _shared_embedding(hf_model: nn.Module) -> torch.Tensor:
@@ -153,20 +165,26 @@ def _shared_embedding(hf_model: nn.Module) -> torch.Tensor:
     return matrices[0]
 
 
+def parameter_sources(hf_model: nn.Module, cfg: ModelConfig) -> Sources:
+    """Where each of ``Transformer(cfg)``'s parameters is in a transformers model."""
+    encoder, decoder = hf_model.get_encoder(), hf_model.get_decoder()
+    sources = {"embedding.weight": [_shared_embedding(hf_model)]}
+    for i, layer in enumerate(encoder.layers):
+        sources.update(_layer_sources(f"encoder.{i}", layer))
+    for i, layer in enumerate(decoder.layers):
+        sources.update(_layer_sources(f"decoder.{i}", layer))
+    if cfg.prenorm:
+        sources.update(_norm_sources("encoder_norm", encoder.layer_norm))
+        sources.update(_norm_sources("decoder_norm", decoder.layer_norm))
+    if cfg.output_bias:
+        sources["output_bias"] = [hf_model.final_logits_bias[0]]
+    return sources
+
+
 def convert_weights(hf_model: nn.Module, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """fastnmt's state_dict for ``Transformer(cfg)`` from a transformers model's modules."""
-    encoder, decoder = hf_model.get_encoder(), hf_model.get_decoder()
-    weights = {"embedding.weight": _shared_embedding(hf_model)}
-    for i, layer in enumerate(encoder.layers):
-        weights.update(_layer_weights(f"encoder.{i}", layer))
-    for i, layer in enumerate(decoder.layers):
-        weights.update(_layer_weights(f"decoder.{i}", layer))
-    if cfg.prenorm:
-        weights.update(_norm_weights("encoder_norm", encoder.layer_norm))
-        weights.update(_norm_weights("decoder_norm", decoder.layer_norm))
-    if cfg.output_bias:
-        weights["output_bias"] = hf_model.final_logits_bias[0]
-    return {name: tensor.detach().clone() for name, tensor in weights.items()}
+    sources = parameter_sources(hf_model, cfg)
+    return {name: torch.cat(parts).detach().clone() for name, parts in sources.items()}
 
 
 def convert_model(hf_model: nn.Module) -> Transformer:
