@@ -29,10 +29,10 @@ from fastnmt.checkpoint import CheckpointError
 from fastnmt.data import DataError, Vocabulary, load_multi30k, read_parallel_prefix, read_tsv
 from fastnmt.distributed import Distributed, resolve_device
 from fastnmt.model import PRESETS, ModelConfig, preset
+from fastnmt.precision import AUTO_HELP, PrecisionChoice, choose_precision
 from fastnmt.preprocess import UsageError
 from fastnmt.runtime import configure_process
 from fastnmt.trainer import PRECISIONS, RESUME_KEYS, Corpora, Trainer
-from fastnmt.translator import fastest_dtype
 
 # Arguments that must match an existing checkpoint for training to continue from it.
 # Shape buckets of CUDA-graph training when --shape-buckets does not say: one graph each.
@@ -113,7 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     optim.add_argument("--label-smoothing", type=float, default=0.1)
     optim.add_argument("--clip-norm", type=float, default=0.0, help="0 = no clipping")
     optim.add_argument("--update-freq", type=int, default=1, help="batches per update")
-    optim.add_argument("--precision", default="auto", choices=["auto", *PRECISIONS])
+    optim.add_argument(
+        "--precision", default="auto", choices=["auto", *PRECISIONS], help=AUTO_HELP["training"]
+    )
     optim.add_argument("--backend", default="auto", choices=["auto", *fastnmt.BACKENDS])
     optim.add_argument(
         "--device", default="auto", help="auto (cuda:$LOCAL_RANK if CUDA, else cpu), cpu, cuda:N"
@@ -251,13 +253,19 @@ def prepared_data(args, world: Distributed, vocabulary: bytes | None) -> preproc
 # ---------------------------------------------------------------------------------------------
 
 
-def resolve_precision(requested: str, device: torch.device) -> str:
-    if requested == "auto":
-        dtype = fastest_dtype(device)
-        return next(name for name, value in PRECISIONS.items() if value == dtype)
+def check_precision(requested: str, device: torch.device) -> None:
     if requested == "fp16" and device.type != "cuda":
         raise UsageError("--precision fp16 needs a GPU (loss scaling); use bf16 or fp32 on a CPU")
-    return requested
+
+
+def resolve_precision(
+    requested: str, device: torch.device, cfg: ModelConfig, world: Distributed
+) -> PrecisionChoice:
+    """``--precision`` with auto resolved for ``cfg``'s shapes, decided once, on rank 0: every
+    rank must train in the same precision."""
+    if requested != "auto":
+        return PrecisionChoice(requested, "given by --precision")
+    return world.broadcast(choose_precision("training", device, cfg) if world.main else None)
 
 
 def resolve_cuda_graphs(args, device: torch.device) -> None:
@@ -320,8 +328,7 @@ def prepare(args) -> Trainer:
         device = resolve_device(args.device)
     except ValueError as error:
         raise UsageError(str(error)) from None
-    args.precision = resolve_precision(args.precision, device)
-    resolve_cuda_graphs(args, device)
+    check_precision(args.precision, device)
     world = Distributed.from_environment(device)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
@@ -333,8 +340,12 @@ def prepare(args) -> Trainer:
     prepared = prepared_data(args, world, vocabulary)
     corpora = load_corpora(args)
     cfg = model_config(args, prepared.vocab)
+    precision = resolve_precision(args.precision, device, cfg, world)
+    args.precision = precision.precision
+    resolve_cuda_graphs(args, device)
     trainer = Trainer(args, cfg, prepared.vocab, prepared.corpus, corpora, device, world)
     trainer.log.line(prepared.summary())
+    trainer.log.line(f"precision {precision}")
     if loaded is not None:
         trainer.restore(loaded)
         last = checkpoint.resolve(Path(args.output_dir) / checkpoint.LAST)
