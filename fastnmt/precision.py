@@ -200,18 +200,20 @@ def _fastest(speeds: dict[str, float], features: CpuFeatures) -> PrecisionChoice
 
 def calibrate(purpose: str, candidates: list[str], shapes: GemmShapes) -> dict[str, float]:
     """Seconds of one run of ``purpose``'s GEMMs at ``shapes`` in each candidate precision (the
-    best of TIMED_RUNS after a warm-up, which also builds oneDNN's kernels)."""
+    best of TIMED_RUNS after a warm-up, which also builds oneDNN's kernels); random weights and
+    inputs that leave torch's random stream untouched."""
     build = _training_gemms if purpose == "training" else _translation_gemms
     seconds = {}
-    for precision in candidates:
-        run = build(precision, shapes)
-        run()
-        times = []
-        for _ in range(TIMED_RUNS):
-            start = time.perf_counter()
+    with torch.random.fork_rng(devices=[]):  # the caller's random stream stays as it was
+        for precision in candidates:
+            run = build(precision, shapes)
             run()
-            times.append(time.perf_counter() - start)
-        seconds[precision] = min(times)
+            times = []
+            for _ in range(TIMED_RUNS):
+                start = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - start)
+            seconds[precision] = min(times)
     return seconds
 
 

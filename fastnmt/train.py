@@ -17,6 +17,7 @@ import importlib
 import random
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -253,16 +254,13 @@ def prepared_data(args, world: Distributed, vocabulary: bytes | None) -> preproc
 # ---------------------------------------------------------------------------------------------
 
 
-def check_precision(requested: str, device: torch.device) -> None:
-    if requested == "fp16" and device.type != "cuda":
-        raise UsageError("--precision fp16 needs a GPU (loss scaling); use bf16 or fp32 on a CPU")
-
-
 def resolve_precision(
     requested: str, device: torch.device, cfg: ModelConfig, world: Distributed
 ) -> PrecisionChoice:
     """``--precision`` with auto resolved for ``cfg``'s shapes, decided once, on rank 0: every
     rank must train in the same precision."""
+    if requested == "fp16" and device.type != "cuda":
+        raise UsageError("--precision fp16 needs a GPU (loss scaling); use bf16 or fp32 on a CPU")
     if requested != "auto":
         return PrecisionChoice(requested, "given by --precision")
     return world.broadcast(choose_precision("training", device, cfg) if world.main else None)
@@ -279,20 +277,29 @@ def resolve_cuda_graphs(args, device: torch.device) -> None:
         args.shape_buckets = GRAPH_BUCKETS
 
 
+def model_shape(args) -> ModelConfig:
+    """The model the arguments ask for, before its vocabulary exists (--vocab-size words)."""
+    overrides = {k: getattr(args, k) for k in MODEL_OVERRIDES if getattr(args, k) is not None}
+    cfg = preset(
+        args.preset,
+        vocab_size=args.vocab_size,
+        prenorm=not args.postnorm,
+        max_positions=max(1024, args.max_len + 2),
+        **overrides,
+    )
+    if cfg.d_model % cfg.heads:
+        raise UsageError(f"d_model ({cfg.d_model}) must be divisible by heads ({cfg.heads})")
+    return cfg
+
+
 def model_config(args, vocab: Vocabulary) -> ModelConfig:
-    overrides = dict(
+    return replace(
+        model_shape(args),
         vocab_size=len(vocab),
         pad_id=vocab.pad_id,
         bos_id=vocab.bos_id,
         eos_id=vocab.eos_id,
-        prenorm=not args.postnorm,
-        max_positions=max(1024, args.max_len + 2),
     )
-    overrides.update({k: getattr(args, k) for k in MODEL_OVERRIDES if getattr(args, k) is not None})
-    cfg = preset(args.preset, **overrides)
-    if cfg.d_model % cfg.heads:
-        raise UsageError(f"d_model ({cfg.d_model}) must be divisible by heads ({cfg.heads})")
-    return cfg
 
 
 def existing_checkpoint(args, world: Distributed) -> checkpoint.Checkpoint | None:
@@ -328,8 +335,10 @@ def prepare(args) -> Trainer:
         device = resolve_device(args.device)
     except ValueError as error:
         raise UsageError(str(error)) from None
-    check_precision(args.precision, device)
     world = Distributed.from_environment(device)
+    precision = resolve_precision(args.precision, device, model_shape(args), world)
+    args.precision = precision.precision
+    resolve_cuda_graphs(args, device)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     loaded = existing_checkpoint(args, world)
@@ -340,9 +349,6 @@ def prepare(args) -> Trainer:
     prepared = prepared_data(args, world, vocabulary)
     corpora = load_corpora(args)
     cfg = model_config(args, prepared.vocab)
-    precision = resolve_precision(args.precision, device, cfg, world)
-    args.precision = precision.precision
-    resolve_cuda_graphs(args, device)
     trainer = Trainer(args, cfg, prepared.vocab, prepared.corpus, corpora, device, world)
     trainer.log.line(prepared.summary())
     trainer.log.line(f"precision {precision}")

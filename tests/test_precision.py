@@ -194,8 +194,10 @@ def test_cache_path_follows_xdg(monkeypatch, tmp_path):
 def test_the_real_calibration_times_every_candidate(purpose):
     candidates = precision.cpu_candidates(purpose, AVX512_BF16)
     shapes = GemmShapes(d_model=32, d_ff=64, vocab=100)
+    state = torch.get_rng_state()
     seconds = precision.calibrate(purpose, candidates, shapes)
     assert list(seconds) == candidates and all(s > 0 for s in seconds.values())
+    assert torch.equal(torch.get_rng_state(), state)  # seeded runs stay as they were
 
 
 # ---------------------------------------------------------------------------------------------
