@@ -44,7 +44,7 @@ MARGIN = 1.1
 # beam 4 over 32 sentences (CTranslate2's benchmark convention). Past a few thousand words the
 # output layer's speed per row no longer depends on the vocabulary's size.
 TRAINING_ROWS, TRANSLATION_ROWS, MAX_VOCAB = 256, 128, 8192
-TIMED_RUNS = 3
+TIMED_RUNS = 4
 CACHE_FILE = "precision.json"
 
 AUTO_HELP = {
@@ -200,20 +200,21 @@ def _fastest(speeds: dict[str, float], features: CpuFeatures) -> PrecisionChoice
 
 def calibrate(purpose: str, candidates: list[str], shapes: GemmShapes) -> dict[str, float]:
     """Seconds of one run of ``purpose``'s GEMMs at ``shapes`` in each candidate precision (the
-    best of TIMED_RUNS after a warm-up, which also builds oneDNN's kernels); random weights and
-    inputs that leave torch's random stream untouched."""
+    best of TIMED_RUNS after a warm-up, which also builds oneDNN's kernels), on random weights and
+    inputs drawn without touching torch's random stream."""
     build = _training_gemms if purpose == "training" else _translation_gemms
-    seconds = {}
     with torch.random.fork_rng(devices=[]):  # the caller's random stream stays as it was
-        for precision in candidates:
-            run = build(precision, shapes)
+        runs = {precision: build(precision, shapes) for precision in candidates}
+    for run in runs.values():
+        run()
+    seconds = dict.fromkeys(candidates, float("inf"))
+    # In rounds, so that a busy spell of the machine falls on every candidate alike; the best
+    # time of each leaves out the runs another process interrupted.
+    for _ in range(TIMED_RUNS):
+        for precision, run in runs.items():
+            start = time.perf_counter()
             run()
-            times = []
-            for _ in range(TIMED_RUNS):
-                start = time.perf_counter()
-                run()
-                times.append(time.perf_counter() - start)
-            seconds[precision] = min(times)
+            seconds[precision] = min(seconds[precision], time.perf_counter() - start)
     return seconds
 
 

@@ -211,11 +211,22 @@ def test_help_says_how_auto_decides(module):
     assert "bf16 with AMX" in text and "GEMM calibration at the model's shapes" in text
 
 
-def test_training_logs_what_auto_chose_and_why(cpu):
-    cpu(AVX512_BF16)
+def test_training_logs_what_auto_chose_and_why(cpu, corpus, tmp_path, capsys):
+    calibration = cpu(AVX512_BF16)
+    arguments = [
+        "--train", str(corpus / "train"), "--valid", str(corpus / "val"), "--vocab-size", "300",
+        "--d-model", "32", "--heads", "2", "--d-ff", "64", "--encoder-layers", "1",
+        "--decoder-layers", "1", "--max-tokens", "400", "--max-steps", "1", "--no-progress",
+        "--device", "cpu", "--output-dir", str(tmp_path), "--average-last", "1",
+    ]  # fmt: skip
+    assert train.main(arguments) == 0
+    said = "precision fp32 (AVX512-BF16 AVX-512 VNNI AVX2, no AMX: GEMMs at this model's shapes"
+    assert said in capsys.readouterr().err
+    assert calibration.calls[0][2] == GemmShapes(32, 64, 300)
+
+
+def test_a_precision_given_is_logged_as_given():
     world = Distributed.from_environment(torch.device("cpu"))
-    choice = train.resolve_precision("auto", torch.device("cpu"), preset("tiny"), world)
-    assert str(choice).startswith("fp32 (AVX512-BF16 AVX-512 VNNI AVX2, no AMX: GEMMs at")
     given = train.resolve_precision("bf16", torch.device("cpu"), preset("tiny"), world)
     assert str(given) == "bf16 (given by --precision)"
 
