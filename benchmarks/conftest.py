@@ -28,6 +28,7 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 import fastnmt
+from fastnmt.precision import cpu_features
 from fastnmt.runtime import configure_process
 
 # As the command-line tools, with the primitive cache of a translating process: the rows decode
@@ -55,6 +56,19 @@ IMPLS = fastnmt.BACKENDS
 # full max_time (1 s) on every one of the ~250 CPU benchmarks.
 TARGET_SECONDS = 0.3
 MAX_ROUNDS = 1000
+# Beside every row: which precision is fastest, and by how much, depends on these.
+CPU_ISA = str(cpu_features())
+
+
+def pytest_report_header() -> str:
+    return f"CPU instruction sets: {CPU_ISA}"
+
+
+@pytest.fixture(autouse=True)
+def _cpu_isa(request) -> None:
+    """Every benchmark row records the CPU's instruction sets (AMX, AVX512-BF16, VNNI, AVX2)."""
+    if "benchmark" in request.fixturenames:
+        request.getfixturevalue("benchmark").extra_info["cpu_isa"] = CPU_ISA
 
 
 def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: dict) -> None:

@@ -19,6 +19,7 @@ import importlib
 import random
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -39,10 +40,10 @@ from fastnmt.data import (
 from fastnmt.distributed import Distributed, resolve_device
 from fastnmt.fine_tune import Initial
 from fastnmt.model import PRESETS, ModelConfig, preset
+from fastnmt.precision import AUTO_HELP, PrecisionChoice, choose_precision
 from fastnmt.preprocess import UsageError
 from fastnmt.runtime import configure_process
 from fastnmt.trainer import PRECISIONS, RESUME_KEYS, Corpora, Trainer
-from fastnmt.translator import fastest_dtype
 
 # Arguments that must match an existing checkpoint for training to continue from it.
 # Shape buckets of CUDA-graph training when --shape-buckets does not say: one graph each.
@@ -141,7 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     optim.add_argument("--label-smoothing", type=float, default=0.1)
     optim.add_argument("--clip-norm", type=float, default=0.0, help="0 = no clipping")
     optim.add_argument("--update-freq", type=int, default=1, help="batches per update")
-    optim.add_argument("--precision", default="auto", choices=["auto", *PRECISIONS])
+    optim.add_argument(
+        "--precision", default="auto", choices=["auto", *PRECISIONS], help=AUTO_HELP["training"]
+    )
     optim.add_argument("--backend", default="auto", choices=["auto", *fastnmt.BACKENDS])
     optim.add_argument(
         "--device", default="auto", help="auto (cuda:$LOCAL_RANK if CUDA, else cpu), cpu, cuda:N"
@@ -281,13 +284,16 @@ def prepared_data(args, world: Distributed, vocabulary: bytes | None) -> preproc
 # ---------------------------------------------------------------------------------------------
 
 
-def resolve_precision(requested: str, device: torch.device) -> str:
-    if requested == "auto":
-        dtype = fastest_dtype(device)
-        return next(name for name, value in PRECISIONS.items() if value == dtype)
+def resolve_precision(
+    requested: str, device: torch.device, cfg: ModelConfig, world: Distributed
+) -> PrecisionChoice:
+    """``--precision`` with auto resolved for ``cfg``'s shapes, decided once, on rank 0: every
+    rank must train in the same precision."""
     if requested == "fp16" and device.type != "cuda":
         raise UsageError("--precision fp16 needs a GPU (loss scaling); use bf16 or fp32 on a CPU")
-    return requested
+    if requested != "auto":
+        return PrecisionChoice(requested, "given by --precision")
+    return world.broadcast(choose_precision("training", device, cfg) if world.main else None)
 
 
 def resolve_cuda_graphs(args, device: torch.device) -> None:
@@ -301,23 +307,32 @@ def resolve_cuda_graphs(args, device: torch.device) -> None:
         args.shape_buckets = GRAPH_BUCKETS
 
 
+def model_shape(args) -> ModelConfig:
+    """The model the arguments ask for, before its vocabulary exists (--vocab-size words)."""
+    overrides = {k: getattr(args, k) for k in MODEL_OVERRIDES if getattr(args, k) is not None}
+    cfg = preset(
+        args.preset,
+        vocab_size=args.vocab_size,
+        prenorm=not args.postnorm,
+        max_positions=max(1024, args.max_len + 2),
+        **overrides,
+    )
+    if cfg.d_model % cfg.heads:
+        raise UsageError(f"d_model ({cfg.d_model}) must be divisible by heads ({cfg.heads})")
+    return cfg
+
+
 def model_config(args, vocab: Vocabulary, initial: Initial | None) -> ModelConfig:
-    """The model to train: the preset with the flags' overrides, or the initial model's."""
+    """The model to train: the initial model's, or the arguments' with the vocabulary's."""
     if initial is not None:
         return initial.cfg
-    overrides = dict(
+    return replace(
+        model_shape(args),
         vocab_size=len(vocab),
         pad_id=vocab.pad_id,
         bos_id=vocab.bos_id,
         eos_id=vocab.eos_id,
-        prenorm=not args.postnorm,
-        max_positions=max(1024, args.max_len + 2),
     )
-    overrides.update({k: getattr(args, k) for k in MODEL_OVERRIDES if getattr(args, k) is not None})
-    cfg = preset(args.preset, **overrides)
-    if cfg.d_model % cfg.heads:
-        raise UsageError(f"d_model ({cfg.d_model}) must be divisible by heads ({cfg.heads})")
-    return cfg
 
 
 def existing_checkpoint(args, world: Distributed) -> checkpoint.Checkpoint | None:
@@ -354,12 +369,14 @@ def prepare(args) -> Trainer:
         device = resolve_device(args.device)
     except ValueError as error:
         raise UsageError(str(error)) from None
-    args.precision = resolve_precision(args.precision, device)
-    resolve_cuda_graphs(args, device)
     world = Distributed.from_environment(device)
+    initial = fine_tune.load_initial(args) if args.init_from else None
+    shape = initial.cfg if initial is not None else model_shape(args)
+    precision = resolve_precision(args.precision, device, shape, world)
+    args.precision = precision.precision
+    resolve_cuda_graphs(args, device)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
-    initial = fine_tune.load_initial(args) if args.init_from else None
     loaded = existing_checkpoint(args, world)
     # The data must be encoded with the vocabulary of the checkpoint or the initial model.
     vocabulary = initial.vocab.to_bytes() if initial else None
@@ -374,6 +391,7 @@ def prepare(args) -> Trainer:
     weights = initial.weights if initial and loaded is None else None
     trainer = Trainer(args, cfg, prepared.vocab, prepared.corpus, corpora, device, world, weights)
     trainer.log.line(prepared.summary())
+    trainer.log.line(f"precision {precision}")
     if loaded is not None:
         trainer.restore(loaded)
         last = checkpoint.resolve(Path(args.output_dir) / checkpoint.LAST)

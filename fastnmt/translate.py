@@ -24,6 +24,7 @@ from fastnmt import metrics
 from fastnmt.checkpoint import CheckpointError
 from fastnmt.data import DataError, read_lines
 from fastnmt.distributed import resolve_device
+from fastnmt.precision import AUTO_HELP, choose_precision
 from fastnmt.runtime import configure_process
 from fastnmt.translator import PRECISIONS, Translation, Translator
 
@@ -50,7 +51,9 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
     run = parser.add_argument_group("running")
     run.add_argument("--max-tokens", type=int, default=6000, help="padded source tokens/batch")
     run.add_argument("--max-sentences", type=int, default=256, help="sentences per batch")
-    run.add_argument("--precision", default="auto", choices=["auto", *PRECISIONS])
+    run.add_argument(
+        "--precision", default="auto", choices=["auto", *PRECISIONS], help=AUTO_HELP["translation"]
+    )
     run.add_argument("--shortlist", help="score only the words this file lists (fastnmt.shortlist)")
     run.add_argument("--backend", default="auto", choices=["auto", *fastnmt.BACKENDS])
     run.add_argument(
@@ -87,9 +90,11 @@ def search_options(args) -> dict:
 
 
 def load_translator(args) -> Translator:
+    """The translator the arguments ask for; with --precision auto, says on stderr what auto
+    chose and why."""
     try:
         device = resolve_device(args.device or "auto")
-        return Translator.load(
+        translator = Translator.load(
             args.checkpoint,
             src_code=args.src_code,
             tgt_code=args.tgt_code,
@@ -104,6 +109,10 @@ def load_translator(args) -> Translator:
         raise
     except (ValueError, ImportError) as error:  # bad options, unsupported models, no transformers
         raise UsageError(str(error).splitlines()[0]) from None
+    if args.precision == "auto":  # the choice the load made (remembered, not measured again)
+        choice = choose_precision("translation", device, translator.model.cfg)
+        print(f"precision {choice}", file=sys.stderr)
+    return translator
 
 
 def build_parser() -> argparse.ArgumentParser:

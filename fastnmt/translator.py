@@ -23,6 +23,8 @@ from fastnmt.checkpoint import CheckpointError
 from fastnmt.data import DataError, Vocabulary, make_batch, vocabulary_from_bytes
 from fastnmt.distributed import resolve_device
 from fastnmt.model import AttentionRecord, ModelConfig, Transformer
+from fastnmt.precision import fastest_dtype as fastest_dtype  # importable from here too
+from fastnmt.precision import fastest_precision
 from fastnmt.quantize import bf16_packing_supported, int8_supported, pack_bf16, quantize_int8
 from fastnmt.search import Hypothesis, LengthPenalty, beam_search, greedy
 from fastnmt.shortlist import Shortlist
@@ -42,27 +44,6 @@ def autocast(device: torch.device | str, dtype: torch.dtype | None):
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(torch.device(device).type, dtype)
-
-
-def fastest_dtype(device: torch.device | str) -> torch.dtype | None:
-    """bf16 where the hardware computes in it (AVX512-BF16 / AMX CPUs, GPUs of compute capability
-    8.0 or later), fp16 on older GPUs (``torch.cuda.is_bf16_supported()`` also counts bf16 that
-    is only emulated there), else fp32 (None)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        native_bf16 = torch.cuda.get_device_capability(device) >= (8, 0)
-        return torch.bfloat16 if native_bf16 else torch.float16
-    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
-
-
-def fastest_precision(device: torch.device | str) -> str:
-    """The inference precision ``auto`` means: bf16 or fp16 as ``fastest_dtype``; on CPUs without
-    native bf16, int8 GEMMs (``fastnmt.quantize``; measured 1.3x fp32 at beam 4 and greedy on an
-    AVX2 CPU, test BLEU +0.2), else fp32."""
-    dtype = fastest_dtype(device)
-    if dtype is not None:
-        return {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    return "fp32" if int8_supported(device) else "int8"
 
 
 def is_pretrained_directory(path: str | Path) -> bool:
@@ -102,7 +83,7 @@ def _inference_model(model: Transformer, device, precision: str) -> Transformer:
         choices = ", ".join(PRECISIONS)
         raise ValueError(f"precision must be auto, {choices}; got {precision!r}")
     device = resolve_device("auto" if device is None else str(device))
-    precision = fastest_precision(device) if precision == "auto" else precision
+    precision = fastest_precision(device, model.cfg) if precision == "auto" else precision
     if precision == "int8" and (reasons := int8_supported(device)):
         raise ValueError(f"precision int8: {'; '.join(reasons)}")
     model = model.to(device, PRECISIONS[precision] or torch.float32).eval().requires_grad_(False)

@@ -15,7 +15,7 @@ from fastnmt.attention import (
     scaled_dot_product_attention,
     swap_multihead_attention,
 )
-from tests.helpers import TRITON_DEVICE, HostOps, random_lengths
+from tests.helpers import TRITON_DEVICE, HostOps, device_of, random_lengths
 
 E, HEADS = 24, 4
 
@@ -87,6 +87,26 @@ def test_cross_attention_with_other_key_and_value_dims():
     _, padding = _padding(3, 9)
     inputs = [torch.randn(3, 5, E), torch.randn(3, 9, 10), torch.randn(3, 9, 14)]
     _assert_same(theirs, ours, inputs, key_padding_mask=padding)
+
+
+@pytest.mark.parametrize("scale", [1.0, 3.0])
+def test_cross_attention_weights_are_torch_s_to_fp32_rounding(fused, scale):
+    """need_weights: the weights are torch's to fp32 rounding (not merely 1e-5), at E 64 with 4
+    heads and key lengths [17, 5, 1] (a key of its own gives a weight of exactly 1), also with
+    larger scores, where the log-sum-exp they are recomputed from carries more rounding."""
+    device = device_of(fused)
+    theirs = nn.MultiheadAttention(64, 4, batch_first=True, device=device)
+    ours = MultiheadAttention(64, 4, batch_first=True, device=device)
+    ours.load_state_dict(theirs.state_dict())
+    query = scale * torch.randn(3, 11, 64, device=device)
+    memory = scale * torch.randn(3, 17, 64, device=device)
+    padding = torch.arange(17, device=device) >= torch.tensor([17, 5, 1], device=device)[:, None]
+    forward = dict(key_padding_mask=padding, average_attn_weights=False)
+    out_theirs, weights_theirs = theirs(query, memory, memory, **forward)
+    out_ours, weights_ours = ours(query, memory, memory, **forward)
+    torch.testing.assert_close(out_ours, out_theirs, atol=1e-6, rtol=1e-6)
+    eps = torch.finfo(torch.float32).eps
+    torch.testing.assert_close(weights_ours, weights_theirs, atol=2 * eps, rtol=0)
 
 
 def test_per_head_attn_mask_and_float_key_padding_mask():

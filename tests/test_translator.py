@@ -161,12 +161,6 @@ def test_auto_precision_takes_bf16_only_on_gpus_that_compute_in_it(
     assert fastest_dtype("cuda") == expected
 
 
-@pytest.mark.parametrize("native_bf16", [True, False])
-def test_auto_inference_precision_on_cpus_is_bf16_where_native_else_int8(monkeypatch, native_bf16):
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: native_bf16)
-    assert fastest_precision("cpu") == ("bf16" if native_bf16 else "int8")
-
-
 def test_auto_inference_precision_on_gpus_is_their_half_precision(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert fastest_precision("cuda") == "bf16"

@@ -716,8 +716,8 @@ def attention_probabilities(
 
     For inspection and plotting (``need_weights``); takes the masks of ``attention()``. With the
     ``lse`` (B, H, Lq) that ``attention(..., return_lse=True)`` returned for the same inputs, P is
-    recomputed exactly as exp(S - lse) (one matmul, no second softmax pass), so a fused kernel
-    needs no naive fallback to give weights. For chosen heads, pass those heads of q, k and lse.
+    recomputed as exp(S - lse) (one matmul, no row maximum to find), so a fused kernel needs no
+    naive fallback to give weights. For chosen heads, pass those heads of q, k and lse.
     """
     scale = _check_scores_inputs(q, k, key_lengths, key_padding_mask, attn_mask, causal, scale)
     scores, empty_rows = masked_scores(
@@ -731,6 +731,11 @@ def attention_probabilities(
         # -inf marks rows that see no key; a finite stand-in keeps the backward free of NaN.
         finite_lse = lse.float().masked_fill(empty_rows.squeeze(-1), 0.0)
         probs = torch.exp(scores.float() - finite_lse[..., None])
+        # The kernel's lse sums its own S (another order of products, its own exp) and is rounded
+        # at its own magnitude: an error e in it scales the whole row by exp(-e), a few ulps of
+        # lse, not of P (1e-6 at ordinary scores, more as they grow). Dividing by the row's sum
+        # cancels that factor, leaving P with the rounding of a softmax of these scores.
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs.masked_fill(empty_rows, 0.0).to(q.dtype)
 
 

@@ -25,6 +25,7 @@ from tests.helpers import (
 attention_module = importlib.import_module("fastnmt.ops.attention")
 
 FP32, FP16, BF16 = torch.float32, torch.float16, torch.bfloat16
+FP32_EPS = torch.finfo(FP32).eps  # the spacing of fp32 values at 1: rounding of a probability
 
 
 SHAPES = [  # (B, H, Lq, Lk, D)
@@ -422,6 +423,23 @@ def test_triton_probabilities_from_lse():
     q, k, v = (x.cpu() for x in (q, k, v))
     _, _, expected = attention_oracle(q, k, v, key_lengths=lengths.cpu(), causal=True)
     torch.testing.assert_close(probs.cpu().double(), expected, atol=1e-6, rtol=1e-6)
+
+
+def test_probabilities_from_an_lse_are_exact_to_fp32_rounding(fused):
+    """P recomputed from the kernel's lse is the softmax of the same scores to fp32 rounding,
+    also where the lse carries more rounding (shifted by a few of its ulps, as another summation
+    order or a larger score gives): an lse error is a factor on the whole row, which P must not
+    inherit. Cross-attention at MultiheadAttention(64, 4)'s head shape with lengths [17, 5, 1],
+    scores a few times the unit scale."""
+    device = device_of(fused)
+    q, k, v = (3 * x for x in _qkv(3, 4, 11, 17, 16, device=device))
+    lengths = torch.tensor([17, 5, 1], device=device)
+    _, lse = attention(q, k, v, key_lengths=lengths, return_lse=True)
+    softmax = attention_probabilities(q, k, key_lengths=lengths)  # no lse: torch.softmax
+    lse_ulp = torch.nextafter(lse, torch.full_like(lse, float("inf"))) - lse
+    for given in (lse, lse + 4 * lse_ulp, lse - 4 * lse_ulp):
+        probs = attention_probabilities(q, k, key_lengths=lengths, lse=given)
+        torch.testing.assert_close(probs, softmax, atol=2 * FP32_EPS, rtol=0)
 
 
 @pytest.mark.parametrize(
