@@ -25,6 +25,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import inspect
 import logging
 import os
 import queue
@@ -722,10 +723,9 @@ class Server:
             )
         finally:
             gone.cancel()
-            for job in jobs:  # a request answered, failed or abandoned leaves the queue
-                job.future.cancel()
-        if not waiting.done():
-            waiting.cancel()
+            answered = waiting.done()
+            waiting.cancel()  # and so its jobs: a request failed or abandoned leaves the queue
+        if not answered:
             if gone.done():
                 return None
             raise Rejected(504, f"no answer within {self.limits.request_timeout:g} s")
@@ -1019,8 +1019,17 @@ def _serve_workers(args: argparse.Namespace, argv: list[str]) -> int:
         workers=args.workers,
         log_level="warning",
         timeout_graceful_shutdown=args.shutdown_timeout,
+        **_patient_healthcheck(),
     )
     return 0
+
+
+def _patient_healthcheck() -> dict:
+    """uvicorn >= 0.30 pings each worker and restarts one that does not answer within 5 s; a
+    worker importing PyTorch on a busy machine takes longer, and would be restarted for ever."""
+    if "timeout_worker_healthcheck" in inspect.signature(uvicorn.Config).parameters:
+        return {"timeout_worker_healthcheck": 120}
+    return {}
 
 
 if __name__ == "__main__":
