@@ -37,7 +37,6 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated
 
 from fastnmt.runtime import configure_process
 from fastnmt.translator import Translation, Translator
@@ -57,7 +56,7 @@ try:
         ProcessCollector,
         generate_latest,
     )
-    from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+    from pydantic import BaseModel, ConfigDict, Field, ValidationError
     from starlette.exceptions import HTTPException
     from starlette.requests import ClientDisconnect
 except ImportError as error:  # an optional extra: the error says how to get it
@@ -111,19 +110,15 @@ class Limits:
     request_timeout: float = 60.0  # seconds from arrival to answer
 
 
-def _one_or_more(value):
-    return [value] if isinstance(value, str) else value
-
-
 class TranslateRequest(BaseModel):
     """The body of ``POST /translate``. The server's limits (sentences per request, subword
     tokens per sentence, max_length, length_penalty) are checked after these."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    text: Annotated[
-        list[str], BeforeValidator(_one_or_more, json_schema_input_type=str | list[str])
-    ] = Field(description="The sentences to translate (one string: one sentence)")
+    text: str | list[str] = Field(
+        description="The sentences to translate (one string: one sentence)"
+    )
     beam: int = Field(4, ge=1, le=MAX_BEAM, description="Beam size; 1 is greedy search")
     n_best: int = Field(1, ge=1, le=MAX_BEAM, description="Candidates per sentence, <= beam")
     max_length: int | None = Field(
@@ -189,7 +184,7 @@ def parse_query(
         request = TranslateRequest.model_validate_json(body)
     except ValidationError as error:
         raise _rejection(error) from None
-    texts = request.text
+    texts = [request.text] if isinstance(request.text, str) else request.text
     if not 1 <= len(texts) <= limits.max_sentences:
         message = f"text must hold 1 to {limits.max_sentences} sentences, got {len(texts)}"
         raise Rejected(422, message, "text")
