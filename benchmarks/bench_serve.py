@@ -40,7 +40,8 @@ from fastnmt.model import Transformer, preset
 from fastnmt.translator import Translator
 from tests.test_serve import ServerProcess
 
-LIMITS = ("--max-sentences", 64)
+# A slow row (two threads on a contended machine) is measured, not cut off by 504s.
+LIMITS = ("--max-sentences", 64, "--request-timeout", 3600)
 
 
 @pytest.fixture(scope="module")
