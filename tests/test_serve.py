@@ -688,3 +688,18 @@ def test_the_client_needs_only_the_standard_library():
         "module.Client('http://127.0.0.1:1')"
     )
     subprocess.run([sys.executable, "-I", "-S", "-c", code], check=True, env={**os.environ})
+
+
+def test_threads_share_the_cores_among_workers(monkeypatch):
+    from fastnmt.serve import parse_args, threads_per_worker
+
+    cores = random.randint(1, 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+
+    def threads(*options) -> int:
+        return threads_per_worker(parse_args(["--checkpoint", "x", *map(str, options)]))
+
+    assert threads() == max(1, cores - 1)  # one core left to the HTTP work
+    workers = random.randint(2, 8)
+    assert threads("--workers", workers) == max(1, cores // workers)
+    assert threads("--workers", workers, "--threads", 3) == 3
