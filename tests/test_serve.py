@@ -703,3 +703,15 @@ def test_threads_share_the_cores_among_workers(monkeypatch):
     workers = random.randint(2, 8)
     assert threads("--workers", workers) == max(1, cores // workers)
     assert threads("--workers", workers, "--threads", 3) == 3
+
+
+def test_sentences_encoded_once_translate_as_their_text(offline):
+    """The server hands Translator.translate_full the sentences it encoded to check them."""
+    encoded = [
+        Translation(text, tokens if text.strip() else [])
+        for text, tokens in zip(SENTENCES, offline.vocab.encode(SENTENCES), strict=True)
+    ]
+    found = offline.translate_full(encoded, beam=2, nbest=2)
+    assert all(a is b for a, b in zip(found, encoded, strict=True))  # filled in and returned
+    expected = offline.translate_full(SENTENCES, beam=2, nbest=2)
+    assert [_as_answered(t) for t in found] == [_as_answered(t) for t in expected]
