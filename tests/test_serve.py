@@ -338,12 +338,15 @@ def test_workers_share_the_port_each_with_its_threads(checkpoint_dir, offline):
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(lambda t: pair.client.translate([t], beam=2)[0], texts * 2))
         assert answers == offline.translate(texts * 2, beam=2)
-        starts = set()
-        for _ in range(40):  # new connections, spread by the kernel over the workers
-            starts.add(pair.metric("process_start_time_seconds"))
-            if len(starts) > 1:
-                break
-        assert len(starts) > 1, "one process answered every connection"
+        # Each process counts the scrapes it answered: one process alone would count 0, 1,
+        # 2, ... New connections go to whichever worker accepts first (the second may still be
+        # starting): ask until two have answered.
+        scrapes, deadline = [], time.monotonic() + 60
+        name = 'fastnmt_responses_total{code="200",handler="/metrics"}'
+        while scrapes == list(range(len(scrapes))) and time.monotonic() < deadline:
+            scrapes.append(int(pair.metric(name)))
+            time.sleep(0.02)
+        assert scrapes != list(range(len(scrapes))), "one process answered every connection"
     finally:
         assert pair.stop() == 0
 
