@@ -229,7 +229,7 @@ class Translator:
     @torch.inference_mode()
     def translate_full(
         self,
-        sentences: list[str],
+        sentences: list[str] | list[Translation],
         *,
         beam: int = 4,
         nbest: int = 1,
@@ -249,7 +249,9 @@ class Translator:
         target tokens (eos included). attention: also the attention probabilities of every layer
         and head for the best candidate. incremental=False recomputes the whole prefix every step
         and eos=False forces every output to its length limit (both for benchmarks). first_line:
-        the line number of sentences[0] in warnings.
+        the line number of sentences[0] in warnings. ``sentences`` may be Translations with
+        their ``source_tokens`` set (encoded once, by a caller that checked them), which are
+        filled in and returned.
         """
         if max_len_a < 0 or max_len_b < 0 or max_len_a * 1 + max_len_b < 1:
             raise ValueError(
@@ -257,7 +259,10 @@ class Translator:
                 f"{max_len_a}, {max_len_b}"
             )
         penalty = LengthPenalty(lenpen, alpha)
-        translations = [self._encoded(text, first_line + i) for i, text in enumerate(sentences)]
+        translations = [
+            text if isinstance(text, Translation) else self._encoded(text, first_line + i)
+            for i, text in enumerate(sentences)
+        ]
         todo = [i for i, t in enumerate(translations) if t.source.strip()]
         with self._inference():
             for indices in self._batches(todo, translations):

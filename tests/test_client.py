@@ -4,6 +4,7 @@ against the real server)."""
 import concurrent.futures
 import contextlib
 import json
+import re
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -14,9 +15,11 @@ from fastnmt.client import Client, ServerError
 
 
 class Handler(BaseHTTPRequestHandler):
-    """Answers /translate with each text reversed (beam 0: with the status and body in the text,
-    "status body"), /ready with 200. ``forget`` closes each connection after its answer without
-    saying so (as a server does with a connection that stayed idle past its keep-alive timeout)."""
+    """Answers /translate as the real server does, with each text reversed, n_best times, the
+    request's options in the candidates (beam 0: with the status and body in the first text,
+    "status body"), /ready and /health with 200. ``forget`` closes each connection after its
+    answer without saying so (as a server does with a connection that stayed idle past its
+    keep-alive timeout)."""
 
     protocol_version = "HTTP/1.1"
     forget = False
@@ -24,12 +27,13 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         query = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if query["beam"] == 0:
-            status, body = query["text"].split(" ", 1)
+            status, body = query["text"][0].split(" ", 1)
             self._send(int(status), body.encode())
             return
-        text = query["text"]  # one string gets one item, as from the real server
-        reversed_ = [t[::-1] for t in text] if isinstance(text, list) else text[::-1]
-        self._send(200, json.dumps({"translations": reversed_}).encode())
+        options = {k: v for k, v in query.items() if k not in ("text", "beam", "n_best")}
+        candidate = {"score": -1.0, "truncated": False, "options": options}
+        n_best = [[{"text": t[::-1], **candidate}] * query["n_best"] for t in query["text"]]
+        self._send(200, json.dumps({"translations": n_best}).encode())
         self.close_connection = self.forget
 
     def setup(self):
@@ -39,7 +43,7 @@ class Handler(BaseHTTPRequestHandler):
         self.server.connections.append(self.client_address)
 
     def do_GET(self):
-        self._send(200 if self.path == "/ready" else 404, b"{}")
+        self._send(200 if self.path in ("/ready", "/health") else 404, b"{}")
 
     def _send(self, status: int, body: bytes):
         self.send_response(status)
@@ -67,34 +71,54 @@ def serving(forget: bool = False):
 
 def test_one_connection_is_kept_alive_and_one_the_server_closed_is_reopened():
     with serving() as (server, url), Client(url) as client:
-        assert client.ready()
+        assert client.ready() and client.health()
         assert client.translate(["abc", "de"]) == ["cba", "ed"]
-        assert client.translate("xyz") == "zyx"
+        assert client.translate(["xyz"]) == ["zyx"]
         assert len(server.connections) == 1
     with serving(forget=True) as (server, url), Client(url) as client:
-        assert [client.translate(t) for t in ("ab", "cd", "ef")] == ["ba", "dc", "fe"]
+        assert [client.translate([t])[0] for t in ("ab", "cd", "ef")] == ["ba", "dc", "fe"]
         assert len(server.connections) == 3
+
+
+def test_translate_full_sends_the_options_and_returns_the_n_best_lists():
+    with serving() as (_, url), Client(url) as client:
+        [n_best] = client.translate_full(["abc"], beam=3, n_best=2, max_length=7)
+        assert [c["text"] for c in n_best] == ["cba", "cba"]
+        assert n_best[0]["options"] == {"max_length": 7}  # None: the server's default
+        [[best]] = client.translate_full(["a"], length_penalty=0.5)
+        assert best["options"] == {"length_penalty": 0.5}
+
+
+def test_one_string_is_a_type_error_not_a_request():
+    with serving() as (server, url), Client(url) as client:
+        with pytest.raises(TypeError, match="texts must be a list of strings, got str"):
+            client.translate("abc")
+        assert server.connections == []
 
 
 def test_each_thread_has_its_own_connection():
     texts = [f"sentence {i}" for i in range(64)]
     pool = concurrent.futures.ThreadPoolExecutor(8)
     with serving() as (server, url), Client(url) as client, pool:
-        answers = list(pool.map(client.translate, texts))
+        answers = list(pool.map(lambda t: client.translate([t])[0], texts))
     assert answers == [t[::-1] for t in texts]
     assert 1 < len(server.connections) <= 8
 
 
 @pytest.mark.parametrize(
-    ("status", "body", "message"),
-    [(422, '{"error": "beam must be in [1, 64]", "field": "beam"}', "beam must be in"),
-     (500, "Internal Server Error", "Internal Server Error")],
+    ("status", "body", "message", "field"),
+    [(422, '{"error": "beam must be in [1, 64]", "field": "beam"}', "beam must be in", "beam"),
+     (429, '{"error": "the queue is full", "field": null}', "the queue is full", None),
+     (500, "Internal Server Error", "Internal Server Error", None),
+     (502, '["not", "the server format"]', '["not", "the server format"]', None)],
 )  # fmt: skip
-def test_a_refusal_is_a_server_error_with_its_status_and_message(status, body, message):
-    refused = pytest.raises(ServerError, match=f"{status}: {message}")
+def test_a_refusal_is_a_server_error_with_its_status_message_and_field(
+    status, body, message, field
+):
+    refused = pytest.raises(ServerError, match=re.escape(f"{status}: {message}"))
     with serving() as (_, url), Client(url) as client, refused as raised:
-        client.translate(f"{status} {body}", beam=0)
-    assert raised.value.status == status
+        client.translate([f"{status} {body}"], beam=0)
+    assert raised.value.status == status and raised.value.field == field
 
 
 def test_nothing_listening_is_not_ready_and_a_connection_error():
@@ -102,9 +126,9 @@ def test_nothing_listening_is_not_ready_and_a_connection_error():
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     client = Client(f"http://127.0.0.1:{port}", timeout=5)
-    assert not client.ready()
+    assert not client.ready() and not client.health()
     with pytest.raises(ConnectionError):
-        client.translate("a")
+        client.translate(["a"])
 
 
 @pytest.mark.parametrize("url", ["127.0.0.1:8000", "ftp://host", "http://"])
