@@ -22,7 +22,8 @@ The mapping onto CTranslate2's Transformer specification:
       eos 2, unk 3)                      eos appended, the decoder starts from <s>
 
 CTranslate2 takes sentencepiece pieces, not text: ``to_pieces`` and ``from_pieces`` tokenize and
-detokenize around it, and ``search_options`` bans what fastnmt's search never generates (docs/export.md). ``ctranslate2`` and ``transformers`` are optional dependencies (the
+detokenize around it, and ``search_options`` bans what fastnmt's search never generates
+(docs/export.md). ``ctranslate2`` and ``transformers`` are optional dependencies (the
 ``ctranslate2`` and ``transformers`` extras). Exit codes: 0 done, 2 bad input or checkpoint, 130
 Ctrl-C.
 """
