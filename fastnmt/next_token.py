@@ -50,9 +50,9 @@ class Sampling:
         if self.method not in SAMPLING_METHODS:
             raise ValueError(f"sampling must be topk or topp, got {self.method!r}")
         if self.topk is not None and (isinstance(self.topk, bool) or self.topk < 1):
-            raise ValueError(f"sampling topk must be at least 1, got {self.topk}")
+            raise ValueError(f"topk must be at least 1, got {self.topk}")
         if not 0.0 < self.topp <= 1.0:
-            raise ValueError(f"sampling topp must be in (0, 1], got {self.topp}")
+            raise ValueError(f"topp must be in (0, 1], got {self.topp}")
         if not 0.0 < self.temperature < math.inf:
             raise ValueError(f"temperature must be positive, got {self.temperature}")
         if self.samples < 1:
