@@ -122,8 +122,10 @@ def inverse_transform(values: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
 
 def nucleus(sorted_values: torch.Tensor, topp: float) -> torch.Tensor:
     """``sorted_values`` (N, C), best first, with the candidates past the smallest prefix that
-    holds ``topp`` of the row's probability set to -inf (the first is always kept)."""
-    probabilities = sorted_values.exp()
+    holds ``topp`` of the row's probability set to -inf (the first is always kept). The
+    probability is that of the tokens that may be drawn (as transformers' top-p): banned ones
+    keep their share of the log-probabilities, not of the nucleus."""
+    probabilities = (sorted_values - sorted_values.logsumexp(1, keepdim=True)).exp()
     before = probabilities.cumsum(1) - probabilities  # the mass of the better candidates
     return sorted_values.masked_fill(before >= topp, NEG_INF)
 
