@@ -2,11 +2,14 @@
 buckets reused across batches, no host sync inside a step, the translator's choice, and (on a
 GPU) captured graphs replaying what calls compute."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from fastnmt.model import ModelConfig, Transformer
-from fastnmt.search import LengthPenalty, beam_search
+from fastnmt.next_token import Sampling
+from fastnmt.search import LengthPenalty, beam_search, sample
 from fastnmt.static_search import CHECK_EVERY, StaticSearches, graph_reasons
 from fastnmt.translator import Translator
 from tests.helpers import count_host_syncs, tiny_checkpoint
@@ -146,4 +149,65 @@ def test_captured_graphs_replay_what_calls_compute():
         batch = _batch(model.cfg, count)
         options = dict(beam=4, nbest=2, penalty=LengthPenalty())
         _same(captured.search(*batch, **options), called.search(*batch, **options))
+    assert all(s.step.graph is not None for s in captured.searches.values())
+
+
+SAMPLINGS = {
+    "unrestricted": Sampling(samples=3),
+    "top 5, hot": Sampling("topk", topk=5, temperature=2.0, samples=2),
+    "nucleus 0.8": Sampling("topp", topp=0.8, temperature=1.5),
+}
+
+
+@pytest.mark.parametrize("setting", SAMPLINGS)
+def test_samples_equal_the_dynamic_search_s(setting):
+    """Seeded, the static search draws what ``search.sample`` draws for the same streams, in a
+    bucket reused by batches of 5, 8 and 3 sentences."""
+    model = _model(50)
+    searches = StaticSearches(model, capture=False)
+    for count, seed in ((5, 1), (8, 2), (3, 3)):
+        src, lengths, max_lens = _batch(model.cfg, count)
+        streams = torch.randperm(100)[:count]  # the sentences' lines in some input
+        sampling = replace(SAMPLINGS[setting], seed=seed)
+        options = dict(sampling=sampling, streams=streams, penalty=LengthPenalty())
+        n = sampling.samples
+        expected = sample(model, src.to(DEVICE), lengths.to(DEVICE), max_lens, **options)
+        _same(searches.search(src, lengths, max_lens, beam=1, nbest=n, **options), expected)
+    assert all(key[-1].seed is None for key in searches.searches)  # buckets serve any seed
+
+
+def test_a_replayed_sampling_step_draws_afresh_without_a_host_sync():
+    """The random numbers are a function of device tensors the programs advance: each step of
+    one bucket draws new ones, and each unseeded search too."""
+    model = _model(50)
+    with torch.no_grad():  # back to the initial, flat distributions: varied draws
+        model.embedding.weight.div_(4.0)
+    searches = StaticSearches(model, capture=False)
+    src, lengths, _ = _batch(model.cfg, 4)
+    max_lens = torch.full((4,), 17)
+    options = dict(beam=1, nbest=2, penalty=LengthPenalty(), eos=False)
+    hot = Sampling(samples=2)
+    runs = [searches.search(src, lengths, max_lens, sampling=hot, **options) for _ in range(2)]
+    assert [[h.tokens for h in s] for s in runs[0]] != [[h.tokens for h in s] for s in runs[1]]
+    [search] = searches.searches.values()
+    with torch.inference_mode(), count_host_syncs(none_allowed=True) as syncs:
+        search.step()
+    assert syncs.names == []
+    drawn = search.history[0, 1:17].tolist()  # a row's 16 steps, each a fresh number
+    assert len(set(drawn)) > 3, "the same token drawn at every step"
+
+
+def test_sampling_replays_in_captured_graphs_as_called():
+    if DEVICE.type != "cuda":
+        pytest.skip("CUDA graphs need a CUDA device")
+    model = _model(50)
+    called, captured = StaticSearches(model, capture=False), StaticSearches(model, capture=True)
+    for count, seed in ((6, 1), (3, 2), (8, 3)):
+        batch = _batch(model.cfg, count)
+        options = dict(beam=1, nbest=2, penalty=LengthPenalty())
+        sampling = Sampling("topk", topk=8, samples=2, seed=seed)
+        _same(
+            captured.search(*batch, sampling=sampling, **options),
+            called.search(*batch, sampling=sampling, **options),
+        )
     assert all(s.step.graph is not None for s in captured.searches.values())
