@@ -133,7 +133,10 @@ class _Batch:
         # and the forced prefixes', which stay in the normaliser as without a shortlist; banned
         # becomes their columns.
         self.vocabulary = None if shortlist is None else self._shortlisted(shortlist, src)
+        # pad's column: banned anyway, it takes the writes that ban nothing (repeated n-grams)
+        self.pad_column = cfg.pad_id
         if self.vocabulary is not None:
+            self.pad_column = int(torch.searchsorted(self.vocabulary, cfg.pad_id))
             self.banned = torch.searchsorted(self.vocabulary, self.banned)
         steps = 1 + int(self.max_lens.max()) if len(max_lens) else 0  # start symbol + limit
         self.members = [
@@ -153,7 +156,7 @@ class _Batch:
 
     def _columns(self, ids: torch.Tensor) -> torch.Tensor:
         """The output columns of token ``ids`` (the ids themselves without a shortlist)."""
-        return ids if self.vocabulary is None else torch.searchsorted(self.vocabulary, ids)
+        return ids if self.vocabulary is None else torch.searchsorted(self.vocabulary, ids.contiguous())
 
     def next_tokens(
         self, k: int | None, temperature: float = 1.0
@@ -189,8 +192,7 @@ class _Batch:
             rules.append(lambda log_probs: force(log_probs, forced, tokens))
         if self.rules.no_repeat_ngram:
             generated = self._columns(self.history[:, 1:])
-            harmless = int(self._columns(self.banned.new_tensor([self.cfg.pad_id]))[0])
-            size = self.rules.no_repeat_ngram
+            size, harmless = self.rules.no_repeat_ngram, self.pad_column
 
             def no_repeats(log_probs):
                 ban_repeated_ngrams(log_probs, generated, generated.shape[1], size, harmless)
