@@ -156,7 +156,9 @@ class _Batch:
 
     def _columns(self, ids: torch.Tensor) -> torch.Tensor:
         """The output columns of token ``ids`` (the ids themselves without a shortlist)."""
-        return ids if self.vocabulary is None else torch.searchsorted(self.vocabulary, ids.contiguous())
+        if self.vocabulary is None:
+            return ids
+        return torch.searchsorted(self.vocabulary, ids.contiguous())
 
     def next_tokens(
         self, k: int | None, temperature: float = 1.0
