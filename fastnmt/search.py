@@ -9,6 +9,10 @@ without it (truncated) when it reaches that limit, as greedy keeps it. Lengths c
 tokens, eos included. Hypotheses are ranked by ``log_prob / LengthPenalty(length)``. pad and bos
 are never generated. Sentences leave the batch as soon as their search is over, so the decoder
 only computes for live hypotheses.
+
+``sample`` draws instead of searching (greedy's loop, a sentence per sample). Every search takes
+an ensemble (a list of models, each with its own caches) and ``Rules``: forced per-sentence
+prefixes and banned repeated n-grams; what a step does with the logits is ``fastnmt.next_token``.
 """
 
 from __future__ import annotations

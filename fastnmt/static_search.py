@@ -25,6 +25,10 @@ to the rounding of GEMMs over a different number of rows. Two programs per bucke
 calls; all graphs share one memory pool, safe in any replay order because every tensor a
 program allocates dies inside it (state, inputs and caches are allocated outside capture).
 Elsewhere the same programs are called: that is how they are tested without a GPU.
+
+Sampling (``search.sample``'s) runs in the same programs with K = samples rows per sentence that
+never move: the seed and each row's random stream are device tensors loaded with the batch, and
+the draws are keyed by the clock's device position, so a replayed step draws fresh numbers.
 """
 
 from __future__ import annotations

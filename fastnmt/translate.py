@@ -4,8 +4,10 @@ Reads --input FILE or stdin (interactively, a line at a time, when stdin is a te
 --output FILE or stdout; an empty input line gives an empty output line, so line counts always
 match (with --nbest N: N lines per input line, ``LINE ||| text ||| score``). Invalid UTF-8 is
 replaced (U+FFFD) and counted; too long lines are truncated with a warning naming the line.
---reference FILE scores the output with sacreBLEU (BLEU and chrF, with signatures). The summary
-line and all messages go to stderr. Exit codes: 0 done, 2 bad input or checkpoint, 130 Ctrl-C.
+--reference FILE scores the output with sacreBLEU (BLEU and chrF, with signatures). Sampling,
+--prefix-file, --no-repeat-ngram and ensembles (several --checkpoint): docs/translation.md. The
+summary line and all messages go to stderr. Exit codes: 0 done, 2 bad input or checkpoint, 130
+Ctrl-C.
 """
 
 from __future__ import annotations
