@@ -42,12 +42,26 @@ import torch
 from fastnmt.attention import FixedKVCache, KVCache, StepClock
 from fastnmt.graphs import Program
 from fastnmt.model import LayerCache, Transformer
-from fastnmt.next_token import Sampling, candidates, resolve_seed, uniforms
-from fastnmt.ops import log_softmax_topk
-from fastnmt.search import Hypothesis, LengthPenalty, _best, _hypothesis, check_arguments
+from fastnmt.next_token import (
+    Sampling,
+    ban_repeated_ngrams,
+    candidates,
+    force,
+    resolve_seed,
+    uniforms,
+)
+from fastnmt.search import (
+    Hypothesis,
+    LengthPenalty,
+    Rules,
+    _best,
+    _hypothesis,
+    check_arguments,
+)
 
 CHECK_EVERY = 4  # steps between the host's checks that every sentence is done
 SOURCE_ROUNDING = 16  # bucket lengths (source positions, decoding steps) are multiples of this
+PREFIX_ROUNDING = 8  # and the room for forced per-sentence prefixes, of this
 WARMUP_CALLS = 2  # eager calls of each program before capture (allocation, autotuning)
 
 NEG_INF = float("-inf")
@@ -73,12 +87,16 @@ class StaticSearch:
         eos: bool,
         prefix: Sequence[int],
         sampling: Sampling | None = None,
+        prefix_room: int = 0,
+        no_repeat_ngram: int = 0,
     ):
         """``sampling`` (its seed unused: ``load`` takes one): ``sampling.samples`` independent
-        samples per sentence instead of a beam search, as ``search.sample``."""
+        samples per sentence instead of a beam search, as ``search.sample``. ``prefix_room``:
+        the longest forced per-sentence prefix ``load`` may be given (``search.Rules``);
+        ``no_repeat_ngram``: as the rules'."""
         cfg, device = model.cfg, model.embedding.weight.device
         sentences, source, steps = bucket
-        self.model, self.sampling = model, sampling
+        self.model, self.sampling, self.no_repeat_ngram = model, sampling, no_repeat_ngram
         self.penalty, self.prefix = penalty, list(prefix)
         beam = beam if sampling is None else sampling.samples
         rows = sentences * beam
@@ -89,6 +107,8 @@ class StaticSearch:
         # Inputs, copied in by ``load``.
         self.src, self.src_lengths = long(sentences, source, fill=cfg.pad_id), long(sentences)
         self.max_lens = long(sentences)
+        self.forced = long(sentences, prefix_room, fill=cfg.pad_id)  # per-sentence prefixes
+        self.forced_lengths = long(sentences)
         # Sampling's random numbers: a function of the seed, each row's stream and the step.
         self.seed, self.streams = long(1), long(rows)
         # Decoder state.
@@ -165,8 +185,31 @@ class StaticSearch:
         else:
             self._sample_step(logits, position)
 
+    def _rules(self, position: torch.Tensor) -> list:
+        """The step's masks of (N, V) log-probabilities (``search._Batch._rules``'s, on the
+        device's position)."""
+        rules = []
+        k = self.scores.shape[1]
+        if self.forced.shape[1]:
+            step = position - len(self.prefix)  # (1,) into the sentences' own prefixes
+            column = step.clamp(max=self.forced.shape[1] - 1)
+            tokens = self.forced.index_select(1, column)[:, 0].repeat_interleave(k)  # (N,)
+            forced = (self.forced_lengths > step).repeat_interleave(k)
+            rules.append(lambda log_probs: force(log_probs, forced, tokens))
+        if self.no_repeat_ngram:
+            generated, size = self.history[:, 1:], self.no_repeat_ngram
+            pad = self.model.cfg.pad_id
+
+            def no_repeats(log_probs):
+                ban_repeated_ngrams(log_probs, generated, position, size, pad)
+
+            rules.append(no_repeats)
+        return rules
+
     def _search_step(self, logits: torch.Tensor, position: torch.Tensor) -> None:
-        log_probs, ids = log_softmax_topk(logits, self.candidates, self.banned)  # (N, C)
+        log_probs, ids = candidates(
+            [logits], self.candidates, self.banned, rules=self._rules(position)
+        )  # (N, C)
         sentences, k = self.scores.shape
         top, index = _best(self.scores.view(-1, 1) + log_probs, sentences, 2 * k)  # (B, 2K)
         origins = self.first_rows + index // self.candidates  # (B, 2K) rows continued
@@ -185,7 +228,13 @@ class StaticSearch:
         """Each row draws its next token (``next_token``): rows never move."""
         sampling, (sentences, k) = self.sampling, self.scores.shape
         count = sampling.candidates(logits.shape[1])
-        values, ids = candidates([logits], count, self.banned, temperature=sampling.temperature)
+        values, ids = candidates(
+            [logits],
+            count,
+            self.banned,
+            temperature=sampling.temperature,
+            rules=self._rules(position),
+        )
         column = sampling.draw(values, uniforms(self.seed, self.streams, position))[:, None]
         tokens = (column if ids is None else ids.gather(1, column)).view(sentences, k)
         top = self.scores + values.gather(1, column).view(sentences, k)  # (B, K)
@@ -233,11 +282,18 @@ class StaticSearch:
         max_lens: torch.Tensor,
         streams: torch.Tensor | None = None,
         seed: int = 0,
+        prefixes: Sequence[Sequence[int]] | None = None,
     ) -> None:
         """Copy a batch of at most B sentences, (b, s <= S), in; the other slots get empty
         sentences that finish at their first search step. Sampling: the sentences' random
-        ``streams`` (b,) (default: their slots) and the ``seed``."""
+        ``streams`` (b,) (default: their slots) and the ``seed``. ``prefixes``: each sentence's
+        forced prefix, of at most ``prefix_room`` tokens."""
         count, length = src.shape
+        self.forced.fill_(self.model.cfg.pad_id)
+        self.forced_lengths.zero_()
+        for slot, tokens in enumerate(prefixes or ()):
+            self.forced[slot, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+            self.forced_lengths[slot] = len(tokens)
         samples = self.scores.shape[1]
         slots = torch.arange(self.src.shape[0])
         if streams is not None:
@@ -327,13 +383,15 @@ class StaticSearches:
         prefix: Sequence[int] = (),
         sampling: Sampling | None = None,
         streams: torch.Tensor | None = None,
+        rules: Rules | None = None,
     ) -> list[list[Hypothesis]]:
         """``search.beam_search``'s results for src (b, s) with lengths (b,) and max_lens (b,),
         host tensors (their copies in are the host's only work before the search); with
-        ``sampling``, ``search.sample``'s for the sentences' ``streams`` (b,)."""
-        sampling = resolve_seed(sampling)
+        ``sampling``, ``search.sample``'s for the sentences' ``streams`` (b,); ``rules`` as the
+        searches'."""
+        sampling, rules = resolve_seed(sampling), rules or Rules()
         width = beam if sampling is None else sampling.samples
-        check_arguments(max_lens, src, width, nbest, prefix)
+        check_arguments(max_lens, src, width, nbest, prefix, rules)
         count, length = src.shape
         if not count:
             return []
@@ -345,7 +403,9 @@ class StaticSearches:
             min(_rounded(steps, SOURCE_ROUNDING), limit),
         )
         unseeded = None if sampling is None else replace(sampling, seed=None)
-        key = (bucket, beam, penalty, eos, tuple(prefix), unseeded)
+        longest = max(map(len, rules.prefixes or [()]))
+        room = _rounded(longest, PREFIX_ROUNDING)
+        key = (bucket, beam, penalty, eos, tuple(prefix), unseeded, room, rules.no_repeat_ngram)
         search = self.searches.get(key)
         fresh = search is None
         if fresh:
@@ -357,9 +417,12 @@ class StaticSearches:
                 eos=eos,
                 prefix=prefix,
                 sampling=unseeded,
+                prefix_room=room,
+                no_repeat_ngram=rules.no_repeat_ngram,
             )
             self.searches[key] = search
-        search.load(src, src_lengths, max_lens, streams, 0 if sampling is None else sampling.seed)
+        seed = 0 if sampling is None else sampling.seed
+        search.load(src, src_lengths, max_lens, streams, seed, rules.prefixes)
         if fresh and self.capture:
             self._capture(search)
         search.run(steps)

@@ -205,8 +205,8 @@ class Translator:
     decision on the device (``fastnmt.static_search``), captured as CUDA graphs on a GPU; None
     (auto): on CUDA without a shortlist, where it removes the host's per-step cost; the
     shrinking batches of ``fastnmt.search`` do less arithmetic, which a CPU prefers. An ensemble
-    (``model`` a list) averages its members' probabilities at every step (fairseq's rule); it,
-    per-sentence prefixes and ``no_repeat_ngram`` decode with ``fastnmt.search``.
+    (``model`` a list) averages its members' probabilities at every step (fairseq's rule); it
+    decodes with ``fastnmt.search`` (no static search).
     """
 
     def __init__(
@@ -387,9 +387,10 @@ class Translator:
                 search = dict(penalty=penalty, eos=eos, prefix=self.target_prefix)
                 if sampling is not None:
                     search.update(sampling=sampling, streams=batch.indices + first_line - 1)
-                static = self.static is not None and incremental and rules == Rules()
-                if static:  # host tensors: it copies them in
-                    found = self.static.search(*inputs, beam=beam, nbest=nbest, **search)
+                if self.static is not None and incremental:  # host tensors: it copies them in
+                    found = self.static.search(
+                        *inputs, beam=beam, nbest=nbest, rules=rules, **search
+                    )
                 else:
                     found = self._search(inputs, beam, nbest, incremental, search, rules)
                 for index, hypotheses in zip(indices, found, strict=True):

@@ -9,7 +9,7 @@ import torch
 
 from fastnmt.model import ModelConfig, Transformer
 from fastnmt.next_token import Sampling
-from fastnmt.search import LengthPenalty, beam_search, sample
+from fastnmt.search import LengthPenalty, Rules, beam_search, sample
 from fastnmt.static_search import CHECK_EVERY, StaticSearches, graph_reasons
 from fastnmt.translator import Translator
 from tests.helpers import count_host_syncs, tiny_checkpoint
@@ -60,6 +60,8 @@ SETTINGS = {
     "prefix, GNMT penalty": dict(beam=2, nbest=2, prefix=(7,), penalty=LengthPenalty(alpha=0.6)),
     "no eos, raw scores": dict(beam=3, eos=False, penalty=LengthPenalty(0.0)),
     "post-norm": dict(prenorm=False, beam=5, nbest=2),
+    "no repeated bigrams": dict(beam=3, nbest=3, rules=Rules(no_repeat_ngram=2)),
+    "greedy, no repeated words": dict(beam=1, rules=Rules(no_repeat_ngram=1)),
 }
 
 
@@ -72,6 +74,31 @@ def test_hypotheses_equal_the_beam_search(setting):
     for count in (1, 7, 3):  # buckets of 1, 8 and 4 slots
         batch = _batch(model.cfg, count, shortest=len(options.get("prefix", ())) + 1)
         _same(searches.search(*batch, **options), _reference(model, *batch, **options))
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_forced_prefixes_give_what_the_beam_search_gives(beam):
+    """Per-sentence prefixes of different lengths (some none) in buckets of 8 and 4 slots, after
+    a shared forced prefix, with repeated trigrams banned."""
+    model = _model(50)
+    searches = StaticSearches(model, capture=False)
+    for count in (7, 3):
+        lengths = torch.randint(0, 4, (count,)).tolist()
+        prefixes = [torch.randint(3, 50, (n,)).tolist() for n in lengths]
+        src, src_lengths, _ = _batch(model.cfg, count)
+        max_lens = torch.tensor(lengths) + torch.randint(2, 12, (count,))
+        options = dict(
+            beam=beam, nbest=beam, prefix=(7,), penalty=LengthPenalty(),
+            rules=Rules(prefixes=prefixes, no_repeat_ngram=3),
+        )  # fmt: skip
+        found = searches.search(src, src_lengths, max_lens, **options)
+        _same(found, _reference(model, src, src_lengths, max_lens, **options))
+        for hypotheses, prefix in zip(found, prefixes, strict=True):
+            assert all(h.tokens[1 : 1 + len(prefix)] == prefix for h in hypotheses)
+    for search in searches.searches.values():  # the rules are device work too
+        with torch.inference_mode(), count_host_syncs(none_allowed=True) as syncs:
+            search.step()
+        assert syncs.names == []
 
 
 def test_a_bucket_serves_every_batch_that_fits_it():
