@@ -362,9 +362,12 @@ class Translator:
             )
         check_no_repeat_ngram(no_repeat_ngram)
         sampling = resolve_seed(sampling)  # one seed for the call: any batching draws the same
-        penalty = LengthPenalty(lenpen, alpha)
+        search = dict(penalty=LengthPenalty(lenpen, alpha), eos=eos, prefix=self.target_prefix)
         translations = [self._encoded(text, first_line + i) for i, text in enumerate(sentences)]
-        forced = self._prefixes(prefix, len(sentences))
+        lengths = torch.tensor([len(t.source_tokens) + 1 for t in translations])  # + eos
+        limit = (max_len_a * lengths + max_len_b).long()
+        max_lens = limit.clamp(len(self.target_prefix) + 1, self.model.cfg.max_positions)
+        forced = self._prefixes(prefix, max_lens, first_line)
         todo = [i for i, t in enumerate(translations) if t.source.strip()]
         with self._inference():
             for indices in self._batches(todo, [len(t.source_tokens) for t in translations]):
@@ -376,15 +379,8 @@ class Translator:
                     bos_id=self.vocab.bos_id,
                     eos_id=self.vocab.eos_id,
                 )
-                limit = (max_len_a * batch.src_lengths + max_len_b).long()
-                shortest = len(self.target_prefix) + 1
-                max_lens = limit.clamp(shortest, self.model.cfg.max_positions)
-                prefixes = None if forced is None else [forced[i] for i in indices]
-                if prefixes is not None:
-                    self._check_prefixes(prefixes, max_lens, indices, first_line)
-                rules = Rules(prefixes, no_repeat_ngram)
-                inputs = (batch.src, batch.src_lengths, max_lens)
-                search = dict(penalty=penalty, eos=eos, prefix=self.target_prefix)
+                inputs = (batch.src, batch.src_lengths, max_lens[indices])
+                rules = Rules(forced and [forced[i] for i in indices], no_repeat_ngram)
                 if sampling is not None:
                     search.update(sampling=sampling, streams=batch.indices + first_line - 1)
                 if self.static is not None and incremental:  # host tensors: it copies them in
@@ -399,26 +395,26 @@ class Translator:
                     self.add_attention([translations[i] for i in indices])
         return translations
 
-    def _prefixes(self, prefix: Sequence[str | None] | None, count: int):
-        """Each sentence's forced target prefix as subword ids (None: no prefixes)."""
+    def _prefixes(self, prefix: Sequence[str | None] | None, max_lens, first_line: int):
+        """Each sentence's forced target prefix as subword ids (None: no prefixes), checked to
+        leave room for a token within its length limit ``max_lens``."""
         if prefix is None:
             return None
+        count = len(max_lens)
         if isinstance(prefix, str) or len(prefix) != count:
             given = "a string" if isinstance(prefix, str) else f"{len(prefix)}"
             raise ValueError(f"prefix must hold one text per sentence ({count}), got {given}")
-        texts = [text or "" for text in prefix]
-        encoded = self.vocab.encode([t for t in texts if t.strip()])
-        return [encoded.pop(0) if text.strip() else [] for text in texts]
-
-    def _check_prefixes(self, prefixes, max_lens, indices: list[int], first_line: int) -> None:
-        """Each prefix leaves room for a token within its sentence's length limit."""
-        for prefix, limit, index in zip(prefixes, max_lens.tolist(), indices, strict=True):
-            if len(self.target_prefix) + len(prefix) >= limit:
+        texts = [text if text and text.strip() else "" for text in prefix]
+        encoded = iter(self.vocab.encode([t for t in texts if t]))
+        forced = [next(encoded) if text else [] for text in texts]
+        room = max_lens - len(self.target_prefix) - 1  # tokens before the last
+        for line, (tokens, free) in enumerate(zip(forced, room.tolist(), strict=True), first_line):
+            if len(tokens) > free:
                 raise ValueError(
-                    f"prefix of line {first_line + index}: {len(prefix)} subword tokens, past "
-                    f"the length limit of {limit - len(self.target_prefix) - 1} (max_len_a * "
-                    "source tokens + max_len_b, eos included)"
+                    f"prefix of line {line}: {len(tokens)} subword tokens, past the length limit "
+                    f"of {free} (max_len_a * source tokens + max_len_b, eos included, less one)"
                 )
+        return forced
 
     def _search(self, inputs, beam: int, nbest: int, incremental: bool, search: dict, rules):
         """``fastnmt.search``'s n-best lists for host tensors (src, src_lengths, max_lens)."""
