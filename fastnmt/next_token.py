@@ -182,18 +182,17 @@ def ban_repeated_ngrams(
 ) -> None:
     """Ban, in every row of (N, V) log-probabilities, each token that would repeat an n-gram of
     ``size`` tokens of the row's ``generated`` (N, L) columns, of which the first ``length`` (an
-    int, or a device tensor () for a step a CUDA graph replays) are written. ``harmless``: a
+    int, or a device tensor (1,) for a step a CUDA graph replays) are written. ``harmless``: a
     column that is banned anyway (pad), which takes the rows' writes that ban nothing."""
     context = size - 1
     if generated.shape[1] < size:
         return
+    device = generated.device
+    length = torch.as_tensor(length, device=device).reshape(1)
     windows = generated.unfold(1, size, 1)  # (N, W, size): W = L - size + 1 n-grams
-    ends = torch.arange(size - 1, generated.shape[1], device=generated.device)  # last columns
-    written = ends < length  # (W,) n-grams already complete
-    positions = (torch.as_tensor(length, device=generated.device) - context).clamp(min=0)
-    columns = positions.reshape(1) + torch.arange(context, device=generated.device)
+    complete = torch.arange(context, generated.shape[1], device=device) < length  # (W,)
+    columns = (length - context).clamp(min=0) + torch.arange(context, device=device)
     last = generated.index_select(1, columns)  # (N, context): how an n-gram ending now starts
-    match = (windows[..., :context] == last[:, None, :]).all(-1) & written  # (N, W)
-    match &= torch.as_tensor(length, device=generated.device) >= context
-    banned = torch.where(match, windows[..., context], harmless)
+    match = (windows[..., :context] == last[:, None, :]).all(-1) & complete & (length >= context)
+    banned = torch.where(match, windows[..., context], harmless)  # (N, W)
     log_probs.scatter_(1, banned, NEG_INF)
