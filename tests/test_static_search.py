@@ -200,7 +200,7 @@ def test_samples_equal_the_dynamic_search_s(setting):
         n = sampling.samples
         expected = sample(model, src.to(DEVICE), lengths.to(DEVICE), max_lens, **options)
         _same(searches.search(src, lengths, max_lens, beam=1, nbest=n, **options), expected)
-    assert all(key[-1].seed is None for key in searches.searches)  # buckets serve any seed
+    assert all(s.sampling.seed is None for s in searches.searches.values())  # serve any seed
 
 
 def test_a_replayed_sampling_step_draws_afresh_without_a_host_sync():

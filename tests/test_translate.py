@@ -180,7 +180,7 @@ def test_sampling_with_a_seed_is_reproducible_in_any_batching(checkpoint_dir, mo
 def test_prefix_file_forces_each_line_s_start(checkpoint_dir, monkeypatch, capsys, tmp_path):
     prefixes = tmp_path / "prefixes.txt"
     prefixes.write_text("Ein Mann\n\nZwei\n\n\n", encoding="utf-8")
-    text = "\n".join(LINES).encode()
+    text = "".join(line + "\n" for line in LINES).encode()
     code, out, err = _main(
         monkeypatch, capsys, text, "--checkpoint", checkpoint_dir, "--prefix-file", prefixes,
         "--no-repeat-ngram", 3,
