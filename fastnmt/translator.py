@@ -367,8 +367,8 @@ class Translator:
         lengths = torch.tensor([len(t.source_tokens) + 1 for t in translations])  # + eos
         limit = (max_len_a * lengths + max_len_b).long()
         max_lens = limit.clamp(len(self.target_prefix) + 1, self.model.cfg.max_positions)
-        forced = self._prefixes(prefix, max_lens, first_line)
         todo = [i for i, t in enumerate(translations) if t.source.strip()]
+        forced = self._prefixes(prefix, max_lens, todo, first_line)
         with self._inference():
             for indices in self._batches(todo, [len(t.source_tokens) for t in translations]):
                 batch = make_batch(
@@ -395,9 +395,10 @@ class Translator:
                     self.add_attention([translations[i] for i in indices])
         return translations
 
-    def _prefixes(self, prefix: Sequence[str | None] | None, max_lens, first_line: int):
+    def _prefixes(self, prefix: Sequence[str | None] | None, max_lens, todo, first_line: int):
         """Each sentence's forced target prefix as subword ids (None: no prefixes), checked to
-        leave room for a token within its length limit ``max_lens``."""
+        leave room for a token within its length limit ``max_lens`` where it is translated (the
+        indices ``todo``)."""
         if prefix is None:
             return None
         count = len(max_lens)
@@ -407,12 +408,13 @@ class Translator:
         texts = [text if text and text.strip() else "" for text in prefix]
         encoded = iter(self.vocab.encode([t for t in texts if t]))
         forced = [next(encoded) if text else [] for text in texts]
-        room = max_lens - len(self.target_prefix) - 1  # tokens before the last
-        for line, (tokens, free) in enumerate(zip(forced, room.tolist(), strict=True), first_line):
-            if len(tokens) > free:
+        room = (max_lens - len(self.target_prefix) - 1).tolist()  # tokens before the last
+        for index in todo:
+            if len(forced[index]) > room[index]:
                 raise ValueError(
-                    f"prefix of line {line}: {len(tokens)} subword tokens, past the length limit "
-                    f"of {free} (max_len_a * source tokens + max_len_b, eos included, less one)"
+                    f"prefix of line {first_line + index}: {len(forced[index])} subword tokens, "
+                    f"past the length limit of {room[index]} (max_len_a * source tokens + "
+                    "max_len_b, eos included, less one)"
                 )
         return forced
 
