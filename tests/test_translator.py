@@ -220,7 +220,7 @@ def test_a_prefix_is_reproduced_exactly(translator):
                 assert translation.text.startswith(prefix), (translation.text, prefix)
                 forced = translator.vocab.encode([prefix])[0]
                 assert translation.candidates[0].tokens[: len(forced)] == forced
-    # line 2 is blank (not translated, so its prefix is not checked), line 3 is too short
+    # line 2 is blank (not translated, so its prefix is not checked); line 3's is too long
     too_long = [None, "Ein Mann geht mit seinem Hund", "Zwei Kinder spielen im Park", *[None] * 3]
     with pytest.raises(ValueError, match=r"prefix of line 3: \d+ subword tokens, past the le"):
         translator.translate(SENTENCES, prefix=too_long, max_len_a=0, max_len_b=4)
