@@ -3,9 +3,11 @@
 Rows: greedy and beam 4, batches of 32 and 64 sentences or the Translator's default batching, the
 fused path (auto: the C++ kernels on a CPU) and the reference path, the KV cache against
 recomputing the whole prefix every step, and fp32 weights against bf16 ones (packed GEMMs or
-not) and int8 GEMMs (``fastnmt.quantize``). Beside them, CTranslate2 (when installed) on the same
-model exported by ``fastnmt.export``: float32 and int8, batches of 32 sentences or of 6,000
-tokens, 2 threads, the same beam, length penalty and bans (pad, bos); every row reports BLEU.
+not) and int8 GEMMs (``fastnmt.quantize``). Groups of their own: sampling against greedy,
+scoring the pairs against beam-4 translation, and an ensemble of two against one model.
+Beside them, CTranslate2 (when installed) on the same model exported by ``fastnmt.export``:
+float32 and int8, batches of 32 sentences or of 6,000 tokens, 2 threads, the same beam, length
+penalty and bans (pad, bos); every row reports BLEU.
 
 A trained model gives realistic output lengths: set FASTNMT_BENCH_CHECKPOINT=DIR to translate all
 1,000 sentences with it. Without one, a randomly initialised ``tiny`` model (the same size)
@@ -17,6 +19,7 @@ longest source, so compare its target tokens/s there, and sentences/s on a train
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from pathlib import Path
@@ -28,6 +31,7 @@ import fastnmt
 from fastnmt import checkpoint, export, metrics, shortlist
 from fastnmt.data import Vocabulary, load_multi30k
 from fastnmt.model import Transformer, preset
+from fastnmt.next_token import Sampling
 from fastnmt.translator import Translator, fastest_dtype, load_checkpoint
 
 SUBSET = 200  # sentences translated by the random model
@@ -155,6 +159,76 @@ def _measure(benchmark, translator, sentences, options, references) -> None:
         target_tokens_per_s=round(results["tokens"] / seconds),
         bleu=round(metrics.bleu(results["texts"], references).score, 2),
     )
+
+
+SAMPLINGS = {
+    "greedy": None,
+    "sampling top-10": Sampling("topk", topk=10, seed=0),
+    "sampling top-p 0.9": Sampling("topp", topp=0.9, seed=0),
+    "sampling unrestricted": Sampling(seed=0),
+}
+
+
+@pytest.mark.parametrize("search", SAMPLINGS)
+def test_sampling(benchmark, setup, search):
+    """Sampling against greedy search (the goal: at least 0.9x greedy's sentences/s), the
+    Translator's default batching: one token a step either way."""
+    translator, sentences, info = setup
+    options = {**_search_options(info, "greedy"), "sampling": SAMPLINGS[search]}
+    _measure(benchmark, translator, sentences, options, info["references"])
+    benchmark.group = "sampling"
+    benchmark.extra_info.update(model=info["model"], search=search)
+
+
+@pytest.mark.parametrize("task", ["score", "beam4"])
+def test_scoring(benchmark, setup, task):
+    """Scoring the source/reference pairs (teacher-forced, the fused loss) against translating
+    the same sources with beam 4 (the goal: at least 5x the sentences/s)."""
+    translator, sentences, info = setup
+    if task == "beam4":
+        _measure(benchmark, translator, sentences, _search_options(info, task), info["references"])
+    else:
+        references = info["references"]
+        translator.score(sentences[:64], references[:64])  # warm-up
+        results = {}
+
+        def run():
+            started = time.perf_counter()
+            translator.score(sentences, references)
+            results["seconds"] = time.perf_counter() - started
+
+        benchmark.pedantic(run, rounds=1, iterations=1)
+        rate = len(sentences) / results["seconds"]
+        benchmark.extra_info.update(sentences=len(sentences), sentences_per_s=round(rate, 1))
+    benchmark.group = "scoring"
+    benchmark.extra_info.update(model=info["model"], task=task)
+
+
+@pytest.mark.parametrize("models", [1, 2])
+def test_ensemble(benchmark, setup, models):
+    """Beam 4 with one model and with an ensemble of two (the goal: the pair at least 0.45x one
+    model's sentences/s). The second model: FASTNMT_BENCH_ENSEMBLE=DIR, else the first with
+    its weights shuffled (the same cost)."""
+    translator, sentences, info = setup
+    members = [translator.model, _second_model(translator)][:models]
+    ensemble = Translator(members, translator.vocab, dtype=translator.model.embedding.weight.dtype)
+    options = _search_options(info, "beam4")
+    _measure(benchmark, ensemble, sentences, options, info["references"])
+    benchmark.group = "ensemble"
+    benchmark.extra_info.update(model=info["model"], models=models)
+
+
+def _second_model(translator: Translator) -> Transformer:
+    path = os.environ.get("FASTNMT_BENCH_ENSEMBLE")
+    if path:
+        return Translator.from_checkpoint(path, device=translator.device).model
+    model = copy.deepcopy(translator.model)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(
+                parameter.flatten()[torch.randperm(parameter.numel())].view_as(parameter)
+            )
+    return model
 
 
 @pytest.fixture(scope="module")

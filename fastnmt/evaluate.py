@@ -31,6 +31,7 @@ from fastnmt.translate import (
     load_translator,
     run_command,
     search_options,
+    search_translator_options,
 )
 from fastnmt.translator import is_pretrained_directory
 
@@ -78,10 +79,11 @@ def default_languages(args) -> None:
     """Fill --src-lang / --tgt-lang from the checkpoint's training data when not given."""
     if args.src_lang and args.tgt_lang:
         return
-    if is_pretrained_directory(args.checkpoint):  # no training data recorded: Multi30k's
+    first = args.checkpoint[0]  # an ensemble's members share their data
+    if is_pretrained_directory(first):  # no training data recorded: Multi30k's
         args.src_lang, args.tgt_lang = args.src_lang or "en", args.tgt_lang or "de"
         return
-    loaded = checkpoint.load(checkpoint.resolve(Path(args.checkpoint)), with_trainer_state=False)
+    loaded = checkpoint.load(checkpoint.resolve(Path(first)), with_trainer_state=False)
     data = loaded.config.get("data", {})
     args.src_lang = args.src_lang or data.get("src_lang", "en")
     args.tgt_lang = args.tgt_lang or data.get("tgt_lang", "de")
@@ -91,7 +93,7 @@ def evaluate(args) -> int:
     options = search_options(args)
     default_languages(args)
     corpus = load_corpus(args)
-    translator = load_translator(args)
+    translator = load_translator(args, **search_translator_options(args))
     started = time.perf_counter()
     with fastnmt.backend(args.backend):
         hypotheses = translator.translate(corpus.src, **options)

@@ -9,6 +9,10 @@ without it (truncated) when it reaches that limit, as greedy keeps it. Lengths c
 tokens, eos included. Hypotheses are ranked by ``log_prob / LengthPenalty(length)``. pad and bos
 are never generated. Sentences leave the batch as soon as their search is over, so the decoder
 only computes for live hypotheses.
+
+``sample`` draws instead of searching (greedy's loop, a sentence per sample). Every search takes
+an ensemble (a list of models, each with its own caches) and ``Rules``: forced per-sentence
+prefixes and banned repeated n-grams; what a step does with the logits is ``fastnmt.next_token``.
 """
 
 from __future__ import annotations
@@ -20,7 +24,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from fastnmt.model import Transformer, reorder_self_attention
-from fastnmt.ops import log_softmax_topk
+from fastnmt.next_token import (
+    Sampling,
+    ban_repeated_ngrams,
+    candidates,
+    check_no_repeat_ngram,
+    force,
+    resolve_seed,
+    uniforms,
+)
 
 if TYPE_CHECKING:
     from fastnmt.shortlist import Shortlist
@@ -49,12 +61,53 @@ class Hypothesis:
     ended: bool  # eos generated (False: cut at the length limit)
 
 
+class _Member:
+    """One model of the search (an ensemble has several): its encoder output, caches and output
+    layer."""
+
+    def __init__(self, model: Transformer, src, src_lengths, steps: int, incremental, vocabulary):
+        self.model = model
+        self.memory = model.encode(src, src_lengths)  # (A, S, E)
+        self.caches = model.new_caches(steps) if incremental else None
+        self.output_layer = model.output_layer(vocabulary)  # once per search
+
+    def logits(self, history, cached: int, src_lengths) -> torch.Tensor:
+        """(N, V) logits after ``history`` (N, step + 1), of which ``cached`` are cached."""
+        if self.caches is None:  # recompute the whole prefix: the baseline the cache is for
+            states = self.model.decode(history, self.memory, src_lengths)
+        else:  # the positions not yet cached: the start and any forced prefix, then one a step
+            new = history[:, cached:]
+            states = self.model.decode(new, self.memory, src_lengths, self.caches, start=cached)
+        return self.output_layer(states[:, -1])
+
+    def keep_sentences(self, kept: torch.Tensor) -> None:
+        if self.caches is None:  # else the cross-attention caches hold all the memory says
+            self.memory = self.memory.index_select(0, kept)
+        for cache in self.caches or ():
+            cache.cross_attn.reorder(kept)  # one entry per sentence, shared by its beams
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        if self.caches:
+            reorder_self_attention(self.caches, rows)
+
+
+@dataclass(frozen=True)
+class Rules:
+    """What a search forces or forbids beyond its scores: ``prefixes``, token ids each sentence's
+    output must start with (after the shared ``prefix``), scored by the model (fairseq's
+    ``prefix_tokens``); ``no_repeat_ngram`` N > 0: no n-gram of N tokens appears twice in an
+    output (fairseq's ``--no-repeat-ngram-size``)."""
+
+    prefixes: Sequence[Sequence[int]] | None = None
+    no_repeat_ngram: int = 0
+
+
 class _Batch:
     """The sentences still being searched and everything the decoder keeps for them."""
 
     def __init__(
         self,
-        model: Transformer,
+        models: Sequence[Transformer],
         src,
         src_lengths,
         max_lens,
@@ -62,64 +115,106 @@ class _Batch:
         eos,
         prefix,
         shortlist: Shortlist | None,
+        rules: Rules = Rules(),
     ):
-        cfg = model.cfg
-        self.model = model
-        self.memory = model.encode(src, src_lengths)  # (A, S, E)
+        cfg = models[0].cfg
+        self.cfg, self.rules = cfg, rules
         self.src_lengths = src_lengths  # (A,)
         self.max_lens = max_lens.to(src.device)  # (A,)
         self.sentences = torch.arange(src.shape[0], device=src.device)  # (A,) input positions
-        steps = 1 + int(self.max_lens.max()) if len(max_lens) else 0  # start symbol + limit
-        self.caches = model.new_caches(steps) if incremental else None
         self.cached = 0  # target positions already in the caches
+        self.shared = len(prefix)  # forced tokens after the start symbol, with log-probability 0
         # One hypothesis per sentence: a beam search's K beams are one prefix until its first step.
         start = src.new_full((src.shape[0], 1), cfg.bos_id)
         forced = torch.tensor(prefix, dtype=src.dtype, device=src.device)
         self.history = torch.cat([start, forced.expand(start.shape[0], -1)], dim=1)  # (N, step + 1)
+        prefixes = [[]] * src.shape[0] if rules.prefixes is None else rules.prefixes
+        self.forced, self.forced_lengths = _padded(prefixes, cfg.pad_id, src.device)
         # pad and the start symbol are never generated, unless the start symbol is eos (NLLB).
         banned = ({cfg.pad_id, cfg.bos_id} - {cfg.eos_id}) | (set() if eos else {cfg.eos_id})
         self.banned = torch.tensor(sorted(banned), device=src.device)
-        # The ids the output layer scores (None: all): the shortlist's, with eos and the banned
-        # ids, which stay in the normaliser as without a shortlist; banned becomes their columns.
+        # The ids the output layer scores (None: all): the shortlist's, with eos, the banned ids
+        # and the forced prefixes', which stay in the normaliser as without a shortlist; banned
+        # becomes their columns.
         self.vocabulary = None if shortlist is None else self._shortlisted(shortlist, src)
+        # pad's column: banned anyway, it takes the writes that ban nothing (repeated n-grams)
+        self.pad_column = cfg.pad_id
         if self.vocabulary is not None:
+            self.pad_column = int(torch.searchsorted(self.vocabulary, cfg.pad_id))
             self.banned = torch.searchsorted(self.vocabulary, self.banned)
-        self.output_layer = model.output_layer(self.vocabulary)  # once per search
+        steps = 1 + int(self.max_lens.max()) if len(max_lens) else 0  # start symbol + limit
+        self.members = [
+            _Member(m, src, src_lengths, steps, incremental, self.vocabulary) for m in models
+        ]
 
     def _shortlisted(self, shortlist: Shortlist, src) -> torch.Tensor:
-        """The shortlist's ids for ``src``, eos and the banned ids: sorted, unique."""
+        """The shortlist's ids for ``src``, eos, the banned and the forced ids: sorted, unique."""
         ids = shortlist.vocabulary(src)
-        eos = ids.new_tensor([self.model.cfg.eos_id])
-        return torch.cat([ids, eos, self.banned.to(ids.dtype)]).unique()
+        eos = ids.new_tensor([self.cfg.eos_id])
+        forced = self.forced.reshape(-1).to(ids.dtype)
+        return torch.cat([ids, eos, self.banned.to(ids.dtype), forced]).unique()
 
     @property
     def size(self) -> int:
         return self.sentences.shape[0]
 
-    def next_tokens(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _columns(self, ids: torch.Tensor) -> torch.Tensor:
+        """The output columns of token ``ids`` (the ids themselves without a shortlist)."""
+        if self.vocabulary is None:
+            return ids
+        return torch.searchsorted(self.vocabulary, ids.contiguous())
+
+    def next_tokens(
+        self, k: int | None, temperature: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The k most probable next tokens of every hypothesis: float32 log-probabilities and
-        token ids, both (N, k), best first."""
-        if self.caches is None:  # recompute the whole prefix: the baseline the cache is for
-            states = self.model.decode(self.history, self.memory, self.src_lengths)
-        else:  # the positions not yet cached: the start and any forced prefix, then one a step
-            new = self.history[:, self.cached :]
-            states = self.model.decode(
-                new, self.memory, self.src_lengths, self.caches, start=self.cached
-            )
-            self.cached = self.history.shape[1]
-        logits = self.output_layer(states[:, -1])  # (N, V), or (N, shortlisted)
-        log_probs, ids = log_softmax_topk(logits, min(k, logits.shape[1]), self.banned)
-        return log_probs, ids if self.vocabulary is None else self.vocabulary[ids]
+        token ids, both (N, k), best first; k None: every scored token, in id order (ids None
+        when that is the whole vocabulary)."""
+        logits = [m.logits(self.history, self.cached, self.src_lengths) for m in self.members]
+        self.cached = self.history.shape[1]
+        vocab = logits[0].shape[1]
+        found = candidates(
+            logits,
+            None if k is None else min(k, vocab),
+            self.banned,
+            temperature=temperature,
+            rules=self._rules(logits[0].shape[0]),
+        )
+        log_probs, ids = found
+        if self.vocabulary is None:
+            return log_probs, ids
+        return log_probs, self.vocabulary.expand(log_probs.shape) if ids is None else (
+            self.vocabulary[ids]
+        )
+
+    def _rules(self, rows: int) -> list:
+        """The step's masks of (N, V) log-probabilities."""
+        rules = []
+        width = rows // self.size  # hypotheses per sentence
+        step = self.history.shape[1] - 1 - self.shared  # of the sentences' own prefixes
+        if step < self.forced.shape[1]:
+            forced = (self.forced_lengths > step).repeat_interleave(width)
+            tokens = self._columns(self.forced[:, step].repeat_interleave(width))
+            rules.append(lambda log_probs: force(log_probs, forced, tokens))
+        if self.rules.no_repeat_ngram:
+            generated = self._columns(self.history[:, 1:])
+            size, harmless = self.rules.no_repeat_ngram, self.pad_column
+
+            def no_repeats(log_probs):
+                ban_repeated_ngrams(log_probs, generated, generated.shape[1], size, harmless)
+
+            rules.append(no_repeats)
+        return rules
 
     def keep_sentences(self, kept: torch.Tensor) -> None:
         """Keep active sentences ``kept`` (A',); ``advance`` then picks their rows."""
-        if self.caches is None:  # else the cross-attention caches hold all the memory says
-            self.memory = self.memory.index_select(0, kept)
         self.src_lengths = self.src_lengths.index_select(0, kept)
         self.max_lens = self.max_lens.index_select(0, kept)
         self.sentences = self.sentences.index_select(0, kept)
-        for cache in self.caches or ():
-            cache.cross_attn.reorder(kept)  # one entry per sentence, shared by its beams
+        self.forced = self.forced.index_select(0, kept)
+        self.forced_lengths = self.forced_lengths.index_select(0, kept)
+        for member in self.members:
+            member.keep_sentences(kept)
 
     def advance(self, tokens: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Continue hypotheses ``rows`` (N',) of the previous step (None: every row, in place)
@@ -127,34 +222,77 @@ class _Batch:
         would sync the host."""
         if rows is not None:  # reorder the self-attention caches only when hypotheses moved
             self.history = self.history.index_select(0, rows)
-            if self.caches:
-                reorder_self_attention(self.caches, rows)
+            for member in self.members:
+                member.reorder(rows)
         self.history = torch.cat([self.history, tokens[:, None]], dim=1)
 
 
-def _check(
-    model, max_lens, src, src_lengths, beam: int = 1, nbest: int = 1, prefix: Sequence[int] = ()
-) -> None:
-    device = model.embedding.weight.device
-    for name, tensor in (("src", src), ("src_lengths", src_lengths)):
-        if tensor.device != device:
+def _padded(rows: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, ...]:
+    """Token rows as a (B, P) tensor padded with ``pad_id`` and their lengths (B,)."""
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
+    padded = torch.full((len(rows), int(lengths.max()) if len(rows) else 0), pad_id)
+    for row, tokens in enumerate(rows):
+        padded[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+    return padded.to(device), lengths.to(device)
+
+
+Models = Transformer | Sequence[Transformer]
+
+
+def _models(model: Models) -> list[Transformer]:
+    """An ensemble's members (one model: itself), checked to share a vocabulary."""
+    models = [model] if isinstance(model, Transformer) else list(model)
+    if not models:
+        raise ValueError("an ensemble needs at least one model")
+    check_ensemble(models)
+    return models
+
+
+def check_ensemble(models: Sequence[Transformer]) -> None:
+    """Members of an ensemble score the same vocabulary with the same special ids."""
+    first = models[0].cfg
+    special = ("vocab_size", "pad_id", "bos_id", "eos_id")
+    for index, other in enumerate(models[1:], 2):
+        differs = [f for f in special if getattr(other.cfg, f) != getattr(first, f)]
+        if differs:
             raise ValueError(
-                f"{name} must be on the model's device ({device}), got {tensor.device}"
+                f"ensemble model {index} has another vocabulary than model 1 ({differs[0]}: "
+                f"{getattr(other.cfg, differs[0])} against {getattr(first, differs[0])})"
             )
-    check_arguments(max_lens, src, beam, nbest, prefix)
 
 
-def check_arguments(max_lens, src, beam: int, nbest: int, prefix: Sequence[int]) -> None:
+def _check(models, max_lens, src, src_lengths, beam, nbest, prefix, rules: Rules) -> None:
+    for model in models:
+        device = model.embedding.weight.device
+        for name, tensor in (("src", src), ("src_lengths", src_lengths)):
+            if tensor.device != device:
+                raise ValueError(
+                    f"{name} must be on the model's device ({device}), got {tensor.device}"
+                )
+    check_arguments(max_lens, src, beam, nbest, prefix, rules)
+
+
+def check_arguments(
+    max_lens, src, beam: int, nbest: int, prefix: Sequence[int], rules: Rules = Rules()
+) -> None:
     """The search settings and length limits every search takes (one-line ValueErrors)."""
     if beam < 1:
         raise ValueError(f"beam must be at least 1, got {beam}")
     if not 1 <= nbest <= beam:
         raise ValueError(f"nbest must be between 1 and beam ({beam}), got {nbest}")
-    shortest = len(prefix) + 1
-    if max_lens.shape != src.shape[:1] or (max_lens.numel() and int(max_lens.min()) < shortest):
+    check_no_repeat_ngram(rules.no_repeat_ngram)
+    shortest = torch.full(src.shape[:1], len(prefix) + 1)
+    if rules.prefixes is not None:
+        if len(rules.prefixes) != src.shape[0]:
+            raise ValueError(
+                f"prefixes must hold one prefix per sentence ({src.shape[0]}), got "
+                f"{len(rules.prefixes)}"
+            )
+        shortest += torch.tensor([len(p) for p in rules.prefixes], dtype=torch.int64)
+    if max_lens.shape != src.shape[:1] or bool((max_lens.cpu() < shortest).any()):
         raise ValueError(
-            f"max_lens must be ({src.shape[0]},) lengths of at least {shortest} (the prefix and "
-            f"a token), got {max_lens}"
+            f"max_lens must be ({src.shape[0]},) lengths of at least the prefix and a token "
+            f"({shortest.tolist()}), got {max_lens}"
         )
 
 
@@ -165,7 +303,7 @@ def _steps(max_lens: torch.Tensor, prefix: Sequence[int]) -> range:
 
 @torch.inference_mode()  # no autograd bookkeeping: part of the per-op cost of a decoding step
 def greedy(
-    model: Transformer,
+    model: Models,
     src: torch.Tensor,
     src_lengths: torch.Tensor,
     max_lens: torch.Tensor,
@@ -175,22 +313,83 @@ def greedy(
     eos: bool = True,
     prefix: Sequence[int] = (),
     shortlist: Shortlist | None = None,
+    rules: Rules = Rules(),
 ) -> list[Hypothesis]:
     """The most probable next token at every step, for src (B, S) with lengths (B,); at most
-    ``max_lens`` (B,) tokens each. ``incremental=False`` recomputes the whole prefix every step
-    (no KV cache); ``eos=False`` never ends a hypothesis early (fixed-length benchmarks).
-    ``prefix``: tokens forced after the start symbol (NLLB's target language), with
-    log-probability 0, counted in the lengths and returned in the hypotheses' tokens, as
-    transformers' ``forced_bos_token_id`` does. ``shortlist``: score only the words it lists
-    for the batch's source tokens (``fastnmt.shortlist``)."""
-    _check(model, max_lens, src, src_lengths, prefix=prefix)
-    batch = _Batch(model, src, src_lengths, max_lens, incremental, eos, prefix, shortlist)
-    log_probs = torch.zeros(batch.size, device=src.device)  # (A,)
-    results: list[Hypothesis | None] = [None] * src.shape[0]
+    ``max_lens`` (B,) tokens each. ``model``: a model, or the models of an ensemble (their
+    probabilities averaged at every step, each with its own caches). ``incremental=False``
+    recomputes the whole prefix every step (no KV cache); ``eos=False`` never ends a hypothesis
+    early (fixed-length benchmarks). ``prefix``: tokens forced after the start symbol (NLLB's
+    target language), with log-probability 0, counted in the lengths and returned in the
+    hypotheses' tokens, as transformers' ``forced_bos_token_id`` does. ``shortlist``: score only
+    the words it lists for the batch's source tokens (``fastnmt.shortlist``). ``rules``: forced
+    per-sentence prefixes (scored) and banned repeated n-grams."""
+    models = _models(model)
+    _check(models, max_lens, src, src_lengths, 1, 1, prefix, rules)
+    batch = _Batch(models, src, src_lengths, max_lens, incremental, eos, prefix, shortlist, rules)
+    return _greedy(batch, max_lens, prefix, penalty, lambda step: batch.next_tokens(1))
+
+
+@torch.inference_mode()
+def sample(
+    model: Models,
+    src: torch.Tensor,
+    src_lengths: torch.Tensor,
+    max_lens: torch.Tensor,
+    *,
+    sampling: Sampling,
+    streams: torch.Tensor | None = None,
+    penalty: LengthPenalty = LengthPenalty(),
+    incremental: bool = True,
+    eos: bool = True,
+    prefix: Sequence[int] = (),
+    shortlist: Shortlist | None = None,
+    rules: Rules = Rules(),
+) -> list[list[Hypothesis]]:
+    """``sampling.samples`` sampled outputs per sentence, best score first; arguments as
+    ``greedy``'s. ``streams`` (B,) int64: each sentence's random stream (default: its row), so
+    that a sentence draws the same samples in any batch (the translator passes input positions);
+    ``sampling.seed`` None draws a seed from torch's generator."""
+    models = _models(model)
+    _check(models, max_lens, src, src_lengths, 1, 1, prefix, rules)
+    sampling = resolve_seed(sampling)
+    n = sampling.samples
+    if streams is None:
+        streams = torch.arange(src.shape[0])
+    # Each sample is a sentence of its own: stream s * n + j.
+    row_streams = streams.to(src.device)[:, None] * n + torch.arange(n, device=src.device)
+    copies = dict(repeats=n, dim=0)
+    expanded = [x.repeat_interleave(**copies) for x in (src, src_lengths, max_lens)]
+    prefixes = None if rules.prefixes is None else [p for p in rules.prefixes for _ in range(n)]
+    rules = Rules(prefixes, rules.no_repeat_ngram)
+    batch = _Batch(models, *expanded, incremental, eos, prefix, shortlist, rules)
+    row_streams, seed = row_streams.reshape(-1), torch.tensor(sampling.seed, device=src.device)
+
+    def draw(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        vocab = models[0].cfg.vocab_size if batch.vocabulary is None else len(batch.vocabulary)
+        values, ids = batch.next_tokens(sampling.candidates(vocab), sampling.temperature)
+        random = uniforms(seed, row_streams.index_select(0, batch.sentences), step)
+        column = sampling.draw(values, random)[:, None]
+        tokens = column if ids is None else ids.gather(1, column)
+        return values.gather(1, column), tokens
+
+    found = _greedy(batch, expanded[2], prefix, penalty, draw)
+    return [
+        sorted(found[i : i + n], key=lambda h: h.score, reverse=True)
+        for i in range(0, len(found), n)
+    ]
+
+
+def _greedy(batch: _Batch, max_lens, prefix, penalty, choose) -> list[Hypothesis]:
+    """One token a step per sentence, ``choose(step)`` giving each hypothesis' log-probability
+    and token (A, 1) each, until eos or the length limit."""
+    eos_id = batch.cfg.eos_id
+    log_probs = torch.zeros(batch.size, device=batch.max_lens.device)  # (A,)
+    results: list[Hypothesis | None] = [None] * batch.size
     for step in _steps(max_lens, prefix):
-        best, tokens = (x[:, 0] for x in batch.next_tokens(1))  # (A,), (A,)
+        best, tokens = (x[:, 0] for x in choose(step))  # (A,), (A,)
         log_probs += best
-        done = (tokens == model.cfg.eos_id) | (batch.max_lens <= step + 1)  # (A,)
+        done = (tokens == eos_id) | (batch.max_lens <= step + 1)  # (A,)
         rows = None
         if done.any():  # the step's one host sync
             ended = done.nonzero()[:, 0]
@@ -202,7 +401,7 @@ def greedy(
                 strict=True,
             )
             for sentence, ids, log_prob in finished:
-                results[sentence] = _hypothesis(ids, log_prob, model.cfg.eos_id, penalty)
+                results[sentence] = _hypothesis(ids, log_prob, eos_id, penalty)
             rows = (~done).nonzero()[:, 0]
             if not rows.numel():
                 break
@@ -214,7 +413,7 @@ def greedy(
 
 @torch.inference_mode()
 def beam_search(
-    model: Transformer,
+    model: Models,
     src: torch.Tensor,
     src_lengths: torch.Tensor,
     max_lens: torch.Tensor,
@@ -226,6 +425,7 @@ def beam_search(
     eos: bool = True,
     prefix: Sequence[int] = (),
     shortlist: Shortlist | None = None,
+    rules: Rules = Rules(),
 ) -> list[list[Hypothesis]]:
     """The ``nbest`` best hypotheses per sentence (best first) of a beam search of width
     ``beam``, arguments as ``greedy``'s.
@@ -236,11 +436,12 @@ def beam_search(
     ``early_stopping=True``), or at its length limit, where its best K continuations are finished as
     they are. With K as large as the number of possible prefixes the search is exhaustive.
     """
-    _check(model, max_lens, src, src_lengths, beam, nbest, prefix)
-    k, eos_id = beam, model.cfg.eos_id
+    models = _models(model)
+    _check(models, max_lens, src, src_lengths, beam, nbest, prefix, rules)
+    k, eos_id = beam, models[0].cfg.eos_id
     # The first step scores one hypothesis per sentence (its K beams would all be the empty
     # prefix); its best K continuations become the K beams.
-    batch = _Batch(model, src, src_lengths, max_lens, incremental, eos, prefix, shortlist)
+    batch = _Batch(models, src, src_lengths, max_lens, incremental, eos, prefix, shortlist, rules)
     scores = torch.zeros((batch.size, 1), device=src.device)  # (A, W)
     finished: list[list[Hypothesis]] = [[] for _ in range(src.shape[0])]
     for step in _steps(max_lens, prefix):

@@ -25,6 +25,10 @@ to the rounding of GEMMs over a different number of rows. Two programs per bucke
 calls; all graphs share one memory pool, safe in any replay order because every tensor a
 program allocates dies inside it (state, inputs and caches are allocated outside capture).
 Elsewhere the same programs are called: that is how they are tested without a GPU.
+
+Sampling (``search.sample``'s) runs in the same programs with K = samples rows per sentence that
+never move: the seed and each row's random stream are device tensors loaded with the batch, and
+the draws are keyed by the clock's device position, so a replayed step draws fresh numbers.
 """
 
 from __future__ import annotations
@@ -32,17 +36,33 @@ from __future__ import annotations
 import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
 from fastnmt.attention import FixedKVCache, KVCache, StepClock
 from fastnmt.graphs import Program, capture_on
 from fastnmt.model import LayerCache, Transformer
-from fastnmt.ops import log_softmax_topk
-from fastnmt.search import Hypothesis, LengthPenalty, _best, _hypothesis, check_arguments
+from fastnmt.next_token import (
+    Sampling,
+    ban_repeated_ngrams,
+    candidates,
+    force,
+    resolve_seed,
+    uniforms,
+)
+from fastnmt.search import (
+    Hypothesis,
+    LengthPenalty,
+    Rules,
+    _best,
+    _hypothesis,
+    check_arguments,
+)
 
 CHECK_EVERY = 4  # steps between the host's checks that every sentence is done
 SOURCE_ROUNDING = 16  # bucket lengths (source positions, decoding steps) are multiples of this
+PREFIX_ROUNDING = 8  # and the room for forced per-sentence prefixes, of this
 WARMUP_CALLS = 2  # eager calls of each program before capture (allocation, autotuning)
 # Searches (buckets x settings) a model keeps, each with its caches and graphs: a corpus needs a
 # few; a server seeing every batch size and length could otherwise hold hundreds.
@@ -70,11 +90,19 @@ class StaticSearch:
         penalty: LengthPenalty,
         eos: bool,
         prefix: Sequence[int],
+        sampling: Sampling | None = None,
+        prefix_room: int = 0,
+        no_repeat_ngram: int = 0,
     ):
+        """``sampling`` (its seed unused: ``load`` takes one): ``sampling.samples`` independent
+        samples per sentence instead of a beam search, as ``search.sample``. ``prefix_room``:
+        the longest forced per-sentence prefix ``load`` may be given (``search.Rules``);
+        ``no_repeat_ngram``: as the rules'."""
         cfg, device = model.cfg, model.embedding.weight.device
         sentences, source, steps = bucket
-        self.model = model
+        self.model, self.sampling, self.no_repeat_ngram = model, sampling, no_repeat_ngram
         self.penalty, self.prefix = penalty, list(prefix)
+        beam = beam if sampling is None else sampling.samples
         rows = sentences * beam
 
         def long(*size, fill=0):
@@ -83,6 +111,10 @@ class StaticSearch:
         # Inputs, copied in by ``load``.
         self.src, self.src_lengths = long(sentences, source, fill=cfg.pad_id), long(sentences)
         self.max_lens = long(sentences)
+        self.forced = long(sentences, prefix_room, fill=cfg.pad_id)  # per-sentence prefixes
+        self.forced_lengths = long(sentences)
+        # Sampling's random numbers: a function of the seed, each row's stream and the step.
+        self.seed, self.streams = long(1), long(rows)
         # Decoder state.
         self.clock = StepClock(rows, steps, device)
         self.caches = [
@@ -103,6 +135,7 @@ class StaticSearch:
         # Constants.
         self.start_tokens = torch.tensor([cfg.bos_id, *self.prefix], device=device)
         self.first_rows = torch.arange(0, rows, beam, device=device)[:, None]  # (B, 1)
+        self.own_rows = torch.arange(rows, device=device).view(sentences, beam)  # (B, K)
         # The length penalty of a hypothesis of t + 1 tokens, in float64 as search's floats.
         self.penalties = torch.tensor(
             [penalty(t + 1) for t in range(steps)], dtype=torch.float64, device=device
@@ -128,8 +161,11 @@ class StaticSearch:
         self.clock.restart()
         self.history.fill_(self.model.cfg.pad_id)
         self.history[:, : self.start_tokens.shape[0]] = self.start_tokens
-        self.scores.fill_(NEG_INF)
-        self.scores[:, 0] = 0.0  # one live beam per sentence: K copies of one prefix at first
+        if self.sampling is None:  # one live beam per sentence: K copies of one prefix at first
+            self.scores.fill_(NEG_INF)
+            self.scores[:, 0] = 0.0
+        else:  # K independent samples
+            self.scores.zero_()
         self.done.zero_()
         self.finished_scores.fill_(NEG_INF)
 
@@ -143,11 +179,40 @@ class StaticSearch:
         return states[:, 0]
 
     def _step(self) -> None:
-        """One search step: ``search.beam_search``'s, on fixed shapes."""
+        """One search step: ``search.beam_search``'s (or ``search.sample``'s), on fixed
+        shapes."""
         position = self.clock.position.clone()  # the step: tokens generated before it
         tokens_in = self.history.gather(1, position.expand(self.history.shape[0])[:, None])
-        log_probs, ids = log_softmax_topk(
-            self.model.logits(self._decode(tokens_in)), self.candidates, self.banned
+        logits = self.model.logits(self._decode(tokens_in))
+        if self.sampling is None:
+            self._search_step(logits, position)
+        else:
+            self._sample_step(logits, position)
+
+    def _rules(self, position: torch.Tensor) -> list:
+        """The step's masks of (N, V) log-probabilities (``search._Batch._rules``'s, on the
+        device's position)."""
+        rules = []
+        k = self.scores.shape[1]
+        if self.forced.shape[1]:
+            step = position - len(self.prefix)  # (1,) into the sentences' own prefixes
+            column = step.clamp(max=self.forced.shape[1] - 1)
+            tokens = self.forced.index_select(1, column)[:, 0].repeat_interleave(k)  # (N,)
+            forced = (self.forced_lengths > step).repeat_interleave(k)
+            rules.append(lambda log_probs: force(log_probs, forced, tokens))
+        if self.no_repeat_ngram:
+            generated, size = self.history[:, 1:], self.no_repeat_ngram
+            pad = self.model.cfg.pad_id
+
+            def no_repeats(log_probs):
+                ban_repeated_ngrams(log_probs, generated, position, size, pad)
+
+            rules.append(no_repeats)
+        return rules
+
+    def _search_step(self, logits: torch.Tensor, position: torch.Tensor) -> None:
+        log_probs, ids = candidates(
+            [logits], self.candidates, self.banned, rules=self._rules(position)
         )  # (N, C)
         sentences, k = self.scores.shape
         top, index = _best(self.scores.view(-1, 1) + log_probs, sentences, 2 * k)  # (B, 2K)
@@ -156,20 +221,44 @@ class StaticSearch:
         ends = tokens == self.model.cfg.eos_id
         last = self.max_lens <= position + 1  # (B,)
         finishing = (ends[:, :k] | last[:, None]) & (top[:, :k] > NEG_INF)
-        finishing &= ~self.done[:, None]  # a done sentence's slots are final
         self._finish(finishing, top[:, :k], origins[:, :k], tokens[:, :k], position)
-        full = (self.finished_scores > NEG_INF).sum(dim=1) >= k
-        self.done |= full | last
         alive, pick = top.masked_fill(ends, NEG_INF).topk(k, dim=1)  # (B, K)
         rows = origins.gather(1, pick).view(-1)  # (N,)
-        self.scores.copy_(alive)
         self.history.copy_(self.history.index_select(0, rows))
-        self.history.index_copy_(1, position + 1, tokens.gather(1, pick).view(-1, 1))
         self.clock.reorder(rows)
+        self._advance(alive, tokens.gather(1, pick), last, position)
+
+    def _sample_step(self, logits: torch.Tensor, position: torch.Tensor) -> None:
+        """Each row draws its next token (``next_token``): rows never move."""
+        sampling, (sentences, k) = self.sampling, self.scores.shape
+        count = sampling.candidates(logits.shape[1])
+        values, ids = candidates(
+            [logits],
+            count,
+            self.banned,
+            temperature=sampling.temperature,
+            rules=self._rules(position),
+        )
+        column = sampling.draw(values, uniforms(self.seed, self.streams, position))[:, None]
+        tokens = (column if ids is None else ids.gather(1, column)).view(sentences, k)
+        top = self.scores + values.gather(1, column).view(sentences, k)  # (B, K)
+        ends = tokens == self.model.cfg.eos_id
+        last = self.max_lens <= position + 1  # (B,)
+        self._finish((ends | last[:, None]) & (top > NEG_INF), top, self.own_rows, tokens, position)
+        self._advance(top.masked_fill(ends, NEG_INF), tokens, last, position)
+
+    def _advance(self, alive, tokens, last, position) -> None:
+        """The step's outcome: the live hypotheses' scores (B, K) and next tokens (B, K) (after
+        any reorder), and which sentences are done."""
+        full = (self.finished_scores > NEG_INF).sum(dim=1) >= self.scores.shape[1]
+        self.done |= full | last
+        self.scores.copy_(alive)
+        self.history.index_copy_(1, position + 1, tokens.reshape(-1, 1))
 
     def _finish(self, finishing, top, origins, tokens, position) -> None:
         """Merge the hypotheses ``finishing`` (B, K) with the finished slots: the K best scores
-        stay, best first."""
+        stay, best first. A done sentence's slots are final."""
+        finishing = finishing & ~self.done[:, None]
         sentences, k = finishing.shape
         score = top.double() / self.penalties.index_select(0, position)
         new_scores = score.masked_fill(~finishing, NEG_INF)
@@ -190,10 +279,31 @@ class StaticSearch:
 
     # The host's side. ------------------------------------------------------------------------
 
-    def load(self, src: torch.Tensor, src_lengths: torch.Tensor, max_lens: torch.Tensor) -> None:
+    def load(
+        self,
+        src: torch.Tensor,
+        src_lengths: torch.Tensor,
+        max_lens: torch.Tensor,
+        streams: torch.Tensor | None = None,
+        seed: int = 0,
+        prefixes: Sequence[Sequence[int]] | None = None,
+    ) -> None:
         """Copy a batch of at most B sentences, (b, s <= S), in; the other slots get empty
-        sentences that finish at their first search step."""
+        sentences that finish at their first search step. Sampling: the sentences' random
+        ``streams`` (b,) (default: their slots) and the ``seed``. ``prefixes``: each sentence's
+        forced prefix, of at most ``prefix_room`` tokens."""
         count, length = src.shape
+        self.forced.fill_(self.model.cfg.pad_id)
+        self.forced_lengths.zero_()
+        for slot, tokens in enumerate(prefixes or ()):
+            self.forced[slot, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+            self.forced_lengths[slot] = len(tokens)
+        samples = self.scores.shape[1]
+        slots = torch.arange(self.src.shape[0])
+        if streams is not None:
+            slots[:count] = streams
+        self.streams.copy_((slots[:, None] * samples + torch.arange(samples)).view(-1))
+        self.seed.fill_(seed)
         self.src.fill_(self.model.cfg.pad_id)
         self.src[:count, :length].copy_(src, non_blocking=True)
         self.src_lengths.zero_()
@@ -273,10 +383,17 @@ class StaticSearches:
         penalty: LengthPenalty,
         eos: bool = True,
         prefix: Sequence[int] = (),
+        sampling: Sampling | None = None,
+        streams: torch.Tensor | None = None,
+        rules: Rules | None = None,
     ) -> list[list[Hypothesis]]:
         """``search.beam_search``'s results for src (b, s) with lengths (b,) and max_lens (b,),
-        host tensors (their copies in are the host's only work before the search)."""
-        check_arguments(max_lens, src, beam, nbest, prefix)
+        host tensors (their copies in are the host's only work before the search); with
+        ``sampling``, ``search.sample``'s for the sentences' ``streams`` (b,); ``rules`` as the
+        searches'."""
+        sampling, rules = resolve_seed(sampling), rules or Rules()
+        width = beam if sampling is None else sampling.samples
+        check_arguments(max_lens, src, width, nbest, prefix, rules)
         count, length = src.shape
         if not count:
             return []
@@ -287,7 +404,10 @@ class StaticSearches:
             min(_rounded(length, SOURCE_ROUNDING), limit),
             min(_rounded(steps, SOURCE_ROUNDING), limit),
         )
-        key = (bucket, beam, penalty, eos, tuple(prefix))
+        unseeded = None if sampling is None else replace(sampling, seed=None)
+        longest = max(map(len, rules.prefixes or [()]))
+        room = _rounded(longest, PREFIX_ROUNDING)
+        key = (bucket, beam, penalty, eos, tuple(prefix), unseeded, room, rules.no_repeat_ngram)
         search = self.searches.get(key)
         fresh = search is None
         if not fresh:
@@ -302,9 +422,13 @@ class StaticSearches:
                 penalty=penalty,
                 eos=eos,
                 prefix=prefix,
+                sampling=unseeded,
+                prefix_room=room,
+                no_repeat_ngram=rules.no_repeat_ngram,
             )
             self.searches[key] = search
-        search.load(src, src_lengths, max_lens)
+        seed = 0 if sampling is None else sampling.seed
+        search.load(src, src_lengths, max_lens, streams, seed, rules.prefixes)
         if fresh and self.capture:
             self._capture(search)
         search.run(steps)

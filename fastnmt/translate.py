@@ -4,8 +4,10 @@ Reads --input FILE or stdin (interactively, a line at a time, when stdin is a te
 --output FILE or stdout; an empty input line gives an empty output line, so line counts always
 match (with --nbest N: N lines per input line, ``LINE ||| text ||| score``). Invalid UTF-8 is
 replaced (U+FFFD) and counted; too long lines are truncated with a warning naming the line.
---reference FILE scores the output with sacreBLEU (BLEU and chrF, with signatures). The summary
-line and all messages go to stderr. Exit codes: 0 done, 2 bad input or checkpoint, 130 Ctrl-C.
+--reference FILE scores the output with sacreBLEU (BLEU and chrF, with signatures). Sampling,
+--prefix-file, --no-repeat-ngram and ensembles (several --checkpoint): docs/translation.md. The
+summary line and all messages go to stderr. Exit codes: 0 done, 2 bad input or checkpoint, 130
+Ctrl-C.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from fastnmt import metrics
 from fastnmt.checkpoint import CheckpointError
 from fastnmt.data import DataError, read_lines
 from fastnmt.distributed import resolve_device
+from fastnmt.next_token import SAMPLING_METHODS, Sampling
 from fastnmt.precision import AUTO_HELP, choose_precision
 from fastnmt.runtime import configure_process
 from fastnmt.translator import PRECISIONS, Translation, Translator
@@ -33,29 +36,53 @@ class UsageError(ValueError):
     """A bad command-line value; the message is one line."""
 
 
-def add_search_arguments(parser: argparse.ArgumentParser) -> None:
-    """Model, search and batching options, shared with ``fastnmt.evaluate``."""
+def add_model_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The model and how it runs (shared with ``fastnmt.score``); returns the "running"
+    group."""
     parser.add_argument(
         "--checkpoint",
         required=True,
-        help="checkpoint or training output dir, or a Hugging Face Opus-MT / NLLB model directory",
+        nargs="+",
+        help="checkpoint or training output dir (several: an ensemble averaging their "
+        "probabilities), or a Hugging Face Opus-MT / NLLB model directory",
     )
     parser.add_argument("--src-code", help="NLLB/M2M100 source language code, e.g. eng_Latn")
     parser.add_argument("--tgt-code", help="NLLB/M2M100 target language code, e.g. deu_Latn")
-    search = parser.add_argument_group("search")
-    search.add_argument("--beam", type=int, default=4, help="beam size; 1 = greedy (default 4)")
-    search.add_argument("--lenpen", type=float, default=1.0, help="score / length**lenpen")
-    search.add_argument("--alpha", type=float, help="GNMT length penalty ((5+len)/6)**alpha")
-    search.add_argument("--max-len-a", type=float, default=1.2, help="max length = a*src + b")
-    search.add_argument("--max-len-b", type=int, default=10)
     run = parser.add_argument_group("running")
     run.add_argument("--max-tokens", type=int, default=6000, help="padded source tokens/batch")
     run.add_argument("--max-sentences", type=int, default=256, help="sentences per batch")
     run.add_argument(
         "--precision", default="auto", choices=["auto", *PRECISIONS], help=AUTO_HELP["translation"]
     )
-    run.add_argument("--shortlist", help="score only the words this file lists (fastnmt.shortlist)")
     run.add_argument("--backend", default="auto", choices=["auto", *fastnmt.BACKENDS])
+    run.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda:$LOCAL_RANK if available)")
+    return run
+
+
+def add_length_penalty_arguments(group) -> None:
+    group.add_argument("--lenpen", type=float, default=1.0, help="score / length**lenpen")
+    group.add_argument("--alpha", type=float, help="GNMT length penalty ((5+len)/6)**alpha")
+
+
+def add_search_arguments(parser: argparse.ArgumentParser) -> None:
+    """Model, search and batching options, shared with ``fastnmt.evaluate``."""
+    run = add_model_arguments(parser)
+    search = parser.add_argument_group("search")
+    search.add_argument("--beam", type=int, default=4, help="beam size; 1 = greedy (default 4)")
+    add_length_penalty_arguments(search)
+    search.add_argument("--max-len-a", type=float, default=1.2, help="max length = a*src + b")
+    search.add_argument("--max-len-b", type=int, default=10)
+    search.add_argument(
+        "--no-repeat-ngram", type=int, default=0, help="no n-gram of N tokens twice in an output"
+    )
+    sampling = parser.add_argument_group("sampling (instead of beam search)")
+    sampling.add_argument("--sampling", choices=SAMPLING_METHODS, help="sample the output")
+    sampling.add_argument("--sampling-topk", type=int, help="from the K best (default: all)")
+    sampling.add_argument("--sampling-topp", type=float, help="from the P nucleus (default 0.9)")
+    sampling.add_argument("--temperature", type=float, help="softmax(logits / T) (default 1)")
+    sampling.add_argument("--seed", type=int, help="the same seed, the same samples")
+    sampling.add_argument("--samples", type=int, help="samples per sentence (default 1)")
+    run.add_argument("--shortlist", help="score only the words this file lists (fastnmt.shortlist)")
     run.add_argument(
         "--static-search",
         default="auto",
@@ -63,7 +90,35 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
         help="search on fixed batch buckets, decided on the device and replayed as CUDA graphs "
         "(auto: on CUDA without --shortlist)",
     )
-    run.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda:$LOCAL_RANK if available)")
+
+
+SAMPLING_FLAGS = ("sampling_topk", "sampling_topp", "temperature", "seed", "samples")
+
+
+def sampling_option(args) -> Sampling | None:
+    """--sampling and its settings as a ``Sampling``, checked."""
+    given = [f for f in SAMPLING_FLAGS if getattr(args, f) is not None]
+    if args.sampling is None:
+        if given:
+            raise UsageError(f"--{given[0].replace('_', '-')} needs --sampling")
+        return None
+    if args.sampling == "topp" and args.sampling_topk is not None:
+        raise UsageError("--sampling-topk is for --sampling topk")
+    if args.sampling == "topk" and args.sampling_topp is not None:
+        raise UsageError("--sampling-topp is for --sampling topp")
+    settings = dict(
+        topk=args.sampling_topk,
+        topp=args.sampling_topp,
+        temperature=args.temperature,
+        seed=args.seed,
+        samples=args.samples,
+    )
+    try:
+        return Sampling(args.sampling, **{k: v for k, v in settings.items() if v is not None})
+    except ValueError as error:  # "<field> must ...": name the flag instead
+        field_name, rule = str(error).split(" ", 1)
+        flag = {"topk": "sampling-topk", "topp": "sampling-topp"}.get(field_name, field_name)
+        raise UsageError(f"--{flag} {rule}") from None
 
 
 def search_options(args) -> dict:
@@ -80,18 +135,29 @@ def search_options(args) -> dict:
             f"--max-len-a and --max-len-b must be >= 0 and leave room for a token, got "
             f"{args.max_len_a} and {args.max_len_b}"
         )
+    if args.no_repeat_ngram < 0:
+        raise UsageError(f"--no-repeat-ngram must be >= 0, got {args.no_repeat_ngram}")
     return dict(
         beam=args.beam,
         lenpen=args.lenpen,
         alpha=args.alpha,
         max_len_a=args.max_len_a,
         max_len_b=args.max_len_b,
+        sampling=sampling_option(args),
+        no_repeat_ngram=args.no_repeat_ngram,
     )
 
 
-def load_translator(args) -> Translator:
-    """The translator the arguments ask for; with --precision auto, says on stderr what auto
-    chose and why."""
+def search_translator_options(args) -> dict:
+    """The Translator's search options (shortlist, static search) from the arguments."""
+    static = {"auto": None, "on": True, "off": False}[args.static_search]
+    return dict(shortlist=args.shortlist, static=static)
+
+
+def load_translator(args, **options) -> Translator:
+    """The translator of --checkpoint (several: an ensemble), with the model arguments and
+    ``options`` of the Translator; with --precision auto, says on stderr what auto chose and
+    why."""
     try:
         device = resolve_device(args.device or "auto")
         translator = Translator.load(
@@ -102,8 +168,7 @@ def load_translator(args) -> Translator:
             precision=args.precision,
             max_tokens=args.max_tokens,
             max_sentences=args.max_sentences,
-            shortlist=args.shortlist,
-            static={"auto": None, "on": True, "off": False}[args.static_search],
+            **options,
         )
     except CheckpointError:
         raise
@@ -123,7 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     io = p.add_argument_group("input and output")
     io.add_argument("--input", help="input file (default: stdin)")
     io.add_argument("--output", help="output file (default: stdout)")
-    io.add_argument("--nbest", type=int, default=1, help="candidates per line (<= --beam)")
+    io.add_argument(
+        "--nbest", type=int, default=1, help="candidates per line (<= --beam, or --samples)"
+    )
+    io.add_argument("--prefix-file", help="per input line, text its translation starts with")
     io.add_argument("--reference", help="score the output against this file (BLEU, chrF)")
     io.add_argument("--buffer-size", type=int, default=5000, help="lines translated together")
     io.add_argument("--alignments", help="write hard alignments (src-tgt pairs) to this file")
@@ -204,8 +272,16 @@ class Totals:
 class Session:
     """Translates chunks of lines and writes every requested output for them."""
 
-    def __init__(self, translator: Translator, args, options: dict, output: TextIO):
+    def __init__(
+        self,
+        translator: Translator,
+        args,
+        options: dict,
+        output: TextIO,
+        prefixes: list[str] | None = None,
+    ):
         self.translator, self.args, self.options, self.output = translator, args, options, output
+        self.prefixes = prefixes  # per input line (--prefix-file)
         self.totals = Totals()
         self.plot_lines = parse_line_ranges(args.plot_lines) if args.plot_attention else set()
         self.alignments = open(args.alignments, "w", encoding="utf-8") if args.alignments else None  # noqa: SIM115
@@ -213,13 +289,17 @@ class Session:
     def translate(self, lines: list[str]) -> None:
         first = self.totals.sentences + 1
         started = time.perf_counter()
-        translations = self.translator.translate_full(
-            lines,
-            nbest=self.args.nbest,
-            attention=self.alignments is not None,
-            first_line=first,
-            **self.options,
-        )
+        try:
+            translations = self.translator.translate_full(
+                lines,
+                nbest=self.args.nbest,
+                prefix=self._prefixes(first, len(lines)),
+                attention=self.alignments is not None,
+                first_line=first,
+                **self.options,
+            )
+        except ValueError as error:  # a line the options cannot serve, e.g. a too long prefix
+            raise UsageError(str(error).splitlines()[0]) from None
         self.totals.seconds += time.perf_counter() - started
         self.totals.sentences += len(lines)
         self.totals.tokens += sum(len(t.candidates[0].tokens) for t in translations if t.candidates)
@@ -230,6 +310,14 @@ class Session:
         self.output.flush()
         chosen = {n: t for n, t in enumerate(translations, first) if n in self.plot_lines}
         self.plot({n: t for n, t in chosen.items() if t.candidates})
+
+    def _prefixes(self, first: int, count: int) -> list[str] | None:
+        """The --prefix-file lines of input lines first.. first + count - 1."""
+        if self.prefixes is None:
+            return None
+        if len(self.prefixes) < first - 1 + count:
+            raise DataError(f"--prefix-file has {len(self.prefixes)} lines but the input has more")
+        return self.prefixes[first - 1 : first - 1 + count]
 
     def write(self, number: int, translation: Translation) -> None:
         if self.args.nbest == 1:
@@ -275,8 +363,10 @@ class Session:
 
 def check_arguments(args) -> dict:
     options = search_options(args)
-    if not 1 <= args.nbest <= args.beam:
-        raise UsageError(f"--nbest must be between 1 and --beam ({args.beam}), got {args.nbest}")
+    sampling = options["sampling"]
+    width, name = (args.beam, "--beam") if sampling is None else (sampling.samples, "--samples")
+    if not 1 <= args.nbest <= width:
+        raise UsageError(f"--nbest must be between 1 and {name} ({width}), got {args.nbest}")
     if args.buffer_size < 1:
         raise UsageError(f"--buffer-size must be positive, got {args.buffer_size}")
     if args.plot_attention:
@@ -289,11 +379,12 @@ def check_arguments(args) -> dict:
 def run(args) -> int:
     options = check_arguments(args)
     references = read_lines(args.reference) if args.reference else None
-    translator = load_translator(args)
+    prefixes = read_lines(args.prefix_file) if args.prefix_file else None
+    translator = load_translator(args, **search_translator_options(args))
     interactive = args.input is None and sys.stdin.isatty()
     output = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout  # noqa: SIM115
     source = Input()
-    session = Session(translator, args, options, output)
+    session = Session(translator, args, options, output, prefixes)
     try:
         with fastnmt.backend(args.backend), warnings.catch_warnings():
             warnings.showwarning = _show_warning
@@ -309,6 +400,8 @@ def run(args) -> int:
         if output is not sys.stdout:
             output.close()
     _report(session.totals, source, references)
+    if prefixes is not None and len(prefixes) != source.count:
+        raise DataError(f"--prefix-file has {len(prefixes)} lines but the input has {source.count}")
     return 0
 
 

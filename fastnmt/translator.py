@@ -11,8 +11,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,10 +24,20 @@ from fastnmt.checkpoint import CheckpointError
 from fastnmt.data import DataError, Vocabulary, make_batch, vocabulary_from_bytes
 from fastnmt.distributed import resolve_device
 from fastnmt.model import AttentionRecord, ModelConfig, Transformer
+from fastnmt.next_token import Sampling, check_no_repeat_ngram, resolve_seed
+from fastnmt.ops import linear_cross_entropy
 from fastnmt.precision import fastest_dtype as fastest_dtype  # importable from here too
 from fastnmt.precision import fastest_precision
 from fastnmt.quantize import bf16_packing_supported, int8_supported, pack_bf16, quantize_int8
-from fastnmt.search import Hypothesis, LengthPenalty, beam_search, greedy
+from fastnmt.search import (
+    Hypothesis,
+    LengthPenalty,
+    Rules,
+    beam_search,
+    check_ensemble,
+    greedy,
+    sample,
+)
 from fastnmt.shortlist import Shortlist
 from fastnmt.static_search import StaticSearches, graph_reasons
 
@@ -94,6 +105,34 @@ def _inference_model(model: Transformer, device, precision: str) -> Transformer:
     return model
 
 
+def _in_dtype(model: Transformer, dtype: torch.dtype | None) -> Transformer:
+    """``model``, or a copy in ``dtype``."""
+    if dtype is None or model.embedding.weight.dtype == dtype:
+        return model
+    return copy.deepcopy(model).to(dtype)
+
+
+def _target_log_probs(model: Transformer, batch, *, per_token: bool) -> torch.Tensor:
+    """Teacher-forced log-probabilities of a batch's targets: per target token (tokens,), or
+    summed per sentence (B,) by the fused loss, one call a sentence (the sum of its nll, as the
+    trainer's loss without label smoothing; never the tokens x vocabulary log-probabilities).
+    Per token is the reference path: the fused kernels only sum."""
+    states = model(batch.src, batch.src_lengths, batch.tgt_in)
+    states = states.reshape(-1, states.shape[-1]).index_select(0, batch.tgt_positions)
+    targets = batch.tgt_out.reshape(-1).index_select(0, batch.tgt_positions)
+
+    def nll(states, targets, reduction: str) -> torch.Tensor:
+        weight, bias, pad = model.embedding.weight, model.output_bias, model.cfg.pad_id
+        out = linear_cross_entropy(states, weight, bias, targets, 0.0, pad, reduction)
+        return out.loss
+
+    if per_token:
+        return -nll(states, targets, "none")
+    lengths = batch.tgt_lengths.tolist()
+    pairs = zip(states.split(lengths), targets.split(lengths), strict=True)
+    return -torch.stack([nll(s, t, "sum") for s, t in pairs])
+
+
 @dataclass
 class Candidate:
     """One translation of a sentence."""
@@ -121,8 +160,22 @@ class Translation:
         return self.candidates[0].text if self.candidates else ""
 
 
+@dataclass
+class Score:
+    """A source/target pair's log-probability under the model (teacher-forced)."""
+
+    log_prob: float  # summed over the target tokens and eos
+    tokens: int  # target subword tokens scored, eos included
+    normalised: float  # log_prob / length penalty(tokens), the search's ranking score
+
+    @property
+    def per_token(self) -> float:
+        return self.log_prob / self.tokens
+
+
 class Translator:
-    """A model and its vocabulary ready to translate.
+    """A model (or an ensemble of models sharing a vocabulary) and its vocabulary ready to
+    translate and to score.
 
     dtype: the weights' dtype for translating (bf16 is several times faster than fp32 on CPUs
     with AMX); a model in another dtype is translated by a converted copy, so weights are not cast
@@ -132,12 +185,14 @@ class Translator:
     it lists for the batch's source tokens. static: search on fixed batch buckets with every
     decision on the device (``fastnmt.static_search``), captured as CUDA graphs on a GPU; None
     (auto): on CUDA without a shortlist, where it removes the host's per-step cost; the
-    shrinking batches of ``fastnmt.search`` do less arithmetic, which a CPU prefers.
+    shrinking batches of ``fastnmt.search`` do less arithmetic, which a CPU prefers. An ensemble
+    (``model`` a list) averages its members' probabilities at every step (fairseq's rule); it
+    decodes with ``fastnmt.search`` (no static search).
     """
 
     def __init__(
         self,
-        model: Transformer,
+        model: Transformer | Sequence[Transformer],
         vocab: Vocabulary,
         *,
         device: torch.device | str = "cpu",
@@ -155,9 +210,12 @@ class Translator:
             )
         if static and shortlist is not None:
             raise ValueError("static search scores the whole vocabulary: no shortlist with it")
-        if dtype is not None and model.embedding.weight.dtype != dtype:
-            model = copy.deepcopy(model).to(dtype)
-        self.model, self.vocab = model, vocab
+        models = [model] if isinstance(model, Transformer) else list(model)
+        check_ensemble(models)
+        if static and len(models) > 1:
+            raise ValueError("static search runs one model: no ensemble with it")
+        self.models = [_in_dtype(m, dtype) for m in models]
+        self.model, self.vocab = self.models[0], vocab
         self.target_prefix: list[int] = list(getattr(vocab, "target_prefix", []))
         self.device = torch.device(device)
         self.max_tokens, self.max_sentences = max_tokens, max_sentences
@@ -166,25 +224,35 @@ class Translator:
         self.shortlist = shortlist
         graphs = not graph_reasons(self.device)
         if static is None:
-            static = shortlist is None and graphs
-        self.static = StaticSearches(model, capture=graphs) if static else None
+            static = shortlist is None and graphs and len(models) == 1
+        self.static = StaticSearches(self.model, capture=graphs) if static else None
 
     @classmethod
     def from_checkpoint(
         cls,
-        path: str | Path,
+        path: str | Path | Sequence[str | Path],
         *,
         device: torch.device | str | None = None,
         precision: str = "auto",
         **options,
     ) -> Translator:
-        """Load a checkpoint directory (or a training output directory: its best checkpoint).
-        Loading executes no code (safetensors, json). ``precision``: auto, fp32, bf16, fp16 or
-        int8 (CPUs: fp32 weights, int8 GEMMs; ``fastnmt.quantize``).
-        Raises CheckpointError (one line) for a missing, corrupt or incompatible checkpoint."""
-        model, vocab = load_checkpoint(path)
-        model = _inference_model(model, device, precision)
-        return cls(model, vocab, device=model.embedding.weight.device, **options)
+        """Load a checkpoint directory (or a training output directory: its best checkpoint),
+        or several as an ensemble (the same vocabulary). Loading executes no code (safetensors,
+        json). ``precision``: auto, fp32, bf16, fp16 or int8 (CPUs: fp32 weights, int8 GEMMs;
+        ``fastnmt.quantize``). Raises CheckpointError (one line) for a missing, corrupt or
+        incompatible checkpoint, or an ensemble's checkpoints with different vocabularies."""
+        paths = [path] if isinstance(path, (str, Path)) else list(path)
+        loaded = [load_checkpoint(p) for p in paths]
+        vocab = loaded[0][1]
+        for other, (_, other_vocab) in zip(paths[1:], loaded[1:], strict=True):
+            if other_vocab.to_bytes() != vocab.to_bytes():
+                raise CheckpointError(
+                    f"checkpoint {other} has another vocabulary than {paths[0]}: an ensemble's "
+                    "models must share one"
+                )
+        models = [_inference_model(model, device, precision) for model, _ in loaded]
+        device = models[0].embedding.weight.device
+        return cls(models if len(models) > 1 else models[0], vocab, device=device, **options)
 
     @classmethod
     def from_pretrained(
@@ -207,15 +275,20 @@ class Translator:
         return cls(model, vocab, device=model.embedding.weight.device, **options)
 
     @classmethod
-    def load(cls, path: str | Path, *, src_code=None, tgt_code=None, **options) -> Translator:
+    def load(
+        cls, path: str | Path | Sequence[str | Path], *, src_code=None, tgt_code=None, **options
+    ) -> Translator:
         """``from_pretrained`` for a Hugging Face checkpoint directory (its config.json names a
-        ``model_type``), else ``from_checkpoint``; ``src_code``/``tgt_code`` are NLLB's
-        language codes."""
-        if is_pretrained_directory(path):
-            return cls.from_pretrained(path, src_lang=src_code, tgt_lang=tgt_code, **options)
+        ``model_type``), else ``from_checkpoint`` (several paths: an ensemble);
+        ``src_code``/``tgt_code`` are NLLB's language codes."""
+        paths = [path] if isinstance(path, (str, Path)) else list(path)
+        if len(paths) == 1 and is_pretrained_directory(paths[0]):
+            return cls.from_pretrained(paths[0], src_lang=src_code, tgt_lang=tgt_code, **options)
+        if any(map(is_pretrained_directory, paths)):
+            raise ValueError("ensembles are of fastnmt checkpoints, not Hugging Face ones")
         if src_code or tgt_code:
             raise ValueError("language codes are for Hugging Face NLLB/M2M100 checkpoints")
-        return cls.from_checkpoint(path, **options)
+        return cls.from_checkpoint(paths if len(paths) > 1 else paths[0], **options)
 
     @property
     def max_source_tokens(self) -> int:
@@ -237,6 +310,9 @@ class Translator:
         alpha: float | None = None,
         max_len_a: float = 1.2,
         max_len_b: int = 10,
+        sampling: Sampling | None = None,
+        prefix: Sequence[str | None] | None = None,
+        no_repeat_ngram: int = 0,
         attention: bool = False,
         incremental: bool = True,
         eos: bool = True,
@@ -246,26 +322,41 @@ class Translator:
 
         beam: 1 is greedy search. lenpen / alpha: the length penalty (``search.LengthPenalty``).
         A sentence of S source tokens (eos included) gets at most max_len_a * S + max_len_b
-        target tokens (eos included). attention: also the attention probabilities of every layer
-        and head for the best candidate. incremental=False recomputes the whole prefix every step
-        and eos=False forces every output to its length limit (both for benchmarks). first_line:
-        the line number of sentences[0] in warnings. ``sentences`` may be Translations with
-        their ``source_tokens`` set (encoded once, by a caller that checked them), which are
-        filled in and returned.
+        target tokens (eos included). sampling: ``next_token.Sampling`` instead of search (beam
+        unused; nbest up to its samples, which are the candidates); a sentence's samples depend
+        on its seed and line number only (``first_line`` + its index), not on its batch.
+        prefix: per sentence, text its translation must start with (None or "": none), scored
+        by the model. no_repeat_ngram N > 0: no n-gram of N subword tokens twice in an output.
+        attention: also the attention probabilities of every layer and head for the best
+        candidate. incremental=False recomputes the whole prefix every step and eos=False forces
+        every output to its length limit (both for benchmarks). first_line: the line number of
+        sentences[0] in warnings and errors. ``sentences`` may be Translations with their
+        ``source_tokens`` set (encoded once, by a caller that checked them), which are filled in
+        and returned.
         """
         if max_len_a < 0 or max_len_b < 0 or max_len_a * 1 + max_len_b < 1:
             raise ValueError(
                 f"max_len_a and max_len_b must be >= 0 with room for a token, got "
                 f"{max_len_a}, {max_len_b}"
             )
-        penalty = LengthPenalty(lenpen, alpha)
+        if sampling is not None and not 1 <= nbest <= sampling.samples:
+            raise ValueError(
+                f"nbest must be between 1 and samples ({sampling.samples}), got {nbest}"
+            )
+        check_no_repeat_ngram(no_repeat_ngram)
+        sampling = resolve_seed(sampling)  # one seed for the call: any batching draws the same
+        search = dict(penalty=LengthPenalty(lenpen, alpha), eos=eos, prefix=self.target_prefix)
         translations = [
             text if isinstance(text, Translation) else self._encoded(text, first_line + i)
             for i, text in enumerate(sentences)
         ]
+        lengths = torch.tensor([len(t.source_tokens) + 1 for t in translations])  # + eos
+        limit = (max_len_a * lengths + max_len_b).long()
+        max_lens = limit.clamp(len(self.target_prefix) + 1, self.model.cfg.max_positions)
         todo = [i for i, t in enumerate(translations) if t.source.strip()]
+        forced = self._prefixes(prefix, max_lens, todo, first_line)
         with self._inference():
-            for indices in self._batches(todo, translations):
+            for indices in self._batches(todo, [len(t.source_tokens) for t in translations]):
                 batch = make_batch(
                     [translations[i].source_tokens for i in indices],
                     None,
@@ -274,28 +365,106 @@ class Translator:
                     bos_id=self.vocab.bos_id,
                     eos_id=self.vocab.eos_id,
                 )
-                limit = (max_len_a * batch.src_lengths + max_len_b).long()
-                shortest = len(self.target_prefix) + 1
-                max_lens = limit.clamp(shortest, self.model.cfg.max_positions)
-                inputs = (batch.src, batch.src_lengths, max_lens)
-                search = dict(penalty=penalty, eos=eos, prefix=self.target_prefix)
+                inputs = (batch.src, batch.src_lengths, max_lens[indices])
+                rules = Rules(forced and [forced[i] for i in indices], no_repeat_ngram)
+                if sampling is not None:
+                    search.update(sampling=sampling, streams=batch.indices + first_line - 1)
                 if self.static is not None and incremental:  # host tensors: it copies them in
-                    found = self.static.search(*inputs, beam=beam, nbest=nbest, **search)
+                    found = self.static.search(
+                        *inputs, beam=beam, nbest=nbest, rules=rules, **search
+                    )
                 else:
-                    found = self._search(inputs, beam, nbest, incremental, search)
+                    found = self._search(inputs, beam, nbest, incremental, search, rules)
                 for index, hypotheses in zip(indices, found, strict=True):
                     translations[index].candidates = self._candidates(hypotheses)
                 if attention:
                     self.add_attention([translations[i] for i in indices])
         return translations
 
-    def _search(self, inputs, beam: int, nbest: int, incremental: bool, search: dict):
+    def _prefixes(self, prefix: Sequence[str | None] | None, max_lens, todo, first_line: int):
+        """Each sentence's forced target prefix as subword ids (None: no prefixes), checked to
+        leave room for a token within its length limit ``max_lens`` where it is translated (the
+        indices ``todo``)."""
+        if prefix is None:
+            return None
+        count = len(max_lens)
+        if isinstance(prefix, str) or len(prefix) != count:
+            given = "a string" if isinstance(prefix, str) else f"{len(prefix)}"
+            raise ValueError(f"prefix must hold one text per sentence ({count}), got {given}")
+        texts = [text if text and text.strip() else "" for text in prefix]
+        encoded = iter(self.vocab.encode([t for t in texts if t]))
+        forced = [next(encoded) if text else [] for text in texts]
+        room = (max_lens - len(self.target_prefix) - 1).tolist()  # tokens before the last
+        for index in todo:
+            if len(forced[index]) > room[index]:
+                raise ValueError(
+                    f"prefix of line {first_line + index}: {len(forced[index])} subword tokens, "
+                    f"past the length limit of {room[index]} (max_len_a * source tokens + "
+                    "max_len_b, eos included, less one)"
+                )
+        return forced
+
+    def _search(self, inputs, beam: int, nbest: int, incremental: bool, search: dict, rules):
         """``fastnmt.search``'s n-best lists for host tensors (src, src_lengths, max_lens)."""
-        inputs = (self.model, *(x.to(self.device) for x in inputs))
-        search = search | dict(incremental=incremental, shortlist=self.shortlist)
+        models = self.models if len(self.models) > 1 else self.model
+        inputs = (models, *(x.to(self.device) for x in inputs))
+        search = search | dict(incremental=incremental, shortlist=self.shortlist, rules=rules)
+        if "sampling" in search:
+            return [h[:nbest] for h in sample(*inputs, **search)]
         if beam == 1 and nbest == 1:  # the same search; greedy skips beam bookkeeping
             return [[h] for h in greedy(*inputs, **search)]
         return beam_search(*inputs, beam=beam, nbest=nbest, **search)
+
+    @torch.inference_mode()
+    def score(
+        self,
+        sources: list[str],
+        targets: list[str],
+        *,
+        lenpen: float = 1.0,
+        alpha: float | None = None,
+        first_line: int = 1,
+    ) -> list[Score]:
+        """Each source/target pair's log-probability under the model (an ensemble: fairseq's
+        average of the members' probabilities at every token), teacher-forced in batches
+        through the fused loss: the sum over the target's tokens and eos, and with ``lenpen`` /
+        ``alpha`` the search's length-normalised score. Too long sides are truncated, with a
+        warning naming the line (``first_line``: that of sources[0])."""
+        if len(sources) != len(targets):
+            raise ValueError(
+                f"sources and targets must pair up, got {len(sources)} and {len(targets)}"
+            )
+        penalty = LengthPenalty(lenpen, alpha)
+        pairs = [
+            (self._encoded(s, first_line + i), self._encoded(t, first_line + i))
+            for i, (s, t) in enumerate(zip(sources, targets, strict=True))
+        ]
+        sizes = [max(len(s.source_tokens), len(t.source_tokens)) for s, t in pairs]
+        log_probs = torch.zeros(len(pairs), dtype=torch.float64)
+        with self._inference():
+            for indices in self._batches(list(range(len(pairs))), sizes):
+                batch = make_batch(
+                    [pairs[i][0].source_tokens for i in indices],
+                    [pairs[i][1].source_tokens for i in indices],
+                    indices,
+                    pad_id=self.vocab.pad_id,
+                    bos_id=self.vocab.bos_id,
+                    eos_id=self.vocab.eos_id,
+                ).to(self.device)
+                log_probs[indices] = self._pair_log_probs(batch).double().cpu()
+        counts = [len(t.source_tokens) + 1 for _, t in pairs]  # + eos
+        return [
+            Score(value, count, value / penalty(count))
+            for value, count in zip(log_probs.tolist(), counts, strict=True)
+        ]
+
+    def _pair_log_probs(self, batch) -> torch.Tensor:
+        """(B,) summed target log-probabilities of a batch of pairs, on the device."""
+        if len(self.models) == 1:
+            return _target_log_probs(self.model, batch, per_token=False)
+        members = [_target_log_probs(m, batch, per_token=True) for m in self.models]
+        mixed = torch.stack(members).logsumexp(0) - math.log(len(members))  # (tokens,)
+        return torch.stack([s.sum() for s in mixed.split(batch.tgt_lengths.tolist())])
 
     def _encoded(self, text: str, line: int) -> Translation:
         """``text`` encoded for the search, truncated to fit (with a warning)."""
@@ -312,15 +481,14 @@ class Translator:
             translation.truncated = True
         return translation
 
-    def _batches(self, todo: list[int], translations: list[Translation]) -> Iterator[list[int]]:
-        """Runs of sentences of similar length (sorted), each within max_tokens padded source
-        tokens and max_sentences sentences."""
-        sizes = {i: len(translations[i].source_tokens) + 1 for i in todo}  # + eos
+    def _batches(self, todo: list[int], lengths: list[int]) -> Iterator[list[int]]:
+        """Runs of sentences of similar ``lengths`` (tokens without eos, by index; sorted),
+        each within max_tokens padded tokens and max_sentences sentences."""
         batch: list[int] = []
-        for index in sorted(todo, key=sizes.__getitem__):
-            # Sorted by size: the sentence being added is the batch's longest.
+        for index in sorted(todo, key=lengths.__getitem__):
+            # Sorted by size: the sentence being added is the batch's longest (+ eos).
             full = len(batch) >= self.max_sentences
-            if batch and (full or (len(batch) + 1) * sizes[index] > self.max_tokens):
+            if batch and (full or (len(batch) + 1) * (lengths[index] + 1) > self.max_tokens):
                 yield batch
                 batch = []
             batch.append(index)

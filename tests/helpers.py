@@ -134,10 +134,10 @@ def require_backend(name: str) -> None:
         pytest.fail(fastnmt.extension_status())
 
 
-def tiny_checkpoint(directory, *, max_positions=1024, seed=0, **overrides):
+def tiny_checkpoint(directory, *, max_positions=1024, seed=0, pieces=300, **overrides):
     """A checkpoint directory of a random 1+1-layer model (d_model 32; ``overrides`` of its
-    ModelConfig) whose sentencepiece vocabulary was trained on 300 Multi30k en/de sentences;
-    returns its path. An output bias, when asked for, is random too."""
+    ModelConfig) whose sentencepiece vocabulary of ``pieces`` was trained on 300 Multi30k en/de
+    sentences; returns its path. An output bias, when asked for, is random too."""
     import gzip
 
     from fastnmt import checkpoint
@@ -148,7 +148,7 @@ def tiny_checkpoint(directory, *, max_positions=1024, seed=0, **overrides):
     for lang in ("en", "de"):
         with gzip.open(multi30k_file("train", lang), "rt", encoding="utf-8") as f:
             texts += [next(f).strip() for _ in range(300)]
-    vocab = Vocabulary.train(texts, 300)
+    vocab = Vocabulary.train(texts, pieces)
     cfg = preset(
         "tiny", d_model=32, heads=2, d_ff=64, encoder_layers=1, decoder_layers=1,
         vocab_size=len(vocab), max_positions=max_positions, **overrides,

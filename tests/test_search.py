@@ -8,7 +8,8 @@ import torch
 
 import fastnmt
 from fastnmt.model import ModelConfig, Transformer
-from fastnmt.search import LengthPenalty, beam_search, greedy
+from fastnmt.next_token import Sampling
+from fastnmt.search import LengthPenalty, Rules, beam_search, greedy, sample
 from tests.helpers import TRITON_DEVICE, HostOps, count_host_syncs, require_backend
 
 SMALL = ModelConfig(vocab_size=50, d_model=32, heads=2, d_ff=64, encoder_layers=1, decoder_layers=1)
@@ -265,5 +266,130 @@ def test_a_decoding_step_syncs_the_host_once(beam):
                 greedy(model, src, src_lengths, max_lens, eos=False)
             else:
                 beam_search(model, src, src_lengths, max_lens, beam=beam, eos=False)
+        counts.append(len(syncs.names))
+    assert counts[1] - counts[0] == 5, counts
+
+
+# Sampling, prefixes, repeated n-grams, ensembles. -------------------------------------------
+
+
+def _tokens(found) -> list:
+    return [[h.tokens for h in hypotheses] for hypotheses in found]
+
+
+def test_sampling_towards_zero_temperature_is_greedy():
+    model = _model(SMALL)
+    src, src_lengths = _sources(SMALL)
+    max_lens = torch.tensor([6, 9, 3, 6])
+    expected = [[h.tokens] for h in greedy(model, src, src_lengths, max_lens)]
+    for method in ("topk", "topp"):
+        cold = Sampling(method, temperature=1e-4, samples=3)
+        found = sample(model, src, src_lengths, max_lens, sampling=cold)
+        assert [sorted({tuple(t) for t in s}) for s in _tokens(found)] == [
+            [tuple(e[0])] for e in expected
+        ]
+
+
+def test_a_seed_draws_the_same_samples_in_any_batch_and_its_stream_others():
+    model = _model(SMALL)
+    src, src_lengths = _sources(SMALL)
+    max_lens = torch.full((4,), 8)
+    sampling = Sampling("topk", topk=10, temperature=1.5, samples=2, seed=42)
+    together = _tokens(sample(model, src, src_lengths, max_lens, sampling=sampling))
+    for row in range(4):
+        alone = sample(
+            model, src[row : row + 1], src_lengths[row : row + 1], max_lens[row : row + 1],
+            sampling=sampling, streams=torch.tensor([row]),
+        )  # fmt: skip
+        assert _tokens(alone) == together[row : row + 1]
+    reseeded = Sampling("topk", topk=10, temperature=1.5, samples=2, seed=43)
+    assert _tokens(sample(model, src, src_lengths, max_lens, sampling=reseeded)) != together
+    assert len({tuple(map(tuple, s)) for s in together}) > 1, "a test of nothing: all alike"
+
+
+def test_a_forced_prefix_is_reproduced_and_scored():
+    model = _model(SMALL)
+    src, src_lengths = _sources(SMALL)
+    prefixes = [[5, 6, 7], [], [9], [10, 11]]
+    max_lens = torch.tensor([8, 6, 4, 3])
+    rules = Rules(prefixes=prefixes)
+    for found in (
+        [[h] for h in greedy(model, src, src_lengths, max_lens, rules=rules)],
+        beam_search(model, src, src_lengths, max_lens, beam=3, nbest=3, rules=rules),
+        sample(model, src, src_lengths, max_lens, sampling=Sampling(samples=2), rules=rules),
+    ):
+        for row, hypotheses in enumerate(found):
+            for h in hypotheses:
+                assert h.tokens[: len(prefixes[row])] == prefixes[row]
+                ids = h.tokens + [SMALL.eos_id] * h.ended
+                [log_prob] = _sequence_log_probs(model, src, src_lengths, row, [ids])
+                assert h.log_prob == pytest.approx(log_prob, abs=1e-4)
+    with pytest.raises(ValueError, match="at least the prefix and a token"):
+        greedy(model, src, src_lengths, torch.tensor([3, 6, 4, 3]), rules=rules)
+    with pytest.raises(ValueError, match="one prefix per sentence"):
+        greedy(model, src, src_lengths, max_lens, rules=Rules(prefixes=prefixes[:2]))
+
+
+def _repeats(tokens: list[int], size: int) -> bool:
+    ngrams = [tuple(tokens[i : i + size]) for i in range(len(tokens) - size + 1)]
+    return len(ngrams) != len(set(ngrams))
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_no_ngram_repeats_under_no_repeat_ngram(size):
+    model = _model(SMALL)
+    src, src_lengths = _sources(SMALL)
+    max_lens = torch.full((4,), 12)
+    plain = _tokens(beam_search(model, src, src_lengths, max_lens, beam=2))
+    assert any(_repeats(t, size) for s in plain for t in s), "a test of nothing: no repeats"
+    rules = Rules(no_repeat_ngram=size)
+    for found in (
+        [[h] for h in greedy(model, src, src_lengths, max_lens, rules=rules)],
+        beam_search(model, src, src_lengths, max_lens, beam=3, nbest=3, rules=rules),
+        sample(model, src, src_lengths, max_lens, sampling=Sampling(samples=3), rules=rules),
+    ):
+        for hypotheses in found:
+            assert hypotheses and not any(_repeats(h.tokens, size) for h in hypotheses)
+
+
+def test_a_model_ensembled_with_itself_searches_as_it_does_alone():
+    model = _model(SMALL)
+    src, src_lengths = _sources(SMALL)
+    max_lens = torch.tensor([6, 9, 3, 6])
+    for search in (
+        lambda m: [[h] for h in greedy(m, src, src_lengths, max_lens)],
+        lambda m: beam_search(m, src, src_lengths, max_lens, beam=4, nbest=4),
+    ):
+        alone, twice = search(model), search([model, model])
+        assert _tokens(alone) == _tokens(twice)
+        for a, b in zip(alone, twice, strict=True):
+            assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-5)
+
+
+def test_an_ensemble_averages_its_members_probabilities():
+    """Two different models: each step's scores are the log of their probabilities' mean."""
+    first, second = _model(SMALL), _model(SMALL)
+    src, src_lengths = _sources(SMALL)
+    max_lens = torch.tensor([5, 5, 5, 5])
+    [[found]] = beam_search([first, second], src[:1], src_lengths[:1], max_lens[:1], beam=2)
+    ids = found.tokens + [SMALL.eos_id] * found.ended
+    members = [_log_probs(m, src, src_lengths, 0, [ids[:-1]])[0] for m in (first, second)]
+    mixed = torch.stack(members).logsumexp(0) - torch.log(torch.tensor(2.0))
+    expected = sum(mixed[t, token].item() for t, token in enumerate(ids))
+    assert found.log_prob == pytest.approx(expected, abs=1e-4)
+    other = ModelConfig(**{**SMALL.to_dict(), "vocab_size": 51})
+    with pytest.raises(ValueError, match="ensemble model 2 has another vocabulary"):
+        greedy([first, _model(other)], src, src_lengths, max_lens)
+
+
+def test_a_sampling_step_syncs_the_host_once():
+    model = _model(SMALL)
+    src, src_lengths = _sources(SMALL)
+    counts = []
+    for steps in (4, 9):
+        max_lens = torch.full((src.shape[0],), steps)
+        sampling = Sampling("topk", topk=5, samples=2, seed=1)
+        with count_host_syncs() as syncs:
+            sample(model, src, src_lengths, max_lens, sampling=sampling, eos=False)
         counts.append(len(syncs.names))
     assert counts[1] - counts[0] == 5, counts

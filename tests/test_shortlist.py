@@ -7,8 +7,9 @@ import torch
 
 from fastnmt import preprocess, shortlist
 from fastnmt.data import DataError, EncodedCorpus, Vocabulary
+from fastnmt.next_token import Sampling
 from fastnmt.quantize import quantize_int8
-from fastnmt.search import beam_search, greedy
+from fastnmt.search import Rules, beam_search, greedy, sample
 from fastnmt.shortlist import Shortlist
 from fastnmt.translate import main as translate_main
 from fastnmt.translator import Translator, load_checkpoint
@@ -150,3 +151,22 @@ def test_cli_builds_from_a_prepared_directory(corpus, tmp_path, capsys):
         shortlist.main(["--prepared-dir", str(tmp_path / "nothing"), "--output", str(output)])
     assert exited.value.code == 2
     assert "no prepared data" in capsys.readouterr().err
+
+
+def test_sampling_prefixes_and_repeated_ngrams_with_a_shortlist(checkpoint_dir, vocab):
+    """Forced prefixes join the batch's scored words; sampling draws only those; n-grams are
+    banned by column."""
+    model = load_checkpoint(checkpoint_dir)[0].eval()
+    src = torch.tensor([[5, 9, 14, 2], [7, 30, 2, 0]])
+    lengths, max_lens = torch.tensor([4, 3]), torch.tensor([8, 8])
+    small = Shortlist(torch.tensor([4, 6]), torch.full((len(vocab), 1), 8), "")
+    rules = Rules(prefixes=[[10, 11], [12]], no_repeat_ngram=1)
+    found = sample(
+        model, src, lengths, max_lens, sampling=Sampling(samples=3), shortlist=small, rules=rules
+    )
+    for hypotheses, prefix in zip(found, rules.prefixes, strict=True):
+        for hypothesis in hypotheses:
+            tokens = hypothesis.tokens
+            listed = {4, 6, 8, 10, 11, 12}  # a batch's words: its lists' and its prefixes'
+            assert tokens[: len(prefix)] == prefix and set(tokens[len(prefix) :]) <= listed
+            assert len(set(tokens)) == len(tokens)

@@ -2,12 +2,15 @@
 buckets reused across batches, no host sync inside a step, the translator's choice, and (on a
 GPU) captured graphs replaying what calls compute."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from fastnmt import static_search
 from fastnmt.model import ModelConfig, Transformer
-from fastnmt.search import LengthPenalty, beam_search
+from fastnmt.next_token import Sampling
+from fastnmt.search import LengthPenalty, Rules, beam_search, sample
 from fastnmt.static_search import CHECK_EVERY, StaticSearches, graph_reasons
 from fastnmt.translator import Translator
 from tests.helpers import count_host_syncs, tiny_checkpoint
@@ -58,6 +61,8 @@ SETTINGS = {
     "prefix, GNMT penalty": dict(beam=2, nbest=2, prefix=(7,), penalty=LengthPenalty(alpha=0.6)),
     "no eos, raw scores": dict(beam=3, eos=False, penalty=LengthPenalty(0.0)),
     "post-norm": dict(prenorm=False, beam=5, nbest=2),
+    "no repeated bigrams": dict(beam=3, nbest=3, rules=Rules(no_repeat_ngram=2)),
+    "greedy, no repeated words": dict(beam=1, rules=Rules(no_repeat_ngram=1)),
 }
 
 
@@ -70,6 +75,31 @@ def test_hypotheses_equal_the_beam_search(setting):
     for count in (1, 7, 3):  # buckets of 1, 8 and 4 slots
         batch = _batch(model.cfg, count, shortest=len(options.get("prefix", ())) + 1)
         _same(searches.search(*batch, **options), _reference(model, *batch, **options))
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_forced_prefixes_give_what_the_beam_search_gives(beam):
+    """Per-sentence prefixes of different lengths (some none) in buckets of 8 and 4 slots, after
+    a shared forced prefix, with repeated trigrams banned."""
+    model = _model(50)
+    searches = StaticSearches(model, capture=False)
+    for count in (7, 3):
+        lengths = torch.randint(0, 4, (count,)).tolist()
+        prefixes = [torch.randint(3, 50, (n,)).tolist() for n in lengths]
+        src, src_lengths, _ = _batch(model.cfg, count)
+        max_lens = torch.tensor(lengths) + torch.randint(2, 12, (count,))
+        options = dict(
+            beam=beam, nbest=beam, prefix=(7,), penalty=LengthPenalty(),
+            rules=Rules(prefixes=prefixes, no_repeat_ngram=3),
+        )  # fmt: skip
+        found = searches.search(src, src_lengths, max_lens, **options)
+        _same(found, _reference(model, src, src_lengths, max_lens, **options))
+        for hypotheses, prefix in zip(found, prefixes, strict=True):
+            assert all(h.tokens[1 : 1 + len(prefix)] == prefix for h in hypotheses)
+    for search in searches.searches.values():  # the rules are device work too
+        with torch.inference_mode(), count_host_syncs(none_allowed=True) as syncs:
+            search.step()
+        assert syncs.names == []
 
 
 def test_a_bucket_serves_every_batch_that_fits_it():
@@ -166,3 +196,64 @@ def test_searches_are_bounded_least_recently_used_first(monkeypatch):
     assert [key[0][0] for key in searches.searches] == [1, 4]
     assert searches.searches[next(iter(searches.searches))] is kept
     _same(searches.search(*batches[1], **options), first)
+
+
+SAMPLINGS = {
+    "unrestricted": Sampling(samples=3),
+    "top 5, hot": Sampling("topk", topk=5, temperature=2.0, samples=2),
+    "nucleus 0.8": Sampling("topp", topp=0.8, temperature=1.5),
+}
+
+
+@pytest.mark.parametrize("setting", SAMPLINGS)
+def test_samples_equal_the_dynamic_search_s(setting):
+    """Seeded, the static search draws what ``search.sample`` draws for the same streams, in a
+    bucket reused by batches of 5, 8 and 3 sentences."""
+    model = _model(50)
+    searches = StaticSearches(model, capture=False)
+    for count, seed in ((5, 1), (8, 2), (3, 3)):
+        src, lengths, max_lens = _batch(model.cfg, count)
+        streams = torch.randperm(100)[:count]  # the sentences' lines in some input
+        sampling = replace(SAMPLINGS[setting], seed=seed)
+        options = dict(sampling=sampling, streams=streams, penalty=LengthPenalty())
+        n = sampling.samples
+        expected = sample(model, src.to(DEVICE), lengths.to(DEVICE), max_lens, **options)
+        _same(searches.search(src, lengths, max_lens, beam=1, nbest=n, **options), expected)
+    assert all(s.sampling.seed is None for s in searches.searches.values())  # serve any seed
+
+
+def test_a_replayed_sampling_step_draws_afresh_without_a_host_sync():
+    """The random numbers are a function of device tensors the programs advance: each step of
+    one bucket draws new ones, and each unseeded search too."""
+    model = _model(50)
+    with torch.no_grad():  # back to the initial, flat distributions: varied draws
+        model.embedding.weight.div_(4.0)
+    searches = StaticSearches(model, capture=False)
+    src, lengths, _ = _batch(model.cfg, 4)
+    max_lens = torch.full((4,), 17)
+    options = dict(beam=1, nbest=2, penalty=LengthPenalty(), eos=False)
+    hot = Sampling(samples=2)
+    runs = [searches.search(src, lengths, max_lens, sampling=hot, **options) for _ in range(2)]
+    assert [[h.tokens for h in s] for s in runs[0]] != [[h.tokens for h in s] for s in runs[1]]
+    [search] = searches.searches.values()
+    with torch.inference_mode(), count_host_syncs(none_allowed=True) as syncs:
+        search.step()
+    assert syncs.names == []
+    drawn = search.history[0, 1:17].tolist()  # a row's 16 steps, each a fresh number
+    assert len(set(drawn)) > 3, "the same token drawn at every step"
+
+
+def test_sampling_replays_in_captured_graphs_as_called():
+    if DEVICE.type != "cuda":
+        pytest.skip("CUDA graphs need a CUDA device")
+    model = _model(50)
+    called, captured = StaticSearches(model, capture=False), StaticSearches(model, capture=True)
+    for count, seed in ((6, 1), (3, 2), (8, 3)):
+        batch = _batch(model.cfg, count)
+        options = dict(beam=1, nbest=2, penalty=LengthPenalty())
+        sampling = Sampling("topk", topk=8, samples=2, seed=seed)
+        _same(
+            captured.search(*batch, sampling=sampling, **options),
+            called.search(*batch, sampling=sampling, **options),
+        )
+    assert all(s.step.graph is not None for s in captured.searches.values())

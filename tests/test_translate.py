@@ -102,6 +102,18 @@ def test_truncation_warning_names_the_line(monkeypatch, capsys, tmp_path):
         (["--device", "tpu"], "--device must be auto, cpu, cuda or cuda:N, got 'tpu'"),
         (["--device", "cuda:64"], "--device cuda:64: "),
         (["--static-search", "on", "--shortlist", "x"], "no shortlist with it"),
+        (["--sampling", "topk", "--sampling-topk", "0"], "--sampling-topk must be at least 1"),
+        (["--sampling", "topp", "--sampling-topp", "0"], "--sampling-topp must be in (0, 1]"),
+        (["--sampling", "topp", "--sampling-topp", "1.5"], "--sampling-topp must be in (0, 1]"),
+        (["--sampling", "topk", "--temperature", "0"], "--temperature must be positive"),
+        (["--sampling", "topk", "--temperature", "-1"], "--temperature must be positive"),
+        (["--sampling", "topk", "--samples", "0"], "--samples must be at least 1"),
+        (["--sampling", "topk", "--nbest", "2"], "--nbest must be between 1 and --samples (1)"),
+        (["--sampling", "topp", "--sampling-topk", "5"], "--sampling-topk is for --sampling topk"),
+        (["--temperature", "0.5"], "--temperature needs --sampling"),
+        (["--seed", "1"], "--seed needs --sampling"),
+        (["--no-repeat-ngram", "-1"], "--no-repeat-ngram must be >= 0"),
+        (["--prefix-file", "/nonexistent/prefixes"], "/nonexistent/prefixes"),
     ],
 )
 def test_bad_values_are_one_line_errors(checkpoint_dir, monkeypatch, capsys, arguments, message):
@@ -150,3 +162,55 @@ def test_ctrl_c_on_stdin_exits_130_without_a_traceback(checkpoint_dir):
     assert process.wait(timeout=60) == 130
     err = process.stderr.read().decode()
     assert "Traceback" not in err and "interrupted" in err
+
+
+def test_sampling_with_a_seed_is_reproducible_in_any_batching(checkpoint_dir, monkeypatch, capsys):
+    text = "".join(line + "\n" for line in LINES).encode()
+    sampling = ("--sampling", "topk", "--sampling-topk", 20, "--samples", 3, "--nbest", 3)
+    outputs = [
+        _main(monkeypatch, capsys, text, "--checkpoint", checkpoint_dir, *sampling, "--seed", 9,
+              *batching)[:2]
+        for batching in ((), ("--max-sentences", 1, "--buffer-size", 1))
+    ]  # fmt: skip
+    assert outputs[0] == outputs[1] and outputs[0][0] == 0
+    numbers = [line.split(" ||| ")[0] for line in outputs[0][1].splitlines()]
+    assert numbers == ["1"] * 3 + ["2"] + ["3"] * 3 + ["4", "5"]  # an empty line: one line
+
+
+def test_prefix_file_forces_each_line_s_start(checkpoint_dir, monkeypatch, capsys, tmp_path):
+    prefixes = tmp_path / "prefixes.txt"
+    prefixes.write_text("Ein Mann\n\nZwei\n\n\n", encoding="utf-8")
+    text = "".join(line + "\n" for line in LINES).encode()
+    code, out, err = _main(
+        monkeypatch, capsys, text, "--checkpoint", checkpoint_dir, "--prefix-file", prefixes,
+        "--no-repeat-ngram", 3,
+    )  # fmt: skip
+    assert code == 0, err
+    outputs = out.split("\n")
+    assert outputs[0].startswith("Ein Mann") and outputs[2].startswith("Zwei")
+    prefixes.write_text("Ein Mann\n", encoding="utf-8")
+    code, _, err = _main(
+        monkeypatch, capsys, text, "--checkpoint", checkpoint_dir, "--prefix-file", prefixes
+    )
+    assert code == 2 and err.splitlines()[-1].startswith("error: --prefix-file has 1 lines")
+    prefixes.write_text("Ein Mann geht mit seinem Hund im Park spazieren\n", encoding="utf-8")
+    code, _, err = _main(
+        monkeypatch, capsys, b"Dogs.", "--checkpoint", checkpoint_dir, "--prefix-file", prefixes
+    )
+    assert code == 2 and "prefix of line 1:" in err and err.count("\n") == 1
+
+
+def test_an_ensemble_of_one_checkpoint_twice_translates_as_it(checkpoint_dir, monkeypatch, capsys):
+    text = "\n".join(LINES).encode()
+    alone = _main(monkeypatch, capsys, text, "--checkpoint", checkpoint_dir)
+    twice = _main(monkeypatch, capsys, text, "--checkpoint", checkpoint_dir, checkpoint_dir)
+    assert alone[0] == twice[0] == 0 and alone[1] == twice[1]
+
+
+def test_checkpoints_with_different_vocabularies_are_a_one_line_error(
+    checkpoint_dir, monkeypatch, capsys, tmp_path
+):
+    other = tiny_checkpoint(tmp_path, pieces=280)
+    code, out, err = _main(monkeypatch, capsys, b"A man.", "--checkpoint", checkpoint_dir, other)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "has another vocabulary than" in err

@@ -8,7 +8,10 @@ import torch
 
 import fastnmt
 from fastnmt.checkpoint import CheckpointError
+from fastnmt.data import make_batch
+from fastnmt.next_token import Sampling
 from fastnmt.search import LengthPenalty, beam_search
+from fastnmt.trainer import label_smoothed_loss
 from fastnmt.translator import Translator, TruncationWarning, fastest_dtype, fastest_precision
 from tests.helpers import tiny_checkpoint
 
@@ -164,3 +167,125 @@ def test_auto_precision_takes_bf16_only_on_gpus_that_compute_in_it(
 def test_auto_inference_precision_on_gpus_is_their_half_precision(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert fastest_precision("cuda") == "bf16"
+
+
+# Sampling, prefixes, repeated n-grams, ensembles, scoring. -----------------------------------
+
+
+def _candidate_texts(translations) -> list[list[str]]:
+    return [[c.text for c in t.candidates] for t in translations]
+
+
+def test_a_seed_samples_the_same_on_every_backend_batch_size_and_search(translator):
+    sampling = Sampling("topk", topk=20, samples=2, seed=2024)
+    options = dict(sampling=sampling, nbest=2, max_len_b=6)
+    expected = _candidate_texts(translator.translate_full(SENTENCES, **options))
+    assert len({tuple(c) for c in expected if c}) > 1, "a test of nothing: all alike"
+    static = Translator(translator.model, translator.vocab, static=True)
+    translator.max_sentences = 1
+    try:
+        fused = "triton" if translator.device.type == "cuda" else "cpp"
+        for backend in (fused, "reference"):
+            with fastnmt.backend(backend):
+                for searcher in (translator, static):
+                    got = searcher.translate_full(SENTENCES, **options)
+                    assert _candidate_texts(got) == expected, (backend, searcher.static)
+    finally:
+        translator.max_sentences = 256
+    # a sentence's samples depend on its line number, not on its neighbours
+    shifted = translator.translate_full(SENTENCES[2:], first_line=3, **options)
+    assert _candidate_texts(shifted) == expected[2:]
+    unseeded = dict(options, sampling=Sampling("topk", topk=20, samples=2))
+    torch.manual_seed(1)
+    first = _candidate_texts(translator.translate_full(SENTENCES, **unseeded))
+    torch.manual_seed(1)
+    assert _candidate_texts(translator.translate_full(SENTENCES, **unseeded)) == first
+    assert _candidate_texts(translator.translate_full(SENTENCES, **unseeded)) != first
+    with pytest.raises(ValueError, match=r"nbest must be between 1 and samples \(2\)"):
+        translator.translate(SENTENCES, sampling=sampling, nbest=3)
+
+
+def test_a_prefix_is_reproduced_exactly(translator):
+    prefixes = ["Ein Mann", None, "Zwei Kinder spielen", "", "Hunde", "Eine Frau singt"]
+    for options in (dict(beam=1), dict(beam=3), dict(sampling=Sampling(seed=3))):
+        translations = translator.translate_full(SENTENCES, prefix=prefixes, **options)
+        for translation, prefix in zip(translations, prefixes, strict=True):
+            if translation.source.strip() and prefix:
+                assert translation.text.startswith(prefix), (translation.text, prefix)
+                forced = translator.vocab.encode([prefix])[0]
+                assert translation.candidates[0].tokens[: len(forced)] == forced
+    # line 2 is blank (not translated, so its prefix is not checked); line 3's is too long
+    too_long = [None, "Ein Mann geht mit seinem Hund", "Zwei Kinder spielen im Park", *[None] * 3]
+    with pytest.raises(ValueError, match=r"prefix of line 3: \d+ subword tokens, past the le"):
+        translator.translate(SENTENCES, prefix=too_long, max_len_a=0, max_len_b=4)
+    with pytest.raises(ValueError, match=r"one text per sentence \(6\), got 2"):
+        translator.translate(SENTENCES, prefix=prefixes[:2])
+
+
+def test_no_repeat_ngram_bans_repeated_ngrams_of_subwords(translator):
+    for options in (dict(beam=1), dict(beam=3, nbest=3), dict(sampling=Sampling(samples=2))):
+        found = translator.translate_full(SENTENCES, no_repeat_ngram=2, max_len_b=30, **options)
+        for translation in found:
+            for candidate in translation.candidates:
+                bigrams = list(zip(candidate.tokens, candidate.tokens[1:], strict=False))
+                assert len(bigrams) == len(set(bigrams)), candidate.tokens
+    with pytest.raises(ValueError, match="no_repeat_ngram must be a non-negative int"):
+        translator.translate(SENTENCES, no_repeat_ngram=-1)
+
+
+def test_a_model_ensembled_with_itself_translates_as_it_does_alone(checkpoint_dir, translator):
+    ensemble = Translator.from_checkpoint([checkpoint_dir, checkpoint_dir], precision="fp32")
+    assert len(ensemble.models) == 2 and ensemble.static is None
+    for options in (dict(beam=1), dict(beam=4, nbest=2)):
+        assert _candidate_texts(ensemble.translate_full(SENTENCES, **options)) == (
+            _candidate_texts(translator.translate_full(SENTENCES, **options))
+        )
+    with pytest.raises(ValueError, match="no ensemble"):
+        Translator(ensemble.models, ensemble.vocab, static=True)
+
+
+def test_checkpoints_with_different_vocabularies_do_not_ensemble(checkpoint_dir, tmp_path):
+    other = tiny_checkpoint(tmp_path, pieces=280)
+    with pytest.raises(CheckpointError, match="has another vocabulary than"):
+        Translator.from_checkpoint([checkpoint_dir, other], precision="fp32")
+
+
+TARGETS = ["Ein Mann geht mit seinem Hund.", "", "Zwei Kinder.", "", "Hunde.", "Eine Frau."]
+
+
+def test_a_pair_s_score_is_minus_the_trainer_s_summed_loss_without_smoothing(translator):
+    scores = translator.score(SENTENCES, TARGETS, lenpen=0.5)
+    model, vocab = translator.model, translator.vocab
+    for source, target, score in zip(SENTENCES, TARGETS, scores, strict=True):
+        src, tgt = vocab.encode([source])[0], vocab.encode([target])[0]
+        batch = make_batch([src], [tgt], [0], pad_id=0, bos_id=1, eos_id=2)
+        with torch.no_grad():
+            states = model(batch.src, batch.src_lengths, batch.tgt_in)
+            loss, _, _ = label_smoothed_loss(model, states, batch.tgt_out, batch.tgt_positions, 0.0)
+        assert score.log_prob == pytest.approx(-loss.item(), abs=1e-4)
+        assert score.tokens == len(tgt) + 1
+        assert score.per_token == pytest.approx(score.log_prob / score.tokens)
+        assert score.normalised == pytest.approx(score.log_prob / score.tokens**0.5)
+    translator.max_sentences = 2
+    try:
+        with fastnmt.backend("reference"):
+            again = translator.score(SENTENCES, TARGETS, lenpen=0.5)
+    finally:
+        translator.max_sentences = 256
+    assert [s.log_prob for s in again] == pytest.approx([s.log_prob for s in scores], abs=1e-4)
+    with pytest.raises(ValueError, match="sources and targets must pair up, got 6 and 5"):
+        translator.score(SENTENCES, TARGETS[:5])
+
+
+def test_the_search_s_log_probability_is_the_pair_s_score(checkpoint_dir, translator):
+    [found] = translator.translate_full([SENTENCES[0]], beam=1, max_len_b=5)
+    candidate = found.candidates[0]
+    ensemble = Translator.from_checkpoint([checkpoint_dir, checkpoint_dir], precision="fp32")
+    for scorer in (translator, ensemble):
+        batch = make_batch([found.source_tokens], [candidate.tokens], [0]).to(scorer.device)
+        with torch.no_grad():
+            [log_prob] = scorer._pair_log_probs(batch).tolist()
+        if candidate.ended:
+            assert log_prob == pytest.approx(candidate.log_prob, abs=1e-4)
+        else:  # the search stopped before eos: the score adds eos' log-probability
+            assert log_prob < candidate.log_prob
