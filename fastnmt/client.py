@@ -62,15 +62,18 @@ class Client:
         n_best: int = 1,
         max_length: int | None = None,
         length_penalty: float | None = None,
+        **fields,
     ) -> list[list[dict]]:
         """Each sentence's n-best list, best first, as the server answers it: dicts of
         ``text``, ``score`` and ``truncated`` (cut by the length limit). ``max_length``: target
         tokens at most (eos included); ``length_penalty``: scores are log-probability / length
-        ** length_penalty. None: the server's defaults."""
+        ** length_penalty. None: the server's defaults. ``fields``: the request's other fields
+        as the server names them (``sampling="topk"``, ``seed``, ``prefix``,
+        ``no_repeat_ngram``, ...: /openapi.json lists them)."""
         if isinstance(texts, str) or not isinstance(texts, list):
             raise TypeError(f"texts must be a list of strings, got {type(texts).__name__}")
         request = {"text": texts, "beam": beam, "n_best": n_best}
-        optional = {"max_length": max_length, "length_penalty": length_penalty}
+        optional = {"max_length": max_length, "length_penalty": length_penalty, **fields}
         request |= {name: value for name, value in optional.items() if value is not None}
         status, data = self._request("POST", "/translate", json.dumps(request).encode())
         if status != 200:

@@ -37,7 +37,9 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
+from fastnmt.next_token import SAMPLING_METHODS, Sampling
 from fastnmt.runtime import configure_process
 from fastnmt.translator import Translation, Translator
 
@@ -65,6 +67,9 @@ except ImportError as error:  # an optional extra: the error says how to get it
     ) from None
 
 MAX_BEAM = 16
+MAX_NGRAM = 16  # --no-repeat-ngram's bound: longer n-grams repeat too rarely to matter
+# The request fields that only sampling reads.
+SAMPLING_FIELDS = ("sampling_topk", "sampling_topp", "temperature", "seed", "samples")
 ACCESS_LOG = logging.getLogger("fastnmt.serve.access")
 ERROR_LOG = logging.getLogger("fastnmt.serve")
 
@@ -129,6 +134,30 @@ class TranslateRequest(BaseModel):
         1.0, ge=0.0, allow_inf_nan=False, description="Scores are log-probability / "
         "length ** length_penalty: higher favours longer translations",
     )  # fmt: skip
+    sampling: Literal[SAMPLING_METHODS] | None = Field(
+        None, description="Sample instead of searching (beam unused): from the sampling_topk "
+        "most probable tokens (topk) or the sampling_topp nucleus (topp)",
+    )  # fmt: skip
+    sampling_topk: int | None = Field(None, ge=1, description="topk: K (default: all)")
+    sampling_topp: float | None = Field(
+        None, gt=0.0, le=1.0, allow_inf_nan=False, description="topp: P (default 0.9)"
+    )
+    temperature: float | None = Field(
+        None, gt=0.0, allow_inf_nan=False, description="softmax(logits / T) (default 1)"
+    )
+    seed: int | None = Field(
+        None, ge=0, lt=1 << 63, description="The same seed and sentences, the same samples"
+    )
+    samples: int | None = Field(
+        None, ge=1, le=MAX_BEAM, description="Samples per sentence, the candidates (default 1)"
+    )
+    prefix: str | list[str | None] | None = Field(
+        None, description="Per sentence (one string: the one sentence), text its translation "
+        "must start with, scored by the model",
+    )  # fmt: skip
+    no_repeat_ngram: int = Field(
+        0, ge=0, le=MAX_NGRAM, description="No n-gram of this many subword tokens twice"
+    )
 
 
 class Candidate(BaseModel):
@@ -156,19 +185,35 @@ class Options:
     n_best: int
     max_length: int | None
     length_penalty: float
+    sampling: Sampling | None = None
+    no_repeat_ngram: int = 0
 
     def search(self) -> dict:
         """``Translator.translate_full``'s keyword arguments."""
         lengths = {} if self.max_length is None else dict(max_len_a=0.0, max_len_b=self.max_length)
-        return dict(beam=self.beam, nbest=self.n_best, lenpen=self.length_penalty, **lengths)
+        return dict(
+            beam=self.beam,
+            nbest=self.n_best,
+            lenpen=self.length_penalty,
+            sampling=self.sampling,
+            no_repeat_ngram=self.no_repeat_ngram,
+            **lengths,
+        )
 
 
 @dataclass(frozen=True)
 class Query:
-    """A checked request: its sentences encoded once, and its options."""
+    """A checked request: its sentences encoded once, their target prefixes (None: none), and
+    its options. ``alone``: its sentences may not share a batch with another request's (a
+    prefix past its length limit fails its batch)."""
 
     sentences: list[Translation]
+    prefixes: list[str | None]
     options: Options
+
+    @property
+    def alone(self) -> bool:
+        return any(prefix is not None for prefix in self.prefixes)
 
 
 def parse_query(
@@ -188,9 +233,12 @@ def parse_query(
     if not 1 <= len(texts) <= limits.max_sentences:
         message = f"text must hold 1 to {limits.max_sentences} sentences, got {len(texts)}"
         raise Rejected(422, message, "text")
-    if request.n_best > request.beam:
-        message = f"n_best must be at most beam ({request.beam}), got {request.n_best}"
+    sampling = _sampling(request)
+    most, name = (request.beam, "beam") if sampling is None else (sampling.samples, "samples")
+    if request.n_best > most:
+        message = f"n_best must be at most {name} ({most}), got {request.n_best}"
         raise Rejected(422, message, "n_best")
+    prefixes = _prefixes(request.prefix, len(texts))
     if request.max_length is not None and request.max_length > max_output_tokens:
         message = f"max_length must be at most {max_output_tokens}, got {request.max_length}"
         raise Rejected(422, message, "max_length")
@@ -212,8 +260,42 @@ def parse_query(
     sentences = [
         Translation(t, ids if t.strip() else []) for t, ids in zip(texts, tokens, strict=True)
     ]
-    options = Options(request.beam, request.n_best, request.max_length, request.length_penalty)
-    return Query(sentences, options)
+    options = Options(
+        request.beam,
+        request.n_best,
+        request.max_length,
+        request.length_penalty,
+        sampling,
+        request.no_repeat_ngram,
+    )
+    return Query(sentences, prefixes, options)
+
+
+def _sampling(request: TranslateRequest) -> Sampling | None:
+    """The request's sampling, or None (search); a sampling field without ``sampling`` is a 422
+    naming it."""
+    given = {name: getattr(request, name) for name in SAMPLING_FIELDS}
+    if request.sampling is None:
+        for name, value in given.items():
+            if value is not None:
+                raise Rejected(422, f"{name} needs sampling (topk or topp)", name)
+        return None
+    names = dict(sampling_topk="topk", sampling_topp="topp")
+    values = {names.get(k, k): v for k, v in given.items() if v is not None}
+    return Sampling(request.sampling, **values)  # each value within bounds (the model's fields)
+
+
+def _prefixes(prefix: str | list[str | None] | None, count: int) -> list[str | None]:
+    """Each sentence's target prefix (None: none); one string serves a one-sentence request."""
+    if prefix is None:
+        return [None] * count
+    prefixes = [prefix] if isinstance(prefix, str) else prefix
+    if len(prefixes) != count:
+        given = f"{len(prefixes)} prefixes"
+        raise Rejected(
+            422, f"prefix must hold one text per sentence ({count}), got {given}", "prefix"
+        )
+    return [p if p and p.strip() else None for p in prefixes]
 
 
 def _encoded(texts: list[str], encode) -> list[list[int]]:
@@ -329,9 +411,11 @@ class Job:
     """One sentence of a request, waiting for its translation."""
 
     sentence: Translation
-    key: tuple  # jobs of one key can share a batch: (Options[, request without batching])
+    key: tuple  # jobs of one key can share a batch: (Options[, a request batched alone])
     future: asyncio.Future
     arrived: float = field(default_factory=time.monotonic)
+    prefix: str | None = None  # text its translation must start with
+    line: int = 1  # its position in its request (its samples follow it)
 
     @property
     def tokens(self) -> int:
@@ -388,7 +472,7 @@ class Batcher:
 
     def __init__(
         self,
-        translate: Callable[[list[Translation], Options], list[Translation]],
+        translate: Callable[[list[Job]], list[Translation]],
         model_thread: ModelThread,
         *,
         max_tokens: int,
@@ -432,9 +516,7 @@ class Batcher:
                 self.metrics.queue_wait.observe(started - job.arrived)
             self.metrics.batch_sentences.observe(len(batch))
             self.metrics.batch_tokens.observe(batch_cost(batch))
-            running = self.model_thread.submit(
-                self.translate, [job.sentence for job in batch], batch[0].key[0]
-            )
+            running = self.model_thread.submit(self.translate, batch)
             try:
                 found = await self._within_deadline(asyncio.wrap_future(running), batch)
             except Exception as error:  # answer the batch's requests; the server goes on
@@ -573,8 +655,20 @@ class Server:
             ERROR_LOG.error("the model failed to load: %s", self.load_error)
             self.on_load_error()
 
-    def _translate(self, sentences: list[Translation], options: Options) -> list[Translation]:
-        return self.translator.translate_full(sentences, **options.search())
+    def _translate(self, jobs: list[Job]) -> list[Translation]:
+        """A batch's translations: its jobs share their options; a job with a prefix shares its
+        batch with its request's sentences only (``Query.alone``). Each sentence's samples follow
+        its position in its request, whatever the batching."""
+        prefixes = [job.prefix for job in jobs]
+        try:
+            return self.translator.translate_full(
+                [job.sentence for job in jobs],
+                **jobs[0].key[0].search(),
+                prefix=prefixes if any(p is not None for p in prefixes) else None,
+                first_line=[job.line for job in jobs],
+            )
+        except ValueError as error:  # checked before but a prefix's length: its limit's
+            raise Rejected(422, one_line(error), "prefix") from None
 
     # The event loop.
 
@@ -696,8 +790,14 @@ class Server:
             max_output,
         )  # fmt: skip
         self.requests += 1
-        key = (query.options,) + (() if self.batching else (self.requests,))
-        jobs = [Job(s, key, loop.create_future(), arrived) for s in query.sentences]
+        alone = query.alone or not self.batching
+        key = (query.options,) + ((self.requests,) if alone else ())
+        jobs = [
+            Job(sentence, key, loop.create_future(), arrived, prefix, line)
+            for line, (sentence, prefix) in enumerate(
+                zip(query.sentences, query.prefixes, strict=True), start=1
+            )
+        ]
         self.batcher.submit(jobs)
         translations = await self._translations(request, jobs, arrived)
         if translations is None:  # the client went away: nobody reads this

@@ -316,7 +316,7 @@ class Translator:
         attention: bool = False,
         incremental: bool = True,
         eos: bool = True,
-        first_line: int = 1,
+        first_line: int | Sequence[int] = 1,
     ) -> list[Translation]:
         """Translations with their n-best candidates and scores, in input order.
 
@@ -324,13 +324,14 @@ class Translator:
         A sentence of S source tokens (eos included) gets at most max_len_a * S + max_len_b
         target tokens (eos included). sampling: ``next_token.Sampling`` instead of search (beam
         unused; nbest up to its samples, which are the candidates); a sentence's samples depend
-        on its seed and line number only (``first_line`` + its index), not on its batch.
+        on its seed and line number only, not on its batch.
         prefix: per sentence, text its translation must start with (None or "": none), scored
         by the model. no_repeat_ngram N > 0: no n-gram of N subword tokens twice in an output.
         attention: also the attention probabilities of every layer and head for the best
         candidate. incremental=False recomputes the whole prefix every step and eos=False forces
         every output to its length limit (both for benchmarks). first_line: the line number of
-        sentences[0] in warnings and errors. ``sentences`` may be Translations with their
+        sentences[0] (the others follow), or each sentence's, in warnings, errors and sampling's
+        streams. ``sentences`` may be Translations with their
         ``source_tokens`` set (encoded once, by a caller that checked them), which are filled in
         and returned.
         """
@@ -346,15 +347,20 @@ class Translator:
         check_no_repeat_ngram(no_repeat_ngram)
         sampling = resolve_seed(sampling)  # one seed for the call: any batching draws the same
         search = dict(penalty=LengthPenalty(lenpen, alpha), eos=eos, prefix=self.target_prefix)
+        lines = (
+            list(range(first_line, first_line + len(sentences)))
+            if isinstance(first_line, int)
+            else list(first_line)
+        )
         translations = [
-            text if isinstance(text, Translation) else self._encoded(text, first_line + i)
-            for i, text in enumerate(sentences)
+            text if isinstance(text, Translation) else self._encoded(text, line)
+            for text, line in zip(sentences, lines, strict=True)
         ]
         lengths = torch.tensor([len(t.source_tokens) + 1 for t in translations])  # + eos
         limit = (max_len_a * lengths + max_len_b).long()
         max_lens = limit.clamp(len(self.target_prefix) + 1, self.model.cfg.max_positions)
         todo = [i for i, t in enumerate(translations) if t.source.strip()]
-        forced = self._prefixes(prefix, max_lens, todo, first_line)
+        forced = self._prefixes(prefix, max_lens, todo, lines)
         with self._inference():
             for indices in self._batches(todo, [len(t.source_tokens) for t in translations]):
                 batch = make_batch(
@@ -368,7 +374,8 @@ class Translator:
                 inputs = (batch.src, batch.src_lengths, max_lens[indices])
                 rules = Rules(forced and [forced[i] for i in indices], no_repeat_ngram)
                 if sampling is not None:
-                    search.update(sampling=sampling, streams=batch.indices + first_line - 1)
+                    streams = torch.tensor([lines[i] - 1 for i in indices])
+                    search.update(sampling=sampling, streams=streams)
                 if self.static is not None and incremental:  # host tensors: it copies them in
                     found = self.static.search(
                         *inputs, beam=beam, nbest=nbest, rules=rules, **search
@@ -381,7 +388,7 @@ class Translator:
                     self.add_attention([translations[i] for i in indices])
         return translations
 
-    def _prefixes(self, prefix: Sequence[str | None] | None, max_lens, todo, first_line: int):
+    def _prefixes(self, prefix: Sequence[str | None] | None, max_lens, todo, lines: list[int]):
         """Each sentence's forced target prefix as subword ids (None: no prefixes), checked to
         leave room for a token within its length limit ``max_lens`` where it is translated (the
         indices ``todo``)."""
@@ -392,13 +399,13 @@ class Translator:
             given = "a string" if isinstance(prefix, str) else f"{len(prefix)}"
             raise ValueError(f"prefix must hold one text per sentence ({count}), got {given}")
         texts = [text if text and text.strip() else "" for text in prefix]
-        encoded = iter(self.vocab.encode([t for t in texts if t]))
+        encoded = iter(self.vocab.encode_target([t for t in texts if t]))
         forced = [next(encoded) if text else [] for text in texts]
         room = (max_lens - len(self.target_prefix) - 1).tolist()  # tokens before the last
         for index in todo:
             if len(forced[index]) > room[index]:
                 raise ValueError(
-                    f"prefix of line {first_line + index}: {len(forced[index])} subword tokens, "
+                    f"prefix of line {lines[index]}: {len(forced[index])} subword tokens, "
                     f"past the length limit of {room[index]} (max_len_a * source tokens + "
                     "max_len_b, eos included, less one)"
                 )

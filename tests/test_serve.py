@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import pytest
 
 from fastnmt.client import Client, ServerError
+from fastnmt.next_token import Sampling
 from fastnmt.translator import Candidate, Translation, Translator
 from tests.helpers import tiny_checkpoint
 from tests.test_translator import SENTENCES
@@ -156,6 +157,22 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own(server, offline):
     assert batches < len(texts), "no two requests shared a batch"
 
 
+def test_sampling_prefixes_and_ngrams_per_request_as_offline(server, offline):
+    """Per request, what ``Translator.translate_full`` does with the same settings: a seed's
+    samples follow each sentence's place in its request, whatever else shares its batch."""
+    sampling = Sampling("topk", topk=5, temperature=1.5, seed=7, samples=2)
+    expected = offline.translate_full(SENTENCES, nbest=2, sampling=sampling)
+    body = dict(sampling="topk", sampling_topk=5, temperature=1.5, seed=7, samples=2, n_best=2)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:  # batched with one another
+        answers = list(pool.map(lambda _: server.client.translate_full(SENTENCES, **body), "abc"))
+    assert all(answer == [_as_answered(t) for t in expected] for answer in answers)
+    prefixes = ["Ein", None, "Zwei Hunde"] + [None] * (len(SENTENCES) - 3)
+    expected = offline.translate_full(SENTENCES, beam=2, prefix=prefixes, no_repeat_ngram=2)
+    answer = server.client.translate_full(SENTENCES, beam=2, prefix=prefixes, no_repeat_ngram=2)
+    assert answer == [_as_answered(t) for t in expected]
+    assert answer[0][0]["text"].startswith("Ein")
+
+
 @pytest.mark.parametrize(
     ("body", "status", "field", "message"),
     [
@@ -184,6 +201,30 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own(server, offline):
         ({"text": "ok", "length_penalty": -1}, 422, "length_penalty", "greater than or equal"),
         (b'{"text": "ok", "length_penalty": 1e999}', 422, "length_penalty", "finite number"),
         ({"text": "ok", "nbest": 2}, 422, "nbest", "unknown field 'nbest'"),
+        ({"text": "ok", "sampling": "beam"}, 422, "sampling", "'topk' or 'topp'"),
+        ({"text": "ok", "seed": 3}, 422, "seed", "seed needs sampling"),
+        (
+            {"text": "ok", "sampling": "topk", "sampling_topk": 0},
+            422,
+            "sampling_topk",
+            "equal to 1",
+        ),
+        (
+            {"text": "ok", "sampling": "topp", "sampling_topp": 1.5},
+            422,
+            "sampling_topp",
+            "less than",
+        ),
+        (
+            {"text": "ok", "sampling": "topk", "temperature": 0},
+            422,
+            "temperature",
+            "greater than 0",
+        ),
+        ({"text": "ok", "sampling": "topk", "n_best": 2}, 422, "n_best", "samples (1), got 2"),
+        ({"text": ["a", "b"], "prefix": ["Ein"]}, 422, "prefix", "one text per sentence (2)"),
+        ({"text": "ok", "prefix": "Ein " * 30}, 422, "prefix", "past the length limit"),
+        ({"text": "ok", "no_repeat_ngram": -1}, 422, "no_repeat_ngram", "greater than or"),
     ],
 )
 def test_bad_input_is_a_4xx_naming_the_field(server, body, status, field, message):
@@ -604,7 +645,7 @@ def _batcher(max_tokens: int, max_wait: float):
     from fastnmt.serve import Batcher, Metrics, ModelThread
 
     return Batcher(
-        lambda sentences, options: sentences, ModelThread(), max_tokens=max_tokens,
+        lambda jobs: [job.sentence for job in jobs], ModelThread(), max_tokens=max_tokens,
         max_wait=max_wait, batch_timeout=60.0, max_queue=4096, metrics=Metrics(),
     )  # fmt: skip
 
