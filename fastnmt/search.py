@@ -229,10 +229,11 @@ class _Batch:
 
 def _padded(rows: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, ...]:
     """Token rows as a (B, P) tensor padded with ``pad_id`` and their lengths (B,)."""
-    lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
-    padded = torch.full((len(rows), int(lengths.max()) if len(rows) else 0), pad_id)
+    host = torch.device("cpu")  # built on the host, copied once
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64, device=host)
+    padded = torch.full((len(rows), int(lengths.max()) if len(rows) else 0), pad_id, device=host)
     for row, tokens in enumerate(rows):
-        padded[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+        padded[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64, device=host)
     return padded.to(device), lengths.to(device)
 
 
@@ -281,14 +282,16 @@ def check_arguments(
     if not 1 <= nbest <= beam:
         raise ValueError(f"nbest must be between 1 and beam ({beam}), got {nbest}")
     check_no_repeat_ngram(rules.no_repeat_ngram)
-    shortest = torch.full(src.shape[:1], len(prefix) + 1)
+    shortest = torch.full(src.shape[:1], len(prefix) + 1, device=max_lens.device)
     if rules.prefixes is not None:
         if len(rules.prefixes) != src.shape[0]:
             raise ValueError(
                 f"prefixes must hold one prefix per sentence ({src.shape[0]}), got "
                 f"{len(rules.prefixes)}"
             )
-        shortest += torch.tensor([len(p) for p in rules.prefixes], dtype=torch.int64)
+        shortest += torch.tensor(
+            [len(p) for p in rules.prefixes], dtype=torch.int64, device=max_lens.device
+        )
     if max_lens.shape != src.shape[:1] or bool((max_lens.cpu() < shortest).any()):
         raise ValueError(
             f"max_lens must be ({src.shape[0]},) lengths of at least the prefix and a token "
@@ -355,7 +358,7 @@ def sample(
     sampling = resolve_seed(sampling)
     n = sampling.samples
     if streams is None:
-        streams = torch.arange(src.shape[0])
+        streams = torch.arange(src.shape[0], device=src.device)
     # Each sample is a sentence of its own: stream s * n + j.
     row_streams = streams.to(src.device)[:, None] * n + torch.arange(n, device=src.device)
     copies = dict(repeats=n, dim=0)

@@ -296,13 +296,14 @@ class StaticSearch:
         self.forced.fill_(self.model.cfg.pad_id)
         self.forced_lengths.zero_()
         for slot, tokens in enumerate(prefixes or ()):
-            self.forced[slot, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+            self.forced[slot, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64, device="cpu")
             self.forced_lengths[slot] = len(tokens)
         samples = self.scores.shape[1]
-        slots = torch.arange(self.src.shape[0])
+        slots = torch.arange(self.src.shape[0], device="cpu")  # host arithmetic, copied once
         if streams is not None:
             slots[:count] = streams
-        self.streams.copy_((slots[:, None] * samples + torch.arange(samples)).view(-1))
+        rows = slots[:, None] * samples + torch.arange(samples, device="cpu")
+        self.streams.copy_(rows.view(-1))
         self.seed.fill_(seed)
         self.src.fill_(self.model.cfg.pad_id)
         self.src[:count, :length].copy_(src, non_blocking=True)

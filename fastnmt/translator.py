@@ -356,7 +356,9 @@ class Translator:
             text if isinstance(text, Translation) else self._encoded(text, line)
             for text, line in zip(sentences, lines, strict=True)
         ]
-        lengths = torch.tensor([len(t.source_tokens) + 1 for t in translations])  # + eos
+        lengths = torch.tensor(  # + eos; host tensors, as the searches take them
+            [len(t.source_tokens) + 1 for t in translations], device="cpu"
+        )
         limit = (max_len_a * lengths + max_len_b).long()
         max_lens = limit.clamp(len(self.target_prefix) + 1, self.model.cfg.max_positions)
         todo = [i for i, t in enumerate(translations) if t.source.strip()]
@@ -374,7 +376,7 @@ class Translator:
                 inputs = (batch.src, batch.src_lengths, max_lens[indices])
                 rules = Rules(forced and [forced[i] for i in indices], no_repeat_ngram)
                 if sampling is not None:
-                    streams = torch.tensor([lines[i] - 1 for i in indices])
+                    streams = torch.tensor([lines[i] - 1 for i in indices], device="cpu")
                     search.update(sampling=sampling, streams=streams)
                 if self.static is not None and incremental:  # host tensors: it copies them in
                     found = self.static.search(
@@ -447,7 +449,7 @@ class Translator:
             for i, (s, t) in enumerate(zip(sources, targets, strict=True))
         ]
         sizes = [max(len(s.source_tokens), len(t.source_tokens)) for s, t in pairs]
-        log_probs = torch.zeros(len(pairs), dtype=torch.float64)
+        log_probs = torch.zeros(len(pairs), dtype=torch.float64, device="cpu")
         with self._inference():
             for indices in self._batches(list(range(len(pairs))), sizes):
                 batch = make_batch(
