@@ -156,8 +156,10 @@ def candidates(
     """The k best next tokens of every row: fp32 log-probabilities and their columns, (N, k)
     each, best first; k None: every column in order (columns None). ``logits``: one (N, V)
     tensor per ensemble member; ``banned`` ids (n,) and the ``rules`` are never chosen. One model
-    without rules takes ``log_softmax_topk``, which never writes the (N, V) log-probabilities."""
-    if len(logits) == 1 and not rules and k is not None:
+    without rules takes ``log_softmax_topk``, which never writes the (N, V) log-probabilities,
+    where k is a part of the vocabulary: every column (top-p's sorted nucleus) is a sort of the
+    log-probabilities, which the fused op's top-k list is not made for."""
+    if len(logits) == 1 and not rules and k is not None and k < logits[0].shape[1]:
         scaled = logits[0] if temperature == 1.0 else logits[0].float() / temperature
         return log_softmax_topk(scaled, k, banned)
     log_probs = full_log_probs(logits, temperature).index_fill_(1, banned, NEG_INF)
