@@ -244,8 +244,11 @@ def test_a_replayed_sampling_step_draws_afresh_without_a_host_sync():
 
 
 def test_sampling_replays_in_captured_graphs_as_called():
+    """On CUDA captured sampling replays what calls draw; elsewhere capture is refused with
+    the device as its reason."""
     if DEVICE.type != "cuda":
-        pytest.skip("CUDA graphs need a CUDA device")
+        assert graph_reasons(DEVICE) == ["CUDA graphs need a CUDA device, got cpu"]
+        return
     model = _model(50)
     called, captured = StaticSearches(model, capture=False), StaticSearches(model, capture=True)
     for count, seed in ((6, 1), (3, 2), (8, 3)):
