@@ -660,14 +660,18 @@ class Server:
         batch with its request's sentences only (``Query.alone``). Each sentence's samples follow
         its position in its request, whatever the batching."""
         prefixes = [job.prefix for job in jobs]
+        given = any(p is not None for p in prefixes)
         try:
             return self.translator.translate_full(
                 [job.sentence for job in jobs],
                 **jobs[0].key[0].search(),
-                prefix=prefixes if any(p is not None for p in prefixes) else None,
+                prefix=prefixes if given else None,
                 first_line=[job.line for job in jobs],
             )
-        except ValueError as error:  # checked before but a prefix's length: its limit's
+        except ValueError as error:
+            if not given:  # every other value was checked with the request: a fault, not a 4xx
+                raise
+            # A prefix past its sentence's length limit, known only once the limit is.
             raise Rejected(422, one_line(error), "prefix") from None
 
     # The event loop.
