@@ -57,6 +57,7 @@ from fastnmt.search import (
     Rules,
     _best,
     _hypothesis,
+    _padded,
     check_arguments,
 )
 
@@ -295,9 +296,10 @@ class StaticSearch:
         count, length = src.shape
         self.forced.fill_(self.model.cfg.pad_id)
         self.forced_lengths.zero_()
-        for slot, tokens in enumerate(prefixes or ()):
-            self.forced[slot, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64, device="cpu")
-            self.forced_lengths[slot] = len(tokens)
+        if prefixes:  # padded on the host, two copies in (not two per sentence)
+            padded, lengths = _padded(prefixes, self.model.cfg.pad_id, self.forced.device)
+            self.forced[: len(prefixes), : padded.shape[1]].copy_(padded)
+            self.forced_lengths[: len(prefixes)].copy_(lengths)
         samples = self.scores.shape[1]
         slots = torch.arange(self.src.shape[0], device="cpu")  # host arithmetic, copied once
         if streams is not None:
