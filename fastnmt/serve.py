@@ -72,6 +72,7 @@ MAX_NGRAM = 16  # --no-repeat-ngram's bound: longer n-grams repeat too rarely to
 SAMPLING_FIELDS = ("sampling_topk", "sampling_topp", "temperature", "seed", "samples")
 ACCESS_LOG = logging.getLogger("fastnmt.serve.access")
 ERROR_LOG = logging.getLogger("fastnmt.serve")
+RETRY = {"Retry-After": "1"}  # the header of the answers that say: try again soon
 
 
 class Rejected(Exception):
@@ -494,7 +495,7 @@ class Batcher:
     def submit(self, jobs: list[Job]) -> None:
         self.queue = collections.deque(j for j in self.queue if not j.future.done())
         if len(self.queue) + len(jobs) > self.max_queue:
-            raise Rejected(429, "the queue is full, retry later", **{"Retry-After": "1"})
+            raise Rejected(429, "the queue is full, retry later", **RETRY)
         self.queue.extend(jobs)
         self.arrived_since += len(jobs)
         self.metrics.queue_depth.set(len(self.queue))
@@ -761,7 +762,7 @@ class Server:
         """The model is loaded and translating (readiness)."""
         reason = self.unavailable()
         if reason is not None:
-            return error_response(503, reason, headers={"Retry-After": "1"})
+            return error_response(503, reason, headers=RETRY)
         return {"ready": True}
 
     async def prometheus(self):
@@ -775,11 +776,13 @@ class Server:
             return rejected.response()
         except ClientDisconnect:  # while sending the body
             return Response(status_code=499)
+        except asyncio.CancelledError:  # the ASGI server's shutdown ran out of time
+            return error_response(503, "the server is shutting down, retry later", headers=RETRY)
 
     async def _answer(self, request: Request, arrived: float) -> Response:
         reason = self.unavailable()
         if reason is not None:
-            raise Rejected(503, f"{reason}, retry later", **{"Retry-After": "1"})
+            raise Rejected(503, f"{reason}, retry later", **RETRY)
         media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if media_type != "application/json":
             shown = media_type or "none"
