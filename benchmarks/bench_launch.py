@@ -1,5 +1,5 @@
 """Host cost of one Triton launch: ``kernel[grid](...)`` (Triton's ``JITFunction.run``) against
-fastnmt's ``Launcher`` (``fastnmt/ops/triton_common.py``), on attention's forward kernel with the
+fastnmt's ``Launcher`` (``fastnmt/ops/triton/common.py``), on attention's forward kernel with the
 arguments of a batch of 64 sentences of 32 tokens, 8 heads of 64, bf16 (37 arguments).
 
 On a GPU both launch the compiled kernel for real (queued: the time per launch is the host's); on a
@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from fastnmt.ops import triton_common
+from fastnmt.ops.triton import common as triton_common
 from tests.helpers import StandInCompiled, StandInDriver
 
 attention_module = importlib.import_module("fastnmt.ops.attention")

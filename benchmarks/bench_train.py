@@ -15,9 +15,9 @@ import torch
 
 import fastnmt
 from fastnmt.data import make_batch
+from fastnmt.devices import autocast
 from fastnmt.model import Transformer, preset
-from fastnmt.trainer import label_smoothed_loss
-from fastnmt.translator import autocast
+from fastnmt.training.trainer import label_smoothed_loss
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # Target tokens per batch: the trainer's default --max-tokens for tiny; less for base on a CPU,

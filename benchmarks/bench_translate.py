@@ -30,8 +30,8 @@ import torch
 import fastnmt
 from fastnmt import checkpoint, export, metrics, shortlist
 from fastnmt.data import Vocabulary, load_multi30k
+from fastnmt.decoding.next_token import Sampling
 from fastnmt.model import Transformer, preset
-from fastnmt.next_token import Sampling
 from fastnmt.translator import Translator, fastest_dtype, load_checkpoint
 
 SUBSET = 200  # sentences translated by the random model

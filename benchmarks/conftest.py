@@ -28,8 +28,8 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 import fastnmt
+from fastnmt.devices import configure_process
 from fastnmt.precision import cpu_features
-from fastnmt.runtime import configure_process
 
 # As the command-line tools, with the primitive cache of a translating process: the rows decode
 # as `python -m fastnmt.translate` does (the training cap changes memory, not speed), and the

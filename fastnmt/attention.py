@@ -19,8 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastnmt import _checks
-from fastnmt.ops import attention, attention_probabilities, gather_cache_rows
+from fastnmt.ops import attention, attention_probabilities, checks, gather_cache_rows
 
 
 def scaled_dot_product_attention(
@@ -289,7 +288,7 @@ class MultiheadAttention(nn.Module):
         self.vdim = embed_dim if vdim is None else vdim
         self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
         self.num_heads = num_heads
-        self.dropout = _checks.probability("dropout", dropout)
+        self.dropout = checks.probability("dropout", dropout)
         self.batch_first = batch_first
         self.head_dim = embed_dim // num_heads
         if self._qkv_same_embed_dim:
@@ -527,7 +526,7 @@ class MultiheadAttention(nn.Module):
 
     def _batch_first(self, x, name: str, batched: bool) -> torch.Tensor:
         """(B, L, E) view of an input given in the module's layout."""
-        _checks.tensor(name, x, floating=True)
+        checks.tensor(name, x, floating=True)
         if x.dim() != (3 if batched else 2):
             layout = "(N, L, E)" if self.batch_first else "(L, N, E)"
             raise ValueError(
@@ -613,7 +612,7 @@ class _AttentionMasks:
             attn_mask = _op_attn_mask(attn_mask, shape, like)
         if key_padding_mask is not None and key_padding_mask.dtype != torch.bool:
             # torch also takes an additive float padding mask: one more additive mask here.
-            _checks.shape("key_padding_mask", key_padding_mask, (batch, lk), "(N, S)")
+            checks.shape("key_padding_mask", key_padding_mask, (batch, lk), "(N, S)")
             additive = key_padding_mask.to(like.dtype)[:, None, None, :]
             attn_mask, key_padding_mask = merge_masks(attn_mask, additive), None
         cached_causal, causal = bottom_right_causal(bool(is_causal), lq, lk, past, like.device)
@@ -640,7 +639,7 @@ class _AttentionMasks:
 def _op_attn_mask(attn_mask, shape, like) -> torch.Tensor:
     """torch's attn_mask (L, S) or (N*H, L, S), bool True = not allowed, to the op's form."""
     batch, heads, lq, lk = shape
-    _checks.tensor("attn_mask", attn_mask)
+    checks.tensor("attn_mask", attn_mask)
     if tuple(attn_mask.shape) == (lq, lk):
         attn_mask = attn_mask[None, None]
     elif tuple(attn_mask.shape) == (batch * heads, lq, lk):

@@ -2,7 +2,7 @@
 
 Reads top-down: config and presets, the residual stack shared by encoder and decoder, the layers,
 the model (training forward, logits, incremental decoding with a KV cache; the searches that use
-it are in ``fastnmt.search``).
+it are in ``fastnmt.decoding.search``).
 Shapes: B sentences, S source tokens, T target tokens, E = d_model, V = vocabulary, H heads.
 Padding travels as lengths (B,), never as dense masks.
 """

@@ -39,8 +39,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from fastnmt.next_token import SAMPLING_METHODS, Sampling
-from fastnmt.runtime import configure_process
+from fastnmt.decoding.next_token import SAMPLING_METHODS, Sampling
+from fastnmt.devices import configure_process
 from fastnmt.translator import Translation, Translator
 
 try:

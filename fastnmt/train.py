@@ -2,14 +2,14 @@
 
 With no arguments: English->German Multi30k, the ``tiny`` preset, the fastest precision for the
 device, then a test-set score. ``--init-from DIR`` fine-tunes an Opus-MT (Marian) model or a
-fastnmt checkpoint instead (``fastnmt.fine_tune``; docs/fine-tuning.md).
+fastnmt checkpoint instead (``fastnmt.training.fine_tune``; docs/fine-tuning.md).
 ``torchrun --nproc_per_node N -m fastnmt.train ...`` trains with DDP (one GPU per process,
 ``cuda:$LOCAL_RANK``; ``--nnodes`` for several machines). The training text is prepared once
 (``fastnmt.preprocess``) into ``--prepared-dir`` and memory-mapped from there.
 Exit codes: 0 done, 1 training failed (non-finite loss), 2 bad input, 130 interrupted (saved).
 
-This module is the command line and the setting up of a run; the loop is ``fastnmt.trainer``,
-the devices and process groups ``fastnmt.distributed``.
+This module is the command line and the setting up of a run; the loop is
+``fastnmt.training.trainer``, the devices and process groups ``fastnmt.training.distributed``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import fastnmt
-from fastnmt import checkpoint, fine_tune, graphs, preprocess
+from fastnmt import checkpoint, preprocess
 from fastnmt.checkpoint import CheckpointError
 from fastnmt.data import (
     DataError,
@@ -37,13 +37,14 @@ from fastnmt.data import (
     read_tsv,
     vocabulary_from_bytes,
 )
-from fastnmt.distributed import Distributed, resolve_device
-from fastnmt.fine_tune import Initial
+from fastnmt.devices import configure_process, resolve_device
 from fastnmt.model import PRESETS, ModelConfig, preset
 from fastnmt.precision import AUTO_HELP, PrecisionChoice, choose_precision
 from fastnmt.preprocess import UsageError
-from fastnmt.runtime import configure_process
-from fastnmt.trainer import PRECISIONS, RESUME_KEYS, Corpora, Trainer
+from fastnmt.training import cuda_graphs, fine_tune
+from fastnmt.training.distributed import Distributed
+from fastnmt.training.fine_tune import Initial
+from fastnmt.training.trainer import PRECISIONS, RESUME_KEYS, Corpora, Trainer
 
 # Arguments that must match an existing checkpoint for training to continue from it.
 # Shape buckets of CUDA-graph training when --shape-buckets does not say: one graph each.
@@ -299,7 +300,7 @@ def resolve_precision(
 def resolve_cuda_graphs(args, device: torch.device) -> None:
     """``--cuda-graphs`` as "on" or "off" for this device and precision; graphs replay fixed
     shapes, so "on" implies shape buckets."""
-    reasons = graphs.capture_reasons(device, loss_scaling=args.precision == "fp16")
+    reasons = cuda_graphs.capture_reasons(device, loss_scaling=args.precision == "fp16")
     if args.cuda_graphs == "on" and reasons:
         raise UsageError(f"--cuda-graphs on: {'; '.join(reasons)}")
     args.cuda_graphs = "off" if reasons or args.cuda_graphs == "off" else "on"

@@ -25,10 +25,9 @@ import fastnmt
 from fastnmt import metrics
 from fastnmt.checkpoint import CheckpointError
 from fastnmt.data import DataError, read_lines
-from fastnmt.distributed import resolve_device
-from fastnmt.next_token import SAMPLING_METHODS, Sampling
+from fastnmt.decoding.next_token import SAMPLING_METHODS, Sampling
+from fastnmt.devices import configure_process, resolve_device
 from fastnmt.precision import AUTO_HELP, choose_precision
-from fastnmt.runtime import configure_process
 from fastnmt.translator import PRECISIONS, Translation, Translator
 
 

@@ -2,8 +2,8 @@
 
 Sentences are encoded, truncated to what the model can take (with a warning naming the line),
 sorted by length and packed into batches by tokens, searched (greedy for beam 1, else beam search;
-``fastnmt.search``), decoded, and returned in input order. Empty lines translate to empty lines
-without running the model.
+``fastnmt.decoding.search``), decoded, and returned in input order. Empty lines translate to empty
+lines without running the model.
 """
 
 from __future__ import annotations
@@ -22,14 +22,8 @@ import torch
 from fastnmt import checkpoint
 from fastnmt.checkpoint import CheckpointError
 from fastnmt.data import DataError, Vocabulary, make_batch, vocabulary_from_bytes
-from fastnmt.distributed import resolve_device
-from fastnmt.model import AttentionRecord, ModelConfig, Transformer
-from fastnmt.next_token import Sampling, check_no_repeat_ngram, resolve_seed
-from fastnmt.ops import linear_cross_entropy
-from fastnmt.precision import fastest_dtype as fastest_dtype  # importable from here too
-from fastnmt.precision import fastest_precision
-from fastnmt.quantize import bf16_packing_supported, int8_supported, pack_bf16, quantize_int8
-from fastnmt.search import (
+from fastnmt.decoding.next_token import Sampling, check_no_repeat_ngram, resolve_seed
+from fastnmt.decoding.search import (
     Hypothesis,
     LengthPenalty,
     Rules,
@@ -38,8 +32,14 @@ from fastnmt.search import (
     greedy,
     sample,
 )
-from fastnmt.shortlist import Shortlist
-from fastnmt.static_search import StaticSearches, graph_reasons
+from fastnmt.decoding.shortlist import Shortlist
+from fastnmt.decoding.static_search import StaticSearches, graph_reasons
+from fastnmt.devices import resolve_device
+from fastnmt.model import AttentionRecord, ModelConfig, Transformer
+from fastnmt.ops import linear_cross_entropy
+from fastnmt.precision import fastest_dtype as fastest_dtype  # importable from here too
+from fastnmt.precision import fastest_precision
+from fastnmt.quantize import bf16_packing_supported, int8_supported, pack_bf16, quantize_int8
 
 # The weights' dtype of each inference precision (None: fp32). int8: fp32 weights whose GEMMs
 # run in int8 (fastnmt.quantize, CPUs).
@@ -48,13 +48,6 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "int8
 
 class TruncationWarning(UserWarning):
     """An input longer than the model's positions was cut to fit."""
-
-
-def autocast(device: torch.device | str, dtype: torch.dtype | None):
-    """Autocast to ``dtype`` on ``device``'s type, or nothing for full precision."""
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(torch.device(device).type, dtype)
 
 
 def is_pretrained_directory(path: str | Path) -> bool:
@@ -183,11 +176,11 @@ class Translator:
     source tokens, max_sentences its sentences (times ``beam`` hypotheses each). shortlist: a
     ``fastnmt.shortlist.Shortlist`` or the path of one: each batch scores only the target words
     it lists for the batch's source tokens. static: search on fixed batch buckets with every
-    decision on the device (``fastnmt.static_search``), captured as CUDA graphs on a GPU; None
-    (auto): on CUDA without a shortlist, where it removes the host's per-step cost; the
-    shrinking batches of ``fastnmt.search`` do less arithmetic, which a CPU prefers. An ensemble
-    (``model`` a list) averages its members' probabilities at every step (fairseq's rule); it
-    decodes with ``fastnmt.search`` (no static search).
+    decision on the device (``fastnmt.decoding.static_search``), captured as CUDA graphs on a GPU;
+    None (auto): on CUDA without a shortlist, where it removes the host's per-step cost; the
+    shrinking batches of ``fastnmt.decoding.search`` do less arithmetic, which a CPU prefers. An
+    ensemble (``model`` a list) averages its members' probabilities at every step (fairseq's rule);
+    it decodes with ``fastnmt.decoding.search`` (no static search).
     """
 
     def __init__(
@@ -414,7 +407,8 @@ class Translator:
         return forced
 
     def _search(self, inputs, beam: int, nbest: int, incremental: bool, search: dict, rules):
-        """``fastnmt.search``'s n-best lists for host tensors (src, src_lengths, max_lens)."""
+        """``fastnmt.decoding.search``'s n-best lists for host tensors (src, src_lengths,
+        max_lens)."""
         models = self.models if len(self.models) > 1 else self.model
         inputs = (models, *(x.to(self.device) for x in inputs))
         search = search | dict(incremental=incremental, shortlist=self.shortlist, rules=rules)

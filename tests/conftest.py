@@ -25,13 +25,13 @@ if _SHARED_MULTI30K.is_dir():
 def _seeded_and_auto_backend(monkeypatch):
     """Fresh seeded randomness per test, and no backend forced from the environment (which
     fastnmt reads at import and on ``environment.reload()``: tests that set a variable reload)."""
-    monkeypatch.delenv(fastnmt.environment.BACKEND, raising=False)
-    monkeypatch.delenv(fastnmt.environment.FFN_FUSED_GEMM, raising=False)
-    fastnmt.environment.reload()
+    monkeypatch.delenv(fastnmt.ops.settings.BACKEND, raising=False)
+    monkeypatch.delenv(fastnmt.ops.settings.FFN_FUSED_GEMM, raising=False)
+    fastnmt.ops.settings.reload()
     torch.manual_seed(0)
     yield
     monkeypatch.undo()
-    fastnmt.environment.reload()
+    fastnmt.ops.settings.reload()
 
 
 @pytest.fixture(params=["triton", "cpp"])

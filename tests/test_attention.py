@@ -364,7 +364,7 @@ BAD_MODULE_INPUTS = [
 @pytest.mark.parametrize(("override", "error", "message"), BAD_MODULE_INPUTS)
 def test_bad_module_inputs_name_the_argument(override, error, message, monkeypatch):
     monkeypatch.setenv("FASTNMT_CHECK_VALUES", "1")  # key_lengths' range is checked too
-    fastnmt.environment.reload()
+    fastnmt.ops.settings.reload()
     _, ours = _pair(batch_first=True)
     x = torch.randn(2, 5, E)
     arguments = dict(query=x, key=x, value=x)
@@ -400,7 +400,7 @@ class TestTritonBackend:
         theirs, ours = _pair(TRITON_DEVICE, batch_first=True)
         _, padding = _padding(3, 7, device=TRITON_DEVICE)
         x = torch.randn(3, 7, E, device=TRITON_DEVICE)
-        with fastnmt.dispatch.backend("triton"):
+        with fastnmt.ops.dispatch.backend("triton"):
             _assert_same(theirs, ours, [x, x, x], key_padding_mask=padding)
 
     def test_padded_causal_self_attention_matches_torch(self):
@@ -409,7 +409,7 @@ class TestTritonBackend:
         x = torch.randn(6, 2, E, device=TRITON_DEVICE)
         causal = nn.Transformer.generate_square_subsequent_mask(6, device=TRITON_DEVICE)
         forward = dict(key_padding_mask=padding, attn_mask=causal, is_causal=True)
-        with fastnmt.dispatch.backend("triton"):
+        with fastnmt.ops.dispatch.backend("triton"):
             _assert_same(theirs, ours, [x, x, x], **forward)
 
     def test_padded_cross_attention_matches_torch(self):
@@ -420,7 +420,7 @@ class TestTritonBackend:
             torch.randn(3, 9, 10, device=TRITON_DEVICE),
             torch.randn(3, 9, 14, device=TRITON_DEVICE),
         ]
-        with fastnmt.dispatch.backend("triton"):
+        with fastnmt.ops.dispatch.backend("triton"):
             _assert_same(theirs, ours, inputs, key_padding_mask=padding, average_attn_weights=False)
 
     def test_decoding_steps_read_the_cache_in_place(self):
@@ -429,7 +429,7 @@ class TestTritonBackend:
         x = torch.randn(3, 9, E, device=TRITON_DEVICE)
         full, _ = ours(x, x, x, is_causal=True, need_weights=False)
         cache = KVCache()
-        with fastnmt.dispatch.backend("triton"):
+        with fastnmt.ops.dispatch.backend("triton"):
             steps = [
                 ours(x[:, t : t + 1], x[:, t : t + 1], x[:, t : t + 1], cache=cache)[0]
                 for t in range(9)
@@ -442,7 +442,7 @@ class TestTritonBackend:
         x = torch.randn(2, 5, E, requires_grad=True, device=TRITON_DEVICE)
         lengths = torch.tensor([5, 3], device=TRITON_DEVICE)
         call = lambda x, lengths: ours(x, x, x, key_lengths=lengths, is_causal=True)  # noqa: E731
-        with fastnmt.dispatch.backend("triton"):
+        with fastnmt.ops.dispatch.backend("triton"):
             compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
             out, weights = compiled(x, lengths)
             (grad,) = torch.autograd.grad(out.sum(), x)

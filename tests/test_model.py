@@ -13,7 +13,7 @@ from fastnmt.model import (
     reorder_self_attention,
     sinusoidal_positions,
 )
-from fastnmt.trainer import label_smoothed_loss
+from fastnmt.training.trainer import label_smoothed_loss
 from tests.helpers import HostOps, device_of, require_backend
 
 SMALL = ModelConfig(vocab_size=50, d_model=32, heads=4, d_ff=64, encoder_layers=2, decoder_layers=2)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from fastnmt import evaluate, precision, train, translate
-from fastnmt.distributed import Distributed
 from fastnmt.model import preset
 from fastnmt.precision import CpuFeatures, GemmShapes, choose_precision
+from fastnmt.training.distributed import Distributed
 from tests.helpers import tiny_checkpoint
 
 AMX = CpuFeatures(amx=True, avx512_bf16=True, avx512=True, vnni=True, avx2=True)

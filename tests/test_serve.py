@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import pytest
 
 from fastnmt.client import Client, ServerError
-from fastnmt.next_token import Sampling
+from fastnmt.decoding.next_token import Sampling
 from fastnmt.translator import Candidate, Translation, Translator
 from tests.helpers import tiny_checkpoint
 from tests.test_translator import SENTENCES

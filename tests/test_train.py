@@ -14,7 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fastnmt import checkpoint, train, trainer
+from fastnmt import checkpoint, train
+from fastnmt.training import trainer
 
 SMALL_MODEL = [
     "--vocab-size", "300", "--d-model", "32", "--heads", "2", "--d-ff", "64",

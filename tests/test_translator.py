@@ -9,9 +9,9 @@ import torch
 import fastnmt
 from fastnmt.checkpoint import CheckpointError
 from fastnmt.data import make_batch
-from fastnmt.next_token import Sampling
-from fastnmt.search import LengthPenalty, beam_search
-from fastnmt.trainer import label_smoothed_loss
+from fastnmt.decoding.next_token import Sampling
+from fastnmt.decoding.search import LengthPenalty, beam_search
+from fastnmt.training.trainer import label_smoothed_loss
 from fastnmt.translator import Translator, TruncationWarning, fastest_dtype, fastest_precision
 from tests.helpers import tiny_checkpoint
 

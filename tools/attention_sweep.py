@@ -32,7 +32,7 @@ if not torch.cuda.is_available():  # the interpreter; set before triton is first
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' oracle, from a checkout
 
-from fastnmt.ops.triton_common import LaunchConfig, gpu_tiles
+from fastnmt.ops.triton.common import LaunchConfig, gpu_tiles
 from tests.helpers import error_check
 from tests.ops import test_attention as cases
 

@@ -14,8 +14,8 @@
   (``--memory-snapshots DIR`` also writes each variant's allocator history for
   https://pytorch.org/memory_viz);
 - decoding a batch with the tiny preset, greedy and beam 4, to the length limit (eos banned, so a
-  random model does a trained one's work): the static search (``fastnmt.static_search``,
-  captured as CUDA graphs) against ``fastnmt.search`` on fastnmt's and the reference ops.
+  random model does a trained one's work): the static search (``fastnmt.decoding.static_search``,
+  captured as CUDA graphs) against ``fastnmt.decoding.search`` on fastnmt's and the reference ops.
 Times are medians of ``triton.testing.do_bench`` (L2 flushed between runs); peak memory is
 ``torch.cuda.max_memory_allocated`` over one call. ``--only`` picks groups of rows.
 ``--kernels N`` prints, instead of the table, where the GPU time of each eager training and
@@ -48,13 +48,13 @@ import torch
 import torch.nn.functional as F
 
 import fastnmt
-from fastnmt.graphs import Program, capture
+from fastnmt.decoding.search import LengthPenalty, beam_search, greedy
+from fastnmt.decoding.static_search import StaticSearches, graph_reasons
 from fastnmt.model import Transformer, preset
 from fastnmt.ops import add_layer_norm, attention, feed_forward, linear_cross_entropy
 from fastnmt.ops.feed_forward import feed_forward_triton
-from fastnmt.search import LengthPenalty, beam_search, greedy
-from fastnmt.static_search import StaticSearches, graph_reasons
-from fastnmt.trainer import label_smoothed_loss
+from fastnmt.training.cuda_graphs import Program, capture
+from fastnmt.training.trainer import label_smoothed_loss
 
 
 @dataclass(frozen=True)
@@ -372,7 +372,7 @@ def decoding_rows(sizes: Sizes, dtype, device) -> list[Row]:
         for backend in ("auto", "reference"):
             with fastnmt.backend(backend):
                 rows.append(
-                    Row(label, f"fastnmt.search ({backend})", milliseconds(dynamic, device))
+                    Row(label, f"dynamic search ({backend})", milliseconds(dynamic, device))
                 )
         graphs = "CUDA graphs" if static.capture else "called"
         search = functools.partial(static.search, src, src_lengths, max_lens, **options)
@@ -437,7 +437,7 @@ def _self_time(event, cuda: bool) -> float:
     return event.self_device_time_total if cuda else event.self_cpu_time_total
 
 
-BASELINES = ("torch", "SDPA bool", "fastnmt ops (reference)", "fastnmt.search (ref", "hf sdpa")
+BASELINES = ("torch", "SDPA bool", "fastnmt ops (reference)", "dynamic search (ref", "hf sdpa")
 
 
 def markdown(rows: list[tuple[str, Row]]) -> str:

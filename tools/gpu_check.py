@@ -51,11 +51,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the tests' oracle and tools/, from a checkout
 
 import fastnmt  # noqa: E402
+from fastnmt.decoding.search import LengthPenalty, beam_search  # noqa: E402
+from fastnmt.decoding.static_search import StaticSearches, graph_reasons  # noqa: E402
 from fastnmt.model import Transformer, preset  # noqa: E402
 from fastnmt.ops import add_layer_norm, attention, feed_forward, linear_cross_entropy  # noqa: E402
-from fastnmt.ops.triton_common import dropout_seeds  # noqa: E402
-from fastnmt.search import LengthPenalty, beam_search  # noqa: E402
-from fastnmt.static_search import StaticSearches, graph_reasons  # noqa: E402
+from fastnmt.ops.triton.common import dropout_seeds  # noqa: E402
 from tests.helpers import error_check, small_corpus  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tools"))

@@ -8,15 +8,14 @@ activation and dropout in their epilogues). Which is faster on a GPU decides the
 import pytest
 from torch import nn
 
-from fastnmt import environment
-from fastnmt.ops import feed_forward
+from fastnmt.ops import feed_forward, settings
 
 
 @pytest.mark.parametrize("gemm", ["library", "fused"])
 def test_feed_forward(bench, monkeypatch, gemm):
     if gemm == "fused" and bench.impl != "triton":
         pytest.skip("only the Triton backend has a fused-GEMM path")
-    monkeypatch.setattr(environment, "ffn_fused_gemm", gemm == "fused")  # FASTNMT_FFN_FUSED_GEMM
+    monkeypatch.setattr(settings, "ffn_fused_gemm", gemm == "fused")  # FASTNMT_FFN_FUSED_GEMM
     case = bench.case
     width, hidden = case.d_model, 4 * case.d_model
     x = bench.randn(case.batch * case.max_len, width)

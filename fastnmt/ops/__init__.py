@@ -1,11 +1,11 @@
-"""The fused ops, each dispatched per call to the best backend (see ``fastnmt.dispatch``)."""
+"""The fused ops, each dispatched per call to the best backend (see ``fastnmt.ops.dispatch``)."""
 
+from fastnmt.ops.add_layer_norm import add_layer_norm
 from fastnmt.ops.attention import attention, attention_probabilities, gather_cache_rows
 from fastnmt.ops.feed_forward import feed_forward
-from fastnmt.ops.layer_norm import add_layer_norm
 from fastnmt.ops.linear_cross_entropy import CrossEntropyOutput, linear_cross_entropy
 from fastnmt.ops.log_softmax_topk import log_softmax_topk
-from fastnmt.ops.triton_common import dropout_seeds
+from fastnmt.ops.triton.common import dropout_seeds
 
 __all__ = [
     "CrossEntropyOutput",

@@ -41,10 +41,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from fastnmt import _checks, dispatch
-from fastnmt._triton import tl, triton
-from fastnmt.ops import registration
-from fastnmt.ops.triton_common import (
+from fastnmt.ops import checks, dispatch, registration
+from fastnmt.ops.triton import tl, triton
+from fastnmt.ops.triton.common import (
     LaunchConfig,
     Launcher,
     as_dtype,
@@ -726,8 +725,8 @@ def attention_probabilities(
     if lse is None:
         probs = torch.softmax(scores.float(), dim=-1)
     else:
-        _checks.tensor("lse", lse)
-        _checks.shape("lse", lse, scores.shape[:3], "(B, H, Lq) as attention() returns it")
+        checks.tensor("lse", lse)
+        checks.shape("lse", lse, scores.shape[:3], "(B, H, Lq) as attention() returns it")
         # -inf marks rows that see no key; a finite stand-in keeps the backward free of NaN.
         finite_lse = lse.float().masked_fill(empty_rows.squeeze(-1), 0.0)
         probs = torch.exp(scores.float() - finite_lse[..., None])
@@ -995,14 +994,14 @@ def dropout_keep_mask(seed: torch.Tensor, shape: tuple[int, int, int, int], drop
 
 
 def _check_key_lengths(key_lengths, batch: int, lk: int, like: torch.Tensor) -> None:
-    _checks.tensor("key_lengths", key_lengths, ndim=1)
+    checks.tensor("key_lengths", key_lengths, ndim=1)
     if key_lengths.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"key_lengths must be int32 or int64, got {key_lengths.dtype}")
-    _checks.shape("key_lengths", key_lengths, (batch,), "one length per batch entry")
-    _checks.same_device("key_lengths", key_lengths, "q", like)
+    checks.shape("key_lengths", key_lengths, (batch,), "one length per batch entry")
+    checks.same_device("key_lengths", key_lengths, "q", like)
     # Every backend clamps lengths to [0, lk]; reading them to reject the out-of-range ones
     # syncs a GPU with the host, so only in debugging runs (FASTNMT_CHECK_VALUES=1).
-    if _checks.values_checked() and not torch.compiler.is_compiling() and key_lengths.numel():
+    if checks.values_checked() and not torch.compiler.is_compiling() and key_lengths.numel():
         low, high = torch.aminmax(key_lengths)
         if low < 0 or high > lk:
             raise ValueError(
@@ -1014,19 +1013,19 @@ def _check_key_lengths(key_lengths, batch: int, lk: int, like: torch.Tensor) -> 
 def _check_masks(key_padding_mask, attn_mask, q, expected_scores: tuple[int, ...]) -> None:
     batch, lk = expected_scores[0], expected_scores[-1]
     if key_padding_mask is not None:
-        _checks.tensor("key_padding_mask", key_padding_mask, ndim=2)
+        checks.tensor("key_padding_mask", key_padding_mask, ndim=2)
         if key_padding_mask.dtype != torch.bool:
             raise TypeError(
                 f"key_padding_mask must be a bool tensor (True = padding), got "
                 f"{key_padding_mask.dtype}"
             )
-        _checks.shape("key_padding_mask", key_padding_mask, (batch, lk), "(B, Lk)")
-        _checks.same_device("key_padding_mask", key_padding_mask, "q", q)
+        checks.shape("key_padding_mask", key_padding_mask, (batch, lk), "(B, Lk)")
+        checks.same_device("key_padding_mask", key_padding_mask, "q", q)
     if attn_mask is not None:
-        _checks.tensor("attn_mask", attn_mask)
+        checks.tensor("attn_mask", attn_mask)
         if attn_mask.dtype != torch.bool:
-            _checks.same_dtype("attn_mask", attn_mask, "q", q)
-        _checks.same_device("attn_mask", attn_mask, "q", q)
+            checks.same_dtype("attn_mask", attn_mask, "q", q)
+        checks.same_device("attn_mask", attn_mask, "q", q)
         try:
             broadcast = torch.broadcast_shapes(attn_mask.shape, expected_scores)
         except RuntimeError:
@@ -1040,16 +1039,16 @@ def _check_masks(key_padding_mask, attn_mask, q, expected_scores: tuple[int, ...
 
 def _check_cache_rows(cache_rows, q, k) -> None:
     batch, lk, entries = q.shape[0], k.shape[2], k.shape[0]
-    _checks.tensor("cache_rows", cache_rows, ndim=2)
+    checks.tensor("cache_rows", cache_rows, ndim=2)
     if cache_rows.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"cache_rows must be int32 or int64, got {cache_rows.dtype}")
-    _checks.shape("cache_rows", cache_rows, (batch, lk), "(B, Lk): q's B, k's Lk")
-    _checks.same_device("cache_rows", cache_rows, "q", q)
+    checks.shape("cache_rows", cache_rows, (batch, lk), "(B, Lk): q's B, k's Lk")
+    checks.same_device("cache_rows", cache_rows, "q", q)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k)):
         raise ValueError("cache_rows is for decoding: no backward, so q, k, v must not need grad")
     # The C++ kernel checks the entries always; other backends only in debugging runs (reading
     # them would sync a GPU with the host every decoding step).
-    if _checks.values_checked() and not torch.compiler.is_compiling() and cache_rows.numel():
+    if checks.values_checked() and not torch.compiler.is_compiling() and cache_rows.numel():
         low, high = torch.aminmax(cache_rows)
         if low < 0 or high >= entries:
             raise ValueError(
@@ -1063,15 +1062,15 @@ def _check_scores_inputs(
 ) -> float:
     """Checks what the scores S depend on; returns the scale to use."""
     for name, tensor in (("q", q), ("k", k)):
-        _checks.tensor(name, tensor, ndim=4, floating=True)
-    _checks.same_device("k", k, "q", q)
-    _checks.same_dtype("k", k, "q", q)
+        checks.tensor(name, tensor, ndim=4, floating=True)
+    checks.same_device("k", k, "q", q)
+    checks.same_dtype("k", k, "q", q)
     batch, heads, lq, head_dim = q.shape
     lk = k.shape[2]
     if cache_rows is None:
-        _checks.shape("k", k, (batch, heads, lk, head_dim), "(B, H, Lk, D) matching q's B, H, D")
+        checks.shape("k", k, (batch, heads, lk, head_dim), "(B, H, Lk, D) matching q's B, H, D")
     else:  # k holds its own batch of entries, which cache_rows picks from
-        _checks.shape("k", k, (k.shape[0], heads, lk, head_dim), "(P, H, Lk, D): q's H and D")
+        checks.shape("k", k, (k.shape[0], heads, lk, head_dim), "(P, H, Lk, D): q's H and D")
         _check_cache_rows(cache_rows, q, k)
     if key_lengths is not None and key_padding_mask is not None:
         raise ValueError("give key_lengths or key_padding_mask, not both")
@@ -1080,7 +1079,7 @@ def _check_scores_inputs(
     _check_masks(key_padding_mask, attn_mask, q, (batch, heads, lq, lk))
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    return head_dim**-0.5 if scale is None else _checks.positive("scale", scale)
+    return head_dim**-0.5 if scale is None else checks.positive("scale", scale)
 
 
 def _prepare(
@@ -1100,10 +1099,10 @@ def _prepare(
     scale = _check_scores_inputs(
         q, k, key_lengths, key_padding_mask, attn_mask, causal, scale, cache_rows
     )
-    _checks.tensor("v", v, ndim=4, floating=True)
-    _checks.same_device("v", v, "q", q)
-    _checks.same_dtype("v", v, "q", q)
-    _checks.shape("v", v, (*k.shape[:3], v.shape[-1]), "(B, H, Lk, Dv) matching k's B, H, Lk")
+    checks.tensor("v", v, ndim=4, floating=True)
+    checks.same_device("v", v, "q", q)
+    checks.same_dtype("v", v, "q", q)
+    checks.shape("v", v, (*k.shape[:3], v.shape[-1]), "(B, H, Lk, Dv) matching k's B, H, Lk")
     prepared = dict(
         q=q,
         k=k,
@@ -1112,11 +1111,11 @@ def _prepare(
         key_padding_mask=key_padding_mask,
         attn_mask=attn_mask,
         causal=causal,
-        dropout_p=_checks.probability("dropout_p", dropout_p),
+        dropout_p=checks.probability("dropout_p", dropout_p),
         scale=scale,
         return_lse=bool(return_lse),
         cache_rows=cache_rows,
-        dropout_seed=_checks.dropout_seed(dropout_seed, "q", q),
+        dropout_seed=checks.dropout_seed(dropout_seed, "q", q),
     )
     return q.device, prepared
 

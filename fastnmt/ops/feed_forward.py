@@ -53,10 +53,10 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from fastnmt import _checks, dispatch, environment
-from fastnmt._triton import tl, triton
-from fastnmt.ops import registration, triton_common
-from fastnmt.ops.layer_norm import apply_dropout
+from fastnmt.ops import checks, dispatch, registration, settings
+from fastnmt.ops.add_layer_norm import apply_dropout
+from fastnmt.ops.triton import common as triton_common
+from fastnmt.ops.triton import tl, triton
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
 # Other names the public API accepts, replaced before dispatch so that every backend knows one name
@@ -300,9 +300,9 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # The path is a constant of a compiled graph.
 @torch.compiler.assume_constant_result
 def fused_gemm_requested() -> bool:
-    """Whether ``FASTNMT_FFN_FUSED_GEMM=1`` (``fastnmt.environment``, read at import) asks for
+    """Whether ``FASTNMT_FFN_FUSED_GEMM=1`` (``fastnmt.ops.settings``, read at import) asks for
     the fused-GEMM path on every call."""
-    return environment.ffn_fused_gemm
+    return settings.ffn_fused_gemm
 
 
 def _output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -609,21 +609,21 @@ def _cpp_unsupported(x, w1, b1, w2, b2, **_):
 
 
 def _check_linear(prefix: str, weight, bias, in_features: int, in_name: str, like, like_name):
-    _checks.tensor(f"w{prefix}", weight, ndim=2, floating=True)
+    checks.tensor(f"w{prefix}", weight, ndim=2, floating=True)
     if weight.shape[1] != in_features:
         raise ValueError(
             f"w{prefix} must have shape (out_features, {in_features}) to take {in_name}, got "
             f"{tuple(weight.shape)}"
         )
-    _checks.same_device(f"w{prefix}", weight, like_name, like)
+    checks.same_device(f"w{prefix}", weight, like_name, like)
     if bias is not None:
-        _checks.tensor(f"b{prefix}", bias, floating=True)
-        _checks.shape(f"b{prefix}", bias, (weight.shape[0],), f"w{prefix}'s out_features")
-        _checks.same_device(f"b{prefix}", bias, like_name, like)
-    if not _checks.autocasting(like.device):
-        _checks.same_dtype(f"w{prefix}", weight, like_name, like)
+        checks.tensor(f"b{prefix}", bias, floating=True)
+        checks.shape(f"b{prefix}", bias, (weight.shape[0],), f"w{prefix}'s out_features")
+        checks.same_device(f"b{prefix}", bias, like_name, like)
+    if not checks.autocasting(like.device):
+        checks.same_dtype(f"w{prefix}", weight, like_name, like)
         if bias is not None:
-            _checks.same_dtype(f"b{prefix}", bias, like_name, like)
+            checks.same_dtype(f"b{prefix}", bias, like_name, like)
 
 
 def _activation_name(activation) -> str:
@@ -635,7 +635,7 @@ def _activation_name(activation) -> str:
 
 
 def _prepare(x, w1, b1, w2, b2, activation="relu", dropout_p=0.0, dropout_seed=None):
-    _checks.tensor("x", x, floating=True)
+    checks.tensor("x", x, floating=True)
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the features)")
     _check_linear("1", w1, b1, x.shape[-1], "x's last dimension", x, "x")
@@ -647,8 +647,8 @@ def _prepare(x, w1, b1, w2, b2, activation="relu", dropout_p=0.0, dropout_seed=N
         w2=w2,
         b2=b2,
         activation=_activation_name(activation),
-        dropout_p=_checks.probability("dropout_p", dropout_p),
-        dropout_seed=_checks.dropout_seed(dropout_seed, "x", x),
+        dropout_p=checks.probability("dropout_p", dropout_p),
+        dropout_seed=checks.dropout_seed(dropout_seed, "x", x),
     )
     return x.device, prepared
 

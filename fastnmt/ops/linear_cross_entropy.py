@@ -32,13 +32,13 @@ fp16 autocast computes the cross entropy's gradient in fp32, scaled by dloss s, 
 
 Chunking (Liger-Kernel's fused linear cross entropy, here for CPUs too): the tokens are processed
 in chunks of about ``_CHUNK_ELEMENTS / V`` rows. For each chunk a library GEMM writes its logits,
-a row kernel (Triton, or C++ in csrc/cross_entropy.cpp) reads each row while it is in cache, writes
-the loss statistics and overwrites the row with g, and two more GEMMs turn g into the chunk's dh
-and its share of dW (accumulated in fp32). The loss is a scalar, so its gradient is computed in the
-forward and the backward only scales it by dloss s: three GEMMs, as unfused, and one chunk of
-logits alive at a time instead of logits, fp32 logits, log-probabilities and their gradients over
-all tokens. s stays a device tensor (no host sync). reduction="none" needs each token's gradient
-scaled separately, so it runs on the reference path.
+a row kernel (Triton, or C++ in csrc/linear_cross_entropy.cpp) reads each row while it is in cache,
+writes the loss statistics and overwrites the row with g, and two more GEMMs turn g into the
+chunk's dh and its share of dW (accumulated in fp32). The loss is a scalar, so its gradient is
+computed in the forward and the backward only scales it by dloss s: three GEMMs, as unfused, and
+one chunk of logits alive at a time instead of logits, fp32 logits, log-probabilities and their
+gradients over all tokens. s stays a device tensor (no host sync). reduction="none" needs each
+token's gradient scaled separately, so it runs on the reference path.
 
 On a GPU a chunk holds up to ``_GPU_CHUNK_ELEMENTS`` logits (a call of 4,096 tokens over 32k words
 is one chunk): there a chunk costs kernel launches, which cost more host time than the GEMMs take
@@ -65,12 +65,13 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from fastnmt import _checks, dispatch
-from fastnmt._extension import extension_available
-from fastnmt._triton import tl, triton
-from fastnmt.ops import registration, triton_common
+from fastnmt.ops import checks, dispatch, registration
+from fastnmt.ops.extension import extension_available
 
 # ---------------------------------------------------------------------------------------------
+from fastnmt.ops.triton import common as triton_common
+from fastnmt.ops.triton import tl, triton
+
 # Triton kernel: one program per row of a chunk of logits.
 # ---------------------------------------------------------------------------------------------
 
@@ -253,7 +254,7 @@ def _flat(hidden, target):
 
 # ---------------------------------------------------------------------------------------------
 # Launchers: the chunked driver of the Triton row kernel (the C++ op has its own, in
-# csrc/cross_entropy.cpp: the same math and chunking).
+# csrc/linear_cross_entropy.cpp: the same math and chunking).
 # ---------------------------------------------------------------------------------------------
 
 _CHUNK_ELEMENTS = 1 << 23  # logits per chunk on a CPU: 16 MB in bf16, 32 MB in fp32 (cache)
@@ -520,8 +521,9 @@ def _make_backward(backward_op):
     return backward
 
 
-# The Triton op's autograd in Python; the C++ op (csrc/cross_entropy.cpp: the same driver and the
-# same backward, in C++) registers its own, so a CPU step never enters Python below the op call.
+# The Triton op's autograd in Python; the C++ op (csrc/linear_cross_entropy.cpp: the same driver
+# and the same backward, in C++) registers its own, so a CPU step never enters Python below the op
+# call.
 torch.library.register_fake(_triton_op)(_fake)
 _triton_op.register_autograd(_make_backward(_triton_backward_op), setup_context=_setup_context)
 _triton_eager = registration.eager_function(
@@ -589,25 +591,25 @@ def _fused_unsupported(kernels: str):
 def _prepare(
     hidden, weight, bias, target, label_smoothing=0.0, ignore_index=-100, reduction="mean"
 ):
-    _checks.tensor("hidden", hidden, floating=True)
-    _checks.tensor("weight", weight, ndim=2, floating=True)
+    checks.tensor("hidden", hidden, floating=True)
+    checks.tensor("weight", weight, ndim=2, floating=True)
     if hidden.dim() == 0 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"hidden must have shape (..., {weight.shape[1]}) (weight is (V, E) = "
             f"{tuple(weight.shape)}), got {tuple(hidden.shape)}"
         )
-    _checks.same_device("weight", weight, "hidden", hidden)
-    if not _checks.autocasting(hidden.device):
-        _checks.same_dtype("weight", weight, "hidden", hidden)
+    checks.same_device("weight", weight, "hidden", hidden)
+    if not checks.autocasting(hidden.device):
+        checks.same_dtype("weight", weight, "hidden", hidden)
     if bias is not None:
-        _checks.tensor("bias", bias, floating=True)
-        _checks.shape("bias", bias, (weight.shape[0],), "the vocabulary size, weight.shape[0]")
-        _checks.same_device("bias", bias, "hidden", hidden)
-    _checks.tensor("target", target)
+        checks.tensor("bias", bias, floating=True)
+        checks.shape("bias", bias, (weight.shape[0],), "the vocabulary size, weight.shape[0]")
+        checks.same_device("bias", bias, "hidden", hidden)
+    checks.tensor("target", target)
     if target.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"target must hold int64 or int32 class indices, got {target.dtype}")
-    _checks.shape("target", target, tuple(hidden.shape[:-1]), "hidden's shape without E")
-    _checks.same_device("target", target, "hidden", hidden)
+    checks.shape("target", target, tuple(hidden.shape[:-1]), "hidden's shape without E")
+    checks.same_device("target", target, "hidden", hidden)
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
@@ -618,7 +620,7 @@ def _prepare(
         weight=weight,
         bias=bias,
         target=target,
-        label_smoothing=_checks.probability("label_smoothing", label_smoothing),
+        label_smoothing=checks.probability("label_smoothing", label_smoothing),
         ignore_index=ignore_index,
         reduction=reduction,
     )
@@ -628,7 +630,7 @@ def _prepare(
 def _check_target_range(target, vocab: int, ignore_index: int) -> None:
     """Class indices in [0, V) or ignore_index: a host sync, so only under
     FASTNMT_CHECK_VALUES=1 and outside tracing (the kernels stay memory-safe without it)."""
-    if not _checks.values_checked() or torch.compiler.is_compiling():
+    if not checks.values_checked() or torch.compiler.is_compiling():
         return
     outside = ((target < 0) | (target >= vocab)) & (target != ignore_index)
     if outside.any():

@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import torch
 
-from fastnmt import _checks, dispatch
-from fastnmt._extension import extension_available
+from fastnmt.ops import checks, dispatch
+from fastnmt.ops.extension import extension_available
 
 _CPP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -79,15 +79,15 @@ if extension_available():
 
 
 def _prepare(logits, k, banned=None):
-    _checks.tensor("logits", logits, ndim=2, floating=True)
+    checks.tensor("logits", logits, ndim=2, floating=True)
     vocab = logits.shape[1]
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= vocab:
         raise ValueError(f"k must be an int in [1, {vocab}] (logits.shape[1]), got {k!r}")
     if banned is not None:
-        _checks.tensor("banned", banned, ndim=1)
+        checks.tensor("banned", banned, ndim=1)
         if banned.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"banned must hold int64 or int32 token ids, got {banned.dtype}")
-        _checks.same_device("banned", banned, "logits", logits)
+        checks.same_device("banned", banned, "logits", logits)
         _check_banned_range(banned, vocab)
     return logits.device, dict(logits=logits, k=k, banned=banned)
 
@@ -95,7 +95,7 @@ def _prepare(logits, k, banned=None):
 def _check_banned_range(banned, vocab: int) -> None:
     """Token ids in [0, V): a host sync, so only under FASTNMT_CHECK_VALUES=1 and outside
     tracing (the kernels stay memory-safe without it)."""
-    if not _checks.values_checked() or torch.compiler.is_compiling():
+    if not checks.values_checked() or torch.compiler.is_compiling():
         return
     if bool(((banned < 0) | (banned >= vocab)).any()):
         raise ValueError(f"banned must hold token ids in [0, {vocab}), got {banned.tolist()}")

@@ -23,9 +23,9 @@ from collections.abc import Callable
 
 import torch
 
-from fastnmt import dispatch
-from fastnmt._extension import extension_available, extension_status
-from fastnmt.ops.triton_common import INTERPRETER
+from fastnmt.ops import dispatch
+from fastnmt.ops.extension import extension_available, extension_status
+from fastnmt.ops.triton.common import INTERPRETER
 
 
 def triton_library_op(name: str) -> Callable:

@@ -8,9 +8,9 @@ import importlib
 import pytest
 import torch
 
-from fastnmt import dispatch, environment
-from fastnmt.ops import attention, attention_probabilities, triton_common
-from fastnmt.ops.triton_common import LaunchConfig, dropout_seed, gpu_tiles, use_gpu_tiles
+from fastnmt.ops import attention, attention_probabilities, dispatch, settings
+from fastnmt.ops.triton import common as triton_common
+from fastnmt.ops.triton.common import LaunchConfig, dropout_seed, gpu_tiles, use_gpu_tiles
 from tests.helpers import (
     TRITON_DEVICE,
     HostOps,
@@ -206,7 +206,7 @@ BAD_INPUTS = [
 @pytest.mark.parametrize(("override", "error", "message"), BAD_INPUTS)
 def test_bad_inputs_name_the_argument(override, error, message, monkeypatch):
     monkeypatch.setenv("FASTNMT_CHECK_VALUES", "1")  # key_lengths' range is checked too
-    environment.reload()
+    settings.reload()
     arguments = dict(
         q=torch.randn(1, 2, 3, 8), k=torch.randn(1, 2, 5, 8), v=torch.randn(1, 2, 5, 8)
     )
@@ -218,7 +218,7 @@ def test_bad_inputs_name_the_argument(override, error, message, monkeypatch):
 
 def test_out_of_range_key_lengths_raise_one_line_under_value_checks(monkeypatch):
     monkeypatch.setenv("FASTNMT_CHECK_VALUES", "1")
-    environment.reload()
+    settings.reload()
     q, k, v = _qkv(2, 1, 3, 5, 8)
     with pytest.raises(ValueError) as raised:
         attention(q, k, v, key_lengths=torch.tensor([-1, 8]))
@@ -238,7 +238,7 @@ def test_key_lengths_are_not_read_without_value_checks(monkeypatch):
     q, k, v = _qkv(2, 1, 3, 5, 8)
     attention(q, k, v, key_lengths=torch.tensor([2, 5]))
     monkeypatch.setenv("FASTNMT_CHECK_VALUES", "1")
-    environment.reload()
+    settings.reload()
     with pytest.raises(AssertionError, match="read on the host"):
         attention(q, k, v, key_lengths=torch.tensor([2, 5]))
 
@@ -474,7 +474,7 @@ def test_forced_triton_runs_every_mask_kind():
 
 def test_triton_launches_for_the_inputs_device(monkeypatch):
     """Every launch names its inputs' device to its Launcher, which launches there whatever the
-    current device (tests/ops/test_triton_common.py), so tensors on cuda:1 run on cuda:1."""
+    current device (tests/ops/triton/test_common.py), so tensors on cuda:1 run on cuda:1."""
     devices = []
     launch = triton_common.Launcher.__call__
 
@@ -1015,7 +1015,7 @@ def test_cache_rows_out_of_range_raise(backend, monkeypatch):
     require_backend(backend)
     if backend == "reference":
         monkeypatch.setenv("FASTNMT_CHECK_VALUES", "1")
-        environment.reload()
+        settings.reload()
     q, k, v, rows, _ = _cache_rows_inputs(CACHE_ROWS_CASES[0], "cpu")
     rows[1, 2] = k.shape[0]
     with dispatch.backend(backend), pytest.raises((ValueError, RuntimeError)) as raised:

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import fastnmt
-from fastnmt.ops import feed_forward, triton_common
+from fastnmt.ops import feed_forward
+from fastnmt.ops.triton import common as triton_common
 from tests.helpers import (
     TRITON_CPU_REASON,
     HostOps,
@@ -358,8 +359,8 @@ def test_triton_traced_by_torch_compile(
     triton_backend, triton_device, monkeypatch, fused_gemm, activation
 ):
     """Traced with fullgraph=True, dropout included: same seed, same loss and gradients."""
-    monkeypatch.setenv(fastnmt.environment.FFN_FUSED_GEMM, "1" if fused_gemm else "0")
-    fastnmt.environment.reload()
+    monkeypatch.setenv(fastnmt.ops.settings.FFN_FUSED_GEMM, "1" if fused_gemm else "0")
+    fastnmt.ops.settings.reload()
     inputs = [t.requires_grad_() for t in _inputs(5, 8, 12, device=triton_device)]
     step = lambda *a: (feed_forward(*a, activation, dropout_p=0.2) ** 2).sum()  # noqa: E731
     torch._dynamo.reset()  # the backend is chosen at trace time: no graph from another backend
@@ -375,7 +376,7 @@ def test_triton_traced_by_torch_compile(
 
 def test_triton_reasons(triton_device):
     x, w1, b1, w2, b2 = _inputs(3, 8, 12)
-    cpu = fastnmt.dispatch.explain("feed_forward", x, w1, b1, w2, b2)
+    cpu = fastnmt.ops.dispatch.explain("feed_forward", x, w1, b1, w2, b2)
     assert cpu["chosen"] in ("cpp", "reference") and TRITON_CPU_REASON in cpu["triton"][0]
     with (
         fastnmt.backend("triton"),
@@ -403,8 +404,8 @@ def test_triton_path_is_the_library_gemm_unless_asked(triton_backend, triton_dev
 
     assert gemm_kernel_launches() == 0
     assert gemm_kernel_launches(fused_gemm=True) == 2
-    monkeypatch.setenv(fastnmt.environment.FFN_FUSED_GEMM, "1")
-    fastnmt.environment.reload()
+    monkeypatch.setenv(fastnmt.ops.settings.FFN_FUSED_GEMM, "1")
+    fastnmt.ops.settings.reload()
     assert gemm_kernel_launches() == 2
     assert gemm_kernel_launches(fused_gemm=False) == 0
 

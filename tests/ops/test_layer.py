@@ -58,8 +58,8 @@ def _run(backend, x, parameters, prenorm, dy):
 
 @pytest.mark.parametrize(("prenorm", "fused_gemm"), [(True, True), (False, False)])
 def test_triton_layer_matches_reference(monkeypatch, prenorm, fused_gemm):
-    monkeypatch.setenv(fastnmt.environment.FFN_FUSED_GEMM, "1" if fused_gemm else "0")
-    fastnmt.environment.reload()
+    monkeypatch.setenv(fastnmt.ops.settings.FFN_FUSED_GEMM, "1" if fused_gemm else "0")
+    fastnmt.ops.settings.reload()
     x = torch.randn(2, 7, D_MODEL, device=TRITON_DEVICE)
     parameters = _parameters(torch.float32)
     dy = torch.randn(2, 7, D_MODEL, dtype=torch.float64, device=TRITON_DEVICE)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import fastnmt
 from fastnmt.ops import linear_cross_entropy
-from fastnmt.ops.triton_common import gpu_tiles
+from fastnmt.ops.triton.common import gpu_tiles
 from tests.helpers import (
     TRITON_DEVICE,
     HostOps,
@@ -254,7 +254,7 @@ def test_fused_fp16_mean_gradient_survives_loss_scaling(fused):
 
 def test_reduction_none_runs_on_the_reference():
     hidden, weight, bias, target = _inputs(6, 8, 11)
-    reasons = fastnmt.dispatch.explain(
+    reasons = fastnmt.ops.dispatch.explain(
         "linear_cross_entropy", hidden, weight, bias, target, reduction="none"
     )
     assert reasons["chosen"] == "reference" and "reduction='none'" in reasons["cpp"][0]
@@ -342,7 +342,7 @@ def test_bad_inputs_name_the_argument(override, error, message):
 def test_target_range_checked_under_fastnmt_check_values(monkeypatch, backend, target, message):
     require_backend(backend)
     monkeypatch.setenv("FASTNMT_CHECK_VALUES", "1")
-    fastnmt.environment.reload()
+    fastnmt.ops.settings.reload()
     hidden, weight, bias, _ = _inputs(4, 8, 11, device=device_of(backend))
     target = target.to(hidden.device)
     with fastnmt.backend(backend), pytest.raises(ValueError, match=message) as raised:
@@ -375,7 +375,7 @@ def test_fused_backends_refuse_float64():
     hidden, weight, bias, target = (
         t.double() if t.is_floating_point() else t for t in _inputs(4, 8, 11)
     )
-    reasons = fastnmt.dispatch.explain("linear_cross_entropy", hidden, weight, bias, target)
+    reasons = fastnmt.ops.dispatch.explain("linear_cross_entropy", hidden, weight, bias, target)
     assert "float64" in reasons["cpp"][0] and reasons["chosen"] == "reference"
 
 

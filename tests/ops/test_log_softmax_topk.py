@@ -7,8 +7,7 @@ import pytest
 import torch
 
 import fastnmt
-from fastnmt import dispatch
-from fastnmt.ops import log_softmax_topk
+from fastnmt.ops import dispatch, log_softmax_topk
 from tests.helpers import require_backend
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -127,7 +126,7 @@ def test_bad_arguments_are_named(args, error, match):
 def test_banned_range_checked_under_fastnmt_check_values(monkeypatch, backend, banned):
     require_backend(backend)
     monkeypatch.setenv("FASTNMT_CHECK_VALUES", "1")
-    fastnmt.environment.reload()
+    fastnmt.ops.settings.reload()
     message = r"banned must hold token ids in \[0, 5\), got " + re.escape(str(banned))
     with fastnmt.backend(backend), pytest.raises(ValueError, match=message) as raised:
         log_softmax_topk(torch.randn(2, 5), 2, torch.tensor(banned))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from torch._library.triton import get_triton_kernels_for_op
 
-from fastnmt.ops import triton_common
+from fastnmt.ops.triton import common as triton_common
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,7 +23,7 @@ from collections import Counter
 import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
-from fastnmt import dispatch
+from fastnmt.ops import dispatch
 from fastnmt.ops import add_layer_norm, attention, feed_forward, linear_cross_entropy
 
 dispatch._DEVICE_REASONS["triton"] = lambda device, forced: []

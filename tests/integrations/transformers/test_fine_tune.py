@@ -15,11 +15,12 @@ import torch
 import transformers
 
 import fastnmt
-from fastnmt import checkpoint, fine_tune
+from fastnmt import checkpoint
 from fastnmt.data import MarianVocabulary, Vocabulary
 from fastnmt.export import main as export_main
 from fastnmt.model import ModelConfig, Transformer
 from fastnmt.train import main as train_main
+from fastnmt.training import fine_tune
 from tests.helpers import multi30k_file
 from tests.integrations.transformers.models import marian_directory, nllb_directory
 

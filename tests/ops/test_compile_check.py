@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from fastnmt.compile_check import parse_resource_usage
+from fastnmt.ops.compile_check import parse_resource_usage
 
 
 def test_every_kernel_compiles_for_sm80_and_sm90_without_spills():

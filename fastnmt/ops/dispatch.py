@@ -6,7 +6,7 @@ xformers' ``not_supported_reasons()``. A call runs on the first backend, in ``BA
 no reasons against it; ``reference`` runs everything, so a call always has a backend.
 
 A backend can be forced with the environment variable ``FASTNMT_BACKEND`` (read at import, see
-``fastnmt.environment``) or, taking precedence, the
+``fastnmt.ops.settings``) or, taking precedence, the
 ``backend()`` context manager, for every op or only for some (``backend("reference",
 ops=["linear_cross_entropy"])``: A/B comparisons of one op inside a whole model). Forcing a
 backend that cannot run the call raises ``BackendUnavailableError`` with the reasons: a forced
@@ -45,15 +45,15 @@ from contextvars import ContextVar
 import torch
 from torch.autograd import forward_ad
 
-from fastnmt import environment
-from fastnmt._extension import extension_available, extension_status
-from fastnmt._triton import TRITON_AVAILABLE, triton_status
+from fastnmt.ops import settings
+from fastnmt.ops.extension import extension_available, extension_status
+from fastnmt.ops.triton import TRITON_AVAILABLE, triton_status
 
 # "torch" runs each op as PyTorch's built-ins (SDPA, F.layer_norm, F.linear, F.cross_entropy):
 # the baseline a model written without fastnmt runs. After "reference", which runs everything,
 # it is never chosen by itself, only forced (benchmarks, ``--backend torch``).
 BACKENDS = ("triton", "cpp", "reference", "torch")
-ENV_VAR = environment.BACKEND
+ENV_VAR = settings.BACKEND
 _AUTO = "auto"
 # Distinct call signatures remembered per op: bucketed MT batches and decoding lengths give a few
 # hundred; past this many the cache starts afresh rather than growing without bound.
@@ -102,7 +102,7 @@ def forced_backend(op_name: str) -> str | None:
         None,
     )
     if name is None:
-        name = _check_backend_name(environment.backend, ENV_VAR)
+        name = _check_backend_name(settings.backend, ENV_VAR)
     return None if name == _AUTO else name
 
 
@@ -248,13 +248,13 @@ class Op:
         if (  # value checks run at every call; _tracing() inlined: a Python call less
             kwargs
             or len(args) != self._arity
-            or environment.check_values
+            or settings.check_values
             or torch.compiler.is_compiling()
             or torch._C._are_functorch_transforms_active()
             or forward_ad._current_level >= 0  # tangents are not in the signature
         ):
             return self._call_uncached(args, kwargs)
-        key = [_forced.get(), environment.backend, torch.is_grad_enabled()]
+        key = [_forced.get(), settings.backend, torch.is_grad_enabled()]
         append, tensor = key.append, torch.Tensor
         for value in args:  # inline: a helper per argument would cost a Python call each
             if isinstance(value, tensor):

@@ -44,7 +44,7 @@ from typing import NamedTuple
 
 import torch
 
-from fastnmt._triton import knobs, tl
+from fastnmt.ops.triton import knobs, tl
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 _GPU_TILES: ContextVar[bool] = ContextVar("fastnmt_gpu_tiles", default=not INTERPRETER)

@@ -1,6 +1,6 @@
 """How a decoding step turns the models' logits into next-token candidates: ensembles, banned
 ids, forced target prefixes, repeated n-grams, temperature and sampling. Shared by the dynamic
-search (``fastnmt.search``) and the static one (``fastnmt.static_search``).
+search (``fastnmt.decoding.search``) and the static one (``fastnmt.decoding.static_search``).
 
 Shapes: N hypothesis rows, V vocabulary (or shortlisted) columns, C candidates per row.
 

@@ -22,32 +22,6 @@ import torch.distributed as dist
 HOST_TIMEOUT = datetime.timedelta(hours=6)
 
 
-def resolve_device(requested: str = "auto") -> torch.device:
-    """The device of this process: ``requested`` ("auto", "cpu", "cuda" or "cuda:N"); "auto" and
-    a bare "cuda" take ``cuda:$LOCAL_RANK`` (torchrun's one GPU per process) when CUDA is
-    available. Raises ValueError naming ``--device``."""
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if requested == "auto":
-        requested = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(requested)
-    except RuntimeError:
-        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {requested!r}") from None
-    if device.type == "cpu":
-        return device
-    if device.type != "cuda":
-        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {requested!r}")
-    if not torch.cuda.is_available():
-        raise ValueError(f"--device {requested}: no CUDA device is available")
-    index = local_rank if device.index is None else device.index
-    if index >= torch.cuda.device_count():
-        raise ValueError(
-            f"--device {requested}: cuda:{index} does not exist "
-            f"({torch.cuda.device_count()} CUDA devices)"
-        )
-    return torch.device("cuda", index)
-
-
 @dataclass
 class Distributed:
     """This process's rank in the job, and the collectives the trainer uses."""

@@ -11,12 +11,11 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastnmt.ops import triton_common
+from fastnmt.ops.triton import common as triton_common
 
-# The op modules (``fastnmt.ops.attention`` etc. are also the names of the ops' functions).
 attention_op = importlib.import_module("fastnmt.ops.attention")
 ffn_op = importlib.import_module("fastnmt.ops.feed_forward")
-norm_op = importlib.import_module("fastnmt.ops.layer_norm")
+norm_op = importlib.import_module("fastnmt.ops.add_layer_norm")
 loss_op = importlib.import_module("fastnmt.ops.linear_cross_entropy")
 
 

@@ -6,10 +6,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fastnmt import train, trainer
-from fastnmt.buckets import ShapeBuckets
+from fastnmt import train
 from fastnmt.data import make_batch
 from fastnmt.model import ModelConfig, Transformer
+from fastnmt.training import trainer
+from fastnmt.training.buckets import ShapeBuckets
 from tests.test_train import NO_DROPOUT, _arguments
 
 PAD = 0

@@ -1,10 +1,14 @@
-"""Process-wide settings the command-line tools apply before they compute anything."""
+"""Devices: which one a process uses (``resolve_device``), autocast to a precision on it, and the
+process-wide settings the command-line tools apply before they compute anything."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import sys
+
+import torch
 
 # oneDNN (through ideep) keeps a compiled GEMM primitive per distinct shape, 1,024 by default. A
 # translation trainer meets new shapes with every token bucket and decoder step, and the caches
@@ -56,3 +60,36 @@ def configure_process(decoding: bool = False) -> None:
         DECODING_PRIMITIVE_CACHE_CAPACITY if decoding else TRAINING_PRIMITIVE_CACHE_CAPACITY
     )
     keep_freed_memory()
+
+
+def resolve_device(requested: str = "auto") -> torch.device:
+    """The device of this process: ``requested`` ("auto", "cpu", "cuda" or "cuda:N"); "auto" and
+    a bare "cuda" take ``cuda:$LOCAL_RANK`` (torchrun's one GPU per process) when CUDA is
+    available. Raises ValueError naming ``--device``."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(requested)
+    except RuntimeError:
+        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {requested!r}") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {requested!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {requested}: no CUDA device is available")
+    index = local_rank if device.index is None else device.index
+    if index >= torch.cuda.device_count():
+        raise ValueError(
+            f"--device {requested}: cuda:{index} does not exist "
+            f"({torch.cuda.device_count()} CUDA devices)"
+        )
+    return torch.device("cuda", index)
+
+
+def autocast(device: torch.device | str, dtype: torch.dtype | None):
+    """Autocast to ``dtype`` on ``device``'s type, or nothing for full precision."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype)

@@ -8,14 +8,14 @@ Each row times fastnmt's auto backend and PyTorch alternately in one run (median
 time / PyTorch's: the target is at most 1.2), both times in µs, and per step the Python function
 calls and the aten ops dispatched. A step is ``forward().sum().backward()`` on both sides, or
 in the ``forward, no grad`` rows the forward alone under ``torch.no_grad()`` (decoding and
-validation: no autograd to record, see ``fastnmt.dispatch``).
+validation: no autograd to record, see ``fastnmt.ops.dispatch``).
 
 Without a GPU a second row per op takes the Triton path on CPU tensors with its launches stubbed
 out (``path="triton, kernels stubbed"``): the host work a GPU call makes (checks, dispatch, Python
 autograd, launch configuration, allocations) without the kernels or the interpreter. On a GPU the
 auto row is that path, launches included.
 
-Run: ``pytest benchmarks/bench_dispatch.py --benchmark-only --benchmark-json=host.json``.
+Run: ``pytest benchmarks/ops/bench_dispatch.py --benchmark-only --benchmark-json=host.json``.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastnmt
-from fastnmt import dispatch, ops
-from fastnmt.ops import triton_common
+from fastnmt import ops
+from fastnmt.ops import dispatch
+from fastnmt.ops.triton import common as triton_common
 from tests.helpers import python_calls
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,5 +1,5 @@
 """Shared Triton helpers: dot precision, device guard, GPU tiles, the Launcher
-(fastnmt/ops/triton_common.py)."""
+(fastnmt/ops/triton/common.py)."""
 
 import contextlib
 
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import fastnmt
-from fastnmt._triton import tl
-from fastnmt.ops import triton_common
 from fastnmt.ops.feed_forward import feed_forward_triton
+from fastnmt.ops.triton import common as triton_common
+from fastnmt.ops.triton import tl
 from tests.helpers import TRITON_DEVICE, StandInCompiled, StandInDriver, device_of
 
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import fastnmt
+from fastnmt.decoding.next_token import Sampling
+from fastnmt.decoding.search import LengthPenalty, Rules, beam_search, greedy, sample
 from fastnmt.model import ModelConfig, Transformer
-from fastnmt.next_token import Sampling
-from fastnmt.search import LengthPenalty, Rules, beam_search, greedy, sample
 from tests.helpers import TRITON_DEVICE, HostOps, count_host_syncs, require_backend
 
 SMALL = ModelConfig(vocab_size=50, d_model=32, heads=2, d_ff=64, encoder_layers=1, decoder_layers=1)

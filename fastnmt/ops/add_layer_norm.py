@@ -33,11 +33,12 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from fastnmt import _checks, dispatch
-from fastnmt._triton import tl, triton
-from fastnmt.ops import registration, triton_common
+from fastnmt.ops import checks, dispatch, registration
 
 # ---------------------------------------------------------------------------------------------
+from fastnmt.ops.triton import common as triton_common
+from fastnmt.ops.triton import tl, triton
+
 # Triton kernels.
 # ---------------------------------------------------------------------------------------------
 
@@ -543,34 +544,34 @@ def _prepare(
     residual_in_fp32=False,
     dropout_seed=None,
 ):
-    _checks.tensor("x", x, floating=True)
+    checks.tensor("x", x, floating=True)
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the normalized width)")
     if residual is not None:
-        _checks.tensor("residual", residual, floating=True)
-        _checks.shape("residual", residual, tuple(x.shape), "the shape of x")
-        _checks.same_device("residual", residual, "x", x)
+        checks.tensor("residual", residual, floating=True)
+        checks.shape("residual", residual, tuple(x.shape), "the shape of x")
+        checks.same_device("residual", residual, "x", x)
         expected = torch.float32 if residual_in_fp32 else x.dtype
         # Under autocast the residual stream stays fp32 while sublayer outputs are half.
-        if residual.dtype != expected and not _checks.autocasting(x.device):
+        if residual.dtype != expected and not checks.autocasting(x.device):
             raise TypeError(
                 f"residual must have dtype {expected} (residual_in_fp32={residual_in_fp32}), "
                 f"got {residual.dtype}"
             )
     for name, param in (("weight", weight), ("bias", bias)):
         if param is not None:
-            _checks.tensor(name, param, floating=True)
-            _checks.shape(name, param, (x.shape[-1],), "the last dimension of x")
-            _checks.same_device(name, param, "x", x)
+            checks.tensor(name, param, floating=True)
+            checks.shape(name, param, (x.shape[-1],), "the last dimension of x")
+            checks.same_device(name, param, "x", x)
     prepared = dict(
         x=x,
         residual=residual,
         weight=weight,
         bias=bias,
-        eps=_checks.positive("eps", eps),
-        dropout_p=_checks.probability("dropout_p", dropout_p),
+        eps=checks.positive("eps", eps),
+        dropout_p=checks.probability("dropout_p", dropout_p),
         residual_in_fp32=bool(residual_in_fp32),
-        dropout_seed=_checks.dropout_seed(dropout_seed, "x", x),
+        dropout_seed=checks.dropout_seed(dropout_seed, "x", x),
     )
     return x.device, prepared
 

@@ -1,11 +1,11 @@
 """Beam search as two fixed-shape programs over static caches: the decoder loop a CUDA graph
 replays.
 
-``fastnmt.search`` drops finished sentences, grows its caches and reads every step's outcome on
-the host: the least arithmetic, the right thing on a CPU. On a GPU a step of a small model is all
-host time (tens of launches and a host sync per step), which a CUDA graph removes if the step
-keeps its shapes and decides everything on the device. So here every tensor has the shape of a
-batch bucket: B sentence slots (unused ones are empty sentences), S source positions, K beams
+``fastnmt.decoding.search`` drops finished sentences, grows its caches and reads every step's
+outcome on the host: the least arithmetic, the right thing on a CPU. On a GPU a step of a small
+model is all host time (tens of launches and a host sync per step), which a CUDA graph removes if
+the step keeps its shapes and decides everything on the device. So here every tensor has the shape
+of a batch bucket: B sentence slots (unused ones are empty sentences), S source positions, K beams
 (N = B*K hypothesis rows, sentence-major), T positions (the longest search):
 
 - the self-attention caches have room for all T positions (``attention.FixedKVCache``): a step
@@ -41,9 +41,7 @@ from dataclasses import replace
 import torch
 
 from fastnmt.attention import FixedKVCache, KVCache, StepClock
-from fastnmt.graphs import Program, capture_on
-from fastnmt.model import LayerCache, Transformer
-from fastnmt.next_token import (
+from fastnmt.decoding.next_token import (
     Sampling,
     ban_repeated_ngrams,
     candidates,
@@ -51,7 +49,7 @@ from fastnmt.next_token import (
     resolve_seed,
     uniforms,
 )
-from fastnmt.search import (
+from fastnmt.decoding.search import (
     Hypothesis,
     LengthPenalty,
     Rules,
@@ -60,6 +58,8 @@ from fastnmt.search import (
     _padded,
     check_arguments,
 )
+from fastnmt.model import LayerCache, Transformer
+from fastnmt.training.cuda_graphs import Program, capture_on
 
 CHECK_EVERY = 4  # steps between the host's checks that every sentence is done
 SOURCE_ROUNDING = 16  # bucket lengths (source positions, decoding steps) are multiples of this

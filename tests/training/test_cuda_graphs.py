@@ -10,9 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fastnmt import graphs, train
-from fastnmt.buckets import ShapeBuckets
+from fastnmt import train
 from fastnmt.model import ModelConfig, Transformer
+from fastnmt.training import cuda_graphs
+from fastnmt.training.buckets import ShapeBuckets
 from tests.test_train import NO_DROPOUT, _arguments
 
 BUCKETS = ("--shape-buckets", "3")
@@ -29,11 +30,11 @@ def _trained(corpus, output, *extra) -> dict[str, torch.Tensor]:
 
 
 def test_capture_reasons_name_the_device_and_loss_scaling():
-    assert graphs.capture_reasons(torch.device("cuda", 0), loss_scaling=False) == []
-    assert graphs.capture_reasons(torch.device("cpu"), loss_scaling=False) == [
+    assert cuda_graphs.capture_reasons(torch.device("cuda", 0), loss_scaling=False) == []
+    assert cuda_graphs.capture_reasons(torch.device("cpu"), loss_scaling=False) == [
         "CUDA graphs need a CUDA device, got cpu"
     ]
-    assert graphs.capture_reasons(torch.device("cuda", 0), loss_scaling=True) == [
+    assert cuda_graphs.capture_reasons(torch.device("cuda", 0), loss_scaling=True) == [
         "fp16 loss scaling decides on the host whether to step (use bf16)"
     ]
 
@@ -65,7 +66,7 @@ def test_state_preserved_undoes_updates_and_random_draws(fresh):
     # a copy: loading shares the given state's tensors where their dtype and device fit
     twin_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
     rng = torch.get_rng_state()
-    with graphs.state_preserved(model, optimizer):
+    with cuda_graphs.state_preserved(model, optimizer):
         for _ in range(2):
             _step(model, optimizer)
     assert torch.equal(torch.get_rng_state(), rng)
@@ -92,7 +93,7 @@ def test_warm_up_leaves_a_trainers_whole_update_state(corpus, tmp_path):
     names = ("updates", "lr", "loss_scale", "sums", "statistics")
     before = {name: getattr(trainer, name).clone() for name in names}
     parameters = [p.detach().clone() for p in trainer.model.parameters()]
-    graphs.warm_up(bucketed.programs, trainer.model, trainer.optimizer, bucketed.state)
+    cuda_graphs.warm_up(bucketed.programs, trainer.model, trainer.optimizer, bucketed.state)
     for name in names:
         assert torch.equal(getattr(trainer, name), before[name]), name
     for kept, now in zip(parameters, trainer.model.parameters(), strict=True):
@@ -102,7 +103,8 @@ def test_warm_up_leaves_a_trainers_whole_update_state(corpus, tmp_path):
 def test_gradients_are_views_of_one_buffer_and_inputs_are_padding():
     model = Transformer(ModelConfig(vocab_size=30, d_model=16, heads=2, d_ff=32))
     buckets = ShapeBuckets(max_tokens=60, max_len=11, count=3, pad_id=0)
-    updates = graphs.BucketedUpdates(model, buckets, None, lambda: None, None, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    updates = cuda_graphs.BucketedUpdates(model, buckets, None, lambda: None, None, cpu)
     flat = updates.gradients
     assert flat.numel() == sum(p.numel() for p in model.parameters())
     for p in model.parameters():
@@ -191,9 +193,9 @@ def test_a_capture_is_thread_local_on_the_programs_device(monkeypatch):
     fail them), and warm-up and capture run on the model's device and its side stream."""
     cuda = FakeCuda(monkeypatch)
     ran = []
-    program = graphs.Program(lambda: ran.append("program"))
+    program = cuda_graphs.Program(lambda: ran.append("program"))
     device = torch.device("cuda", 1)
-    graphs.capture_on(device, [program], "pool", lambda: ran.append("warm-up"))
+    cuda_graphs.capture_on(device, [program], "pool", lambda: ran.append("warm-up"))
     assert ran == ["warm-up", "program"]
     assert cuda.calls[0] == ("device", device)
     assert ("Stream", device) in cuda.calls and ("graph", "pool", "thread_local") in cuda.calls
@@ -208,8 +210,8 @@ def test_a_capture_leaving_memory_allocated_raises(monkeypatch, kept, raises):
     """A tensor a program allocates and keeps would be overwritten by another graph of the
     shared pool; only a cuBLAS workspace (here 1 MiB) may stay."""
     FakeCuda(monkeypatch, allocated=[1000, 1000 + kept])
-    monkeypatch.setattr(graphs, "workspace_allowances", lambda: frozenset({0, 1 << 20}))
-    program = graphs.Program(lambda: None)
+    monkeypatch.setattr(cuda_graphs, "workspace_allowances", lambda: frozenset({0, 1 << 20}))
+    program = cuda_graphs.Program(lambda: None)
     if raises:
         with pytest.raises(RuntimeError, match=f"{kept} bytes allocated while capturing"):
             program.capture("pool")
@@ -222,9 +224,9 @@ def test_a_capture_leaving_memory_allocated_raises(monkeypatch, kept, raises):
 def test_workspace_allowances_are_cublas_sizes_or_no_check(monkeypatch):
     monkeypatch.setattr(torch._C, "_cuda_getCublasWorkspaceSize", lambda: 8, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCublasLtWorkspaceSize", lambda: 3, raising=False)
-    assert graphs.workspace_allowances() == {0, 3, 8, 11}
+    assert cuda_graphs.workspace_allowances() == {0, 3, 8, 11}
     monkeypatch.delattr(torch._C, "_cuda_getCublasLtWorkspaceSize")
-    assert graphs.workspace_allowances() is None
+    assert cuda_graphs.workspace_allowances() is None
 
 
 def test_pieces_reach_the_programs_through_one_reused_host_buffer_per_shape(monkeypatch):
@@ -236,9 +238,10 @@ def test_pieces_reach_the_programs_through_one_reused_host_buffer_per_shape(monk
     seen = []
 
     def piece(batch):
-        seen.append({name: getattr(batch, name).clone() for name in graphs._INPUTS})
+        seen.append({name: getattr(batch, name).clone() for name in cuda_graphs._INPUTS})
 
-    updates = graphs.BucketedUpdates(model, buckets, piece, lambda: None, None, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    updates = cuda_graphs.BucketedUpdates(model, buckets, piece, lambda: None, None, cpu)
     buffers = {shape: staging.batch.src for shape, staging in updates.staging.items()}
     batches = [_random_batch(rows, seed) for seed, rows in enumerate((1, 9, 23))]
     expected = [p for batch in batches for p in buckets.split(batch)]
@@ -267,7 +270,7 @@ def test_pieces_reach_the_programs_through_one_reused_host_buffer_per_shape(monk
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
     shape = buckets.shape_of(batches[0])
-    staging = graphs.HostStaging(buckets, shape, torch.device("cuda"))
+    staging = cuda_graphs.HostStaging(buckets, shape, torch.device("cuda"))
     assert pinned == [("cpu", True)]
     inputs = _empty(buckets, shape, "cpu")
     staging.copy(batches[0], 0, 1, inputs)
@@ -279,6 +282,6 @@ _empty = ShapeBuckets.empty
 
 
 def _random_batch(rows: int, seed: int):
-    from tests.test_buckets import _batch
+    from tests.training.test_buckets import _batch
 
     return _batch(rows, 11, seed)

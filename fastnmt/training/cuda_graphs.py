@@ -5,7 +5,8 @@ launch, every autograd node, the optimizer's Python), and a CUDA graph replays a
 sequence of kernels for one launch. A graph fixes its tensors: their shapes and their memory.
 So an update becomes:
 
-- ``ShapeBuckets`` (``fastnmt/buckets.py``) cut each batch into pieces of a few fixed shapes;
+- ``ShapeBuckets`` (``fastnmt/training/buckets.py``) cut each batch into pieces of a few fixed
+shapes;
 - one **piece program** per shape reads its batch from static input tensors (the host copies a
   piece in), runs forward + backward, accumulates the gradients into preallocated ``.grad``
   tensors and its loss statistics into a device accumulator;
@@ -37,8 +38,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from fastnmt.buckets import BatchShape, ShapeBuckets
 from fastnmt.data import Batch
+from fastnmt.training.buckets import BatchShape, ShapeBuckets
 
 # Fields of a piece copied into its program's static inputs (tgt_positions is the same for
 # every piece of a shape: all its cells).

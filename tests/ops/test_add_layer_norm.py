@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import fastnmt
-from fastnmt.ops import add_layer_norm, triton_common
+from fastnmt.ops import add_layer_norm
+from fastnmt.ops.triton import common as triton_common
 from tests.helpers import (
     TRITON_CPU_REASON,
     HostOps,
@@ -18,7 +19,7 @@ from tests.helpers import (
     require_backend,
 )
 
-layer_norm_module = importlib.import_module("fastnmt.ops.layer_norm")
+layer_norm_module = importlib.import_module("fastnmt.ops.add_layer_norm")
 
 
 def layer_norm_oracle(x, residual, weight, bias, eps):
@@ -381,11 +382,11 @@ def test_triton_inference_launches_the_forward_and_keeps_no_statistics(triton_de
 def test_triton_reasons(triton_device):
     """CPU tensors: Triton only in the interpreter, and only when forced (with a GPU: not at
     all). Tensors on the Triton device: chosen on a GPU; forced, the kernel's own limits."""
-    cpu = fastnmt.dispatch.explain("add_layer_norm", torch.randn(2, 8))
+    cpu = fastnmt.ops.dispatch.explain("add_layer_norm", torch.randn(2, 8))
     assert cpu["chosen"] in ("cpp", "reference") and TRITON_CPU_REASON in cpu["triton"][0]
     if torch.cuda.is_available():
         on_gpu = torch.randn(2, 8, device=triton_device)
-        assert fastnmt.dispatch.explain("add_layer_norm", on_gpu)["chosen"] == "triton"
+        assert fastnmt.ops.dispatch.explain("add_layer_norm", on_gpu)["chosen"] == "triton"
     with fastnmt.backend("triton"):
         with pytest.raises(fastnmt.BackendUnavailableError, match="a row must fit one Triton"):
             add_layer_norm(torch.randn(1, 9000, device=triton_device))
@@ -395,7 +396,7 @@ def test_triton_reasons(triton_device):
 
 def test_cpp_is_chosen_for_cpu_tensors_and_independent_of_thread_count():
     require_backend("cpp")
-    assert fastnmt.dispatch.explain("add_layer_norm", torch.randn(2, 8))["chosen"] == "cpp"
+    assert fastnmt.ops.dispatch.explain("add_layer_norm", torch.randn(2, 8))["chosen"] == "cpp"
     x, residual, weight, bias = _inputs(300, 512, torch.bfloat16, requires_grad=True)
     results = []
     threads = torch.get_num_threads()

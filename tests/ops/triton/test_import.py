@@ -1,4 +1,4 @@
-"""fastnmt without triton: the import works, and the other backends run (fastnmt._triton)."""
+"""fastnmt without triton: the import works, and the other backends run (fastnmt.ops.triton)."""
 
 import subprocess
 import sys

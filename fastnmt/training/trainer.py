@@ -1,7 +1,7 @@
 """The training loop of ``python -m fastnmt.train``: updates, validation, checkpoints, logging.
 
-A training step makes no host sync on the device (``tests/test_trainer.py`` counts them): the
-step's loss statistics and gradient norm stay on the device in a ``Window`` until a log line,
+A training step makes no host sync on the device (``tests/training/test_trainer.py`` counts them):
+the step's loss statistics and gradient norm stay on the device in a ``Window`` until a log line,
 a checkpoint or the end of training reads them all at once (and only then is a non-finite loss
 noticed, naming its step; nothing non-finite is ever saved). Token counts come from the batches,
 which are built on the host.
@@ -26,13 +26,14 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from fastnmt import checkpoint, metrics
-from fastnmt.buckets import ShapeBuckets
 from fastnmt.data import EncodedCorpus, ParallelCorpus, TokenBatches, Vocabulary, encode_corpus
-from fastnmt.distributed import Distributed
-from fastnmt.graphs import BucketedUpdates
+from fastnmt.devices import autocast
 from fastnmt.model import ModelConfig, Transformer
 from fastnmt.ops import linear_cross_entropy
-from fastnmt.translator import Translator, autocast
+from fastnmt.training.buckets import ShapeBuckets
+from fastnmt.training.cuda_graphs import BucketedUpdates
+from fastnmt.training.distributed import Distributed
+from fastnmt.translator import Translator
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 # What must match for a run to continue from an output directory's checkpoint (with the model).

@@ -1,17 +1,17 @@
-"""The static search against ``fastnmt.search``: the same hypotheses from fixed-shape programs,
-buckets reused across batches, no host sync inside a step, the translator's choice, and (on a
-GPU) captured graphs replaying what calls compute."""
+"""The static search against ``fastnmt.decoding.search``: the same hypotheses from fixed-shape
+programs, buckets reused across batches, no host sync inside a step, the translator's choice, and
+(on a GPU) captured graphs replaying what calls compute."""
 
 from dataclasses import replace
 
 import pytest
 import torch
 
-from fastnmt import static_search
+from fastnmt.decoding import static_search
+from fastnmt.decoding.next_token import Sampling
+from fastnmt.decoding.search import LengthPenalty, Rules, beam_search, sample
+from fastnmt.decoding.static_search import CHECK_EVERY, StaticSearches, graph_reasons
 from fastnmt.model import ModelConfig, Transformer
-from fastnmt.next_token import Sampling
-from fastnmt.search import LengthPenalty, Rules, beam_search, sample
-from fastnmt.static_search import CHECK_EVERY, StaticSearches, graph_reasons
 from fastnmt.translator import Translator
 from tests.helpers import count_host_syncs, tiny_checkpoint
 from tests.test_translator import SENTENCES

@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from fastnmt import train, trainer
+from fastnmt import train
 from fastnmt.model import ModelConfig, Transformer
+from fastnmt.training import trainer
 from tests.helpers import count_host_syncs
 from tests.test_train import _arguments
 
@@ -171,7 +172,7 @@ def test_without_a_terminal_the_log_is_plain_lines(tmp_path):
 def test_fastnmt_imports_without_tensorboard():
     code = (
         "import sys; sys.modules['tensorboard'] = None; "
-        "import fastnmt, fastnmt.train, fastnmt.trainer, fastnmt.preprocess; "
+        "import fastnmt, fastnmt.train, fastnmt.training.trainer, fastnmt.preprocess; "
         "assert 'torch.utils.tensorboard' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

@@ -6,7 +6,7 @@ import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 
 import fastnmt
-from fastnmt import dispatch
+from fastnmt.ops import dispatch
 from tests.helpers import python_calls, require_backend
 
 
@@ -53,7 +53,7 @@ def test_context_manager_forces_and_restores(extension_built):
 
 def test_environment_variable_forces(monkeypatch, extension_built):
     monkeypatch.setenv("FASTNMT_BACKEND", "reference")
-    fastnmt.environment.reload()
+    fastnmt.ops.settings.reload()
     assert _toy_op()(torch.zeros(1)) == "reference"
     with fastnmt.backend("cpp"):  # the context manager wins over the environment
         assert _toy_op()(torch.zeros(1)) == "cpp"
@@ -76,7 +76,7 @@ def test_forcing_some_ops_leaves_the_others_alone(monkeypatch, extension_built):
         with fastnmt.backend("auto"):  # an inner block for every op wins
             assert fastnmt.explain("linear_cross_entropy", *loss_args)["chosen"] == "cpp"
     monkeypatch.setenv("FASTNMT_BACKEND", "reference")
-    fastnmt.environment.reload()
+    fastnmt.ops.settings.reload()
     with fastnmt.backend("cpp", ops="add_layer_norm"):  # the environment covers the rest
         assert fastnmt.explain("add_layer_norm", x)["chosen"] == "cpp"
         assert (
@@ -93,7 +93,7 @@ def test_unknown_backend_names_are_rejected(monkeypatch):
     with pytest.raises(ValueError, match="backend\\(\\)'s name must be one of"):
         fastnmt.backend("cuda").__enter__()
     monkeypatch.setenv("FASTNMT_BACKEND", "fast")
-    fastnmt.environment.reload()
+    fastnmt.ops.settings.reload()
     with pytest.raises(ValueError, match="FASTNMT_BACKEND must be one of"):
         dispatch.forced_backend("toy")
 
@@ -169,13 +169,13 @@ def test_the_cached_choice_follows_forcing_and_the_environment(monkeypatch, exte
         assert op(x)[0] == "cpp"
     monkeypatch.setenv("FASTNMT_BACKEND", "reference")
     assert op(x)[0] == "cpp"  # read at import ...
-    fastnmt.environment.reload()  # ... and when asked
+    fastnmt.ops.settings.reload()  # ... and when asked
     assert op(x)[0] == "reference"
 
 
 def test_every_call_is_checked_while_values_are(monkeypatch, extension_built):
     op, checked = _counting_op()
-    monkeypatch.setattr(fastnmt.environment, "check_values", True)
+    monkeypatch.setattr(fastnmt.ops.settings, "check_values", True)
     op(torch.zeros(2))
     op(torch.zeros(2))
     assert len(checked) == 2
@@ -257,7 +257,7 @@ TRAINED_OPS = ("attention", "add_layer_norm", "feed_forward", "linear_cross_entr
 
 def _op_steps():
     """Forward + backward of each op with gradients on tiny tensors (only host work), as
-    ``out.sum().backward()``: the way the issue and benchmarks/bench_dispatch.py count them."""
+    ``out.sum().backward()``: the way the issue and benchmarks/ops/bench_dispatch.py count them."""
     grad = dict(requires_grad=True)
     q, k, v = (torch.randn(2, 2, 4, 8, **grad) for _ in range(3))
     lengths = torch.tensor([4, 3])

@@ -12,7 +12,8 @@ only computes for live hypotheses.
 
 ``sample`` draws instead of searching (greedy's loop, a sentence per sample). Every search takes
 an ensemble (a list of models, each with its own caches) and ``Rules``: forced per-sentence
-prefixes and banned repeated n-grams; what a step does with the logits is ``fastnmt.next_token``.
+prefixes and banned repeated n-grams; what a step does with the logits is
+``fastnmt.decoding.next_token``.
 """
 
 from __future__ import annotations
@@ -23,8 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fastnmt.model import Transformer, reorder_self_attention
-from fastnmt.next_token import (
+from fastnmt.decoding.next_token import (
     Sampling,
     ban_repeated_ngrams,
     candidates,
@@ -33,9 +33,10 @@ from fastnmt.next_token import (
     resolve_seed,
     uniforms,
 )
+from fastnmt.model import Transformer, reorder_self_attention
 
 if TYPE_CHECKING:
-    from fastnmt.shortlist import Shortlist
+    from fastnmt.decoding.shortlist import Shortlist
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from fastnmt.model import ModelConfig, Transformer
-from fastnmt.next_token import (
+from fastnmt.decoding.next_token import (
     Sampling,
     ban_repeated_ngrams,
     candidates,
@@ -15,7 +14,8 @@ from fastnmt.next_token import (
     full_log_probs,
     uniforms,
 )
-from fastnmt.search import sample
+from fastnmt.decoding.search import sample
+from fastnmt.model import ModelConfig, Transformer
 
 # pad, bos, eos and nine words: every category gets hundreds of draws.
 TWELVE = ModelConfig(

@@ -13,7 +13,7 @@ import numbers
 
 import torch
 
-from fastnmt import environment
+from fastnmt.ops import settings
 
 
 def tensor(name: str, value, *, ndim: int | None = None, floating: bool = False) -> torch.Tensor:
@@ -82,4 +82,4 @@ def autocasting(device: torch.device) -> bool:
 
 def values_checked() -> bool:
     """Whether ops check tensor values (a host sync each): ``FASTNMT_CHECK_VALUES=1``."""
-    return environment.check_values
+    return settings.check_values

@@ -1,16 +1,18 @@
-"""fastnmt.shortlist: the lists follow p(t | s) on a hand-made corpus, a batch's vocabulary is
-their union, files round-trip and refuse other vocabularies, the search and the Translator score
-only listed words (and a full list changes nothing), and the CLI."""
+"""fastnmt.decoding.shortlist and ``python -m fastnmt.shortlist``: the lists follow p(t | s) on a
+hand-made corpus, a batch's vocabulary is their union, files round-trip and refuse other
+vocabularies, the search and the Translator score only listed words (and a full list changes
+nothing), and the CLI."""
 
 import pytest
 import torch
 
 from fastnmt import preprocess, shortlist
 from fastnmt.data import DataError, EncodedCorpus, Vocabulary
-from fastnmt.next_token import Sampling
+from fastnmt.decoding import shortlist as shortlists
+from fastnmt.decoding.next_token import Sampling
+from fastnmt.decoding.search import Rules, beam_search, greedy, sample
+from fastnmt.decoding.shortlist import Shortlist
 from fastnmt.quantize import quantize_int8
-from fastnmt.search import Rules, beam_search, greedy, sample
-from fastnmt.shortlist import Shortlist
 from fastnmt.translate import main as translate_main
 from fastnmt.translator import Translator, load_checkpoint
 from tests.helpers import tiny_checkpoint
@@ -47,7 +49,7 @@ def _corpus(pairs=PAIRS) -> EncodedCorpus:
 
 @pytest.mark.parametrize("chunk", [2, 2048])
 def test_lists_follow_p_of_target_given_source(vocab, chunk, monkeypatch):
-    monkeypatch.setattr(shortlist, "_PAIRS_PER_CHUNK", chunk)  # counts merged across chunks
+    monkeypatch.setattr(shortlists, "_PAIRS_PER_CHUNK", chunk)  # counts merged across chunks
     built = Shortlist.build(_corpus(), vocab, frequent=1, per_token=2)
     assert built.frequent.tolist() == [20]
     assert built.candidates.shape == (len(vocab), 2)
@@ -88,7 +90,7 @@ def test_file_round_trip_and_one_line_refusals(vocab, tmp_path):
 def _full(vocab) -> Shortlist:
     """A shortlist that lists every word."""
     everything = torch.arange(len(vocab))
-    return Shortlist(everything, everything[:, None].clone(), shortlist._sha256(vocab))
+    return Shortlist(everything, everything[:, None].clone(), shortlists._sha256(vocab))
 
 
 @pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
