@@ -38,7 +38,7 @@ from fastnmt.client import Client
 from fastnmt.data import Vocabulary, load_multi30k
 from fastnmt.model import Transformer, preset
 from fastnmt.translator import Translator
-from tests.test_serve import ServerProcess
+from tests.serve.helpers import ServerProcess
 
 # A slow row (two threads on a contended machine) is measured, not cut off by 504s.
 LIMITS = ("--max-sentences", 64, "--request-timeout", 3600)

@@ -1,17 +1,23 @@
-"""fastnmt.client against small standard-library HTTP servers (tests/test_serve.py runs it
-against the real server)."""
+"""fastnmt.client against small standard-library HTTP servers (tests/serve/ runs it against the
+real server), and on the standard library alone: no torch, no server."""
 
 import concurrent.futures
 import contextlib
 import json
+import os
 import re
 import socket
+import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
 from fastnmt.client import Client, ServerError
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -135,3 +141,27 @@ def test_nothing_listening_is_not_ready_and_a_connection_error():
 def test_a_bad_url_is_a_one_line_error(url):
     with pytest.raises(ValueError, match="url must be http://host"):
         Client(url)
+
+
+def test_the_client_needs_only_the_standard_library():
+    """fastnmt/client.py run on its own by an interpreter without site-packages."""
+    client = ROOT / "fastnmt" / "client.py"
+    code = (
+        "import importlib.util, sys; "
+        f"spec = importlib.util.spec_from_file_location('client', {str(client)!r}); "
+        "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
+        "module.Client('http://127.0.0.1:1')"
+    )
+    subprocess.run([sys.executable, "-I", "-S", "-c", code], check=True, env={**os.environ})
+
+
+def test_the_client_imports_without_torch_or_the_server():
+    """``import fastnmt.client`` where torch cannot be imported: fastnmt loads its names lazily,
+    and the client imports neither torch nor fastnmt.serve (run from the repository's root, so
+    that this tree's fastnmt is the one imported)."""
+    code = (
+        "import sys; sys.modules['torch'] = None; import fastnmt.client; "
+        "loaded = [m for m in ('torch', 'fastnmt.serve') if sys.modules.get(m) is not None]; "
+        "assert not loaded, f'fastnmt.client imported {loaded}'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

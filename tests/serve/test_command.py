@@ -1,0 +1,87 @@
+"""The command line and the app factories: bad arguments and checkpoints exit 2 with a one-line
+error, --workers N serve one port, the threads share the cores among the workers, and the app
+builds from options or $FASTNMT_SERVE_ARGS for any ASGI server."""
+
+import concurrent.futures
+import os
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.serve.helpers import ServerProcess, free_port
+from tests.test_translator import SENTENCES
+
+
+def test_bad_arguments_and_checkpoints_exit_2(tmp_path, checkpoint_dir):
+    command = [sys.executable, "-m", "fastnmt.serve"]
+
+    def run(*arguments):
+        options = ["--port", str(free_port()), *map(str, arguments)]
+        return subprocess.run([*command, *options], capture_output=True, text=True, timeout=120)
+
+    bad = run("--checkpoint", "x", "--max-queue", "0")
+    assert bad.returncode == 2 and "--max-queue must be positive" in bad.stderr
+    negative = run("--checkpoint", "x", "--shutdown-timeout", "-1")
+    assert negative.returncode == 2 and "--shutdown-timeout must be >= 0" in negative.stderr
+    for workers in (1, 2):
+        missing = run("--checkpoint", tmp_path / "none", "--workers", workers)
+        assert missing.returncode == 2, missing.stderr
+        assert missing.stderr.splitlines()[-1].startswith("error: ")
+        assert "Traceback" not in missing.stderr
+    too_long = run("--checkpoint", checkpoint_dir, "--max-input-tokens", 100_000)
+    assert too_long.returncode == 2
+    assert (
+        "--max-input-tokens 100000 is more than the model's maximum source length"
+        in (too_long.stderr.splitlines()[-1])
+    )
+
+
+def test_workers_share_the_port_each_with_its_threads(checkpoint_dir, offline):
+    """--workers 2 --threads 1: answers as one process gives, from more than one process."""
+    pair = ServerProcess(checkpoint_dir, "--workers", 2, "--threads", 1, "--no-access-log")
+    try:
+        texts = [s for s in SENTENCES if s.strip()]
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda t: pair.client.translate([t], beam=2)[0], texts * 2))
+        assert answers == offline.translate(texts * 2, beam=2)
+        # Each process counts the scrapes it answered: one process alone would count 0, 1,
+        # 2, ... New connections go to whichever worker accepts first (the second may still be
+        # starting): ask until two have answered.
+        scrapes, deadline = [], time.monotonic() + 60
+        name = 'fastnmt_responses_total{code="200",handler="/metrics"}'
+        while scrapes == list(range(len(scrapes))) and time.monotonic() < deadline:
+            scrapes.append(int(pair.metric(name)))
+            time.sleep(0.02)
+        assert scrapes != list(range(len(scrapes))), "one process answered every connection"
+    finally:
+        assert pair.stop() == 0
+
+
+def test_the_app_factory_builds_the_app_for_any_asgi_server(checkpoint_dir, monkeypatch):
+    from fastnmt.serve import ENVIRONMENT, app_from_environment, create_app
+
+    app = create_app(["--checkpoint", str(checkpoint_dir), "--threads", "1"])
+    assert "/translate" in app.openapi()["paths"]
+    monkeypatch.delenv(ENVIRONMENT, raising=False)
+    with pytest.raises(RuntimeError, match=ENVIRONMENT):
+        app_from_environment()
+    monkeypatch.setenv(ENVIRONMENT, f"--checkpoint '{checkpoint_dir}' --max-sentences 3")
+    assert app_from_environment().title == "fastnmt"
+
+
+def test_threads_share_the_cores_among_workers(monkeypatch):
+    from fastnmt.serve import parse_args, threads_per_worker
+
+    cores = random.randint(1, 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+
+    def threads(*options) -> int:
+        return threads_per_worker(parse_args(["--checkpoint", "x", *map(str, options)]))
+
+    assert threads() == max(1, cores - 1)  # one core left to the HTTP work
+    workers = random.randint(2, 8)
+    assert threads("--workers", workers) == max(1, cores // workers)
+    assert threads("--workers", workers, "--threads", 3) == 3
