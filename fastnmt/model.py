@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastnmt.attention import CacheRows, KVCache, MultiheadAttention
+from fastnmt.attention import MultiheadAttention
+from fastnmt.kv_cache import CacheRows, KVCache
 from fastnmt.ops import add_layer_norm, dropout_seeds, feed_forward
 
 
@@ -439,9 +440,8 @@ class BlockedOutputLayer:
     each thread its own rows and so streams the whole weight from memory once per thread; a
     (E, 1024) block is read from memory once and then from the cache. Why one buffer: a fresh
     (N, V) tensor of over 32 MB is a fresh mapping from the allocator, and its page faults cost as
-    much as a third of the GEMM. Measured on 2 cores (E=512, V=58,101, 160 rows): 82 ms against
-    120-170 ms for one GEMM. A weight that fits in the cache (the tiny preset's 8 MB) stays one
-    block: there blocks gained nothing and cost up to 15% at 256 rows.
+    much as a third of the GEMM. A weight that fits in the cache (the tiny preset's 8 MB) stays
+    one block, where blocks gain nothing.
     """
 
     BLOCK = 1024

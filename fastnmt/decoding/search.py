@@ -13,7 +13,9 @@ only computes for live hypotheses.
 ``sample`` draws instead of searching (greedy's loop, a sentence per sample). Every search takes
 an ensemble (a list of models, each with its own caches) and ``Rules``: forced per-sentence
 prefixes and banned repeated n-grams; what a step does with the logits is
-``fastnmt.decoding.next_token``.
+``fastnmt.decoding.next_token``. The static search (``fastnmt.decoding.static_search``) runs the
+same algorithm on fixed shapes, with ``Hypothesis``, ``LengthPenalty``, ``Rules``,
+``check_arguments``, ``best_candidates`` and ``padded_rows`` from here.
 """
 
 from __future__ import annotations
@@ -60,6 +62,15 @@ class Hypothesis:
     log_prob: float  # summed log-probabilities of the generated tokens, eos included if generated
     score: float  # log_prob / LengthPenalty(length): the ranking
     ended: bool  # eos generated (False: cut at the length limit)
+
+    @classmethod
+    def from_generated(
+        cls, ids: list[int], log_prob: float, eos_id: int, penalty: LengthPenalty
+    ) -> Hypothesis:
+        """A finished hypothesis from its generated ids (ending with eos unless truncated)."""
+        ended = eos_id in ids
+        tokens = ids[: ids.index(eos_id)] if ended else ids
+        return cls(tokens, log_prob, log_prob / penalty(len(ids)), ended)
 
 
 class _Member:
@@ -130,7 +141,7 @@ class _Batch:
         forced = torch.tensor(prefix, dtype=src.dtype, device=src.device)
         self.history = torch.cat([start, forced.expand(start.shape[0], -1)], dim=1)  # (N, step + 1)
         prefixes = [[]] * src.shape[0] if rules.prefixes is None else rules.prefixes
-        self.forced, self.forced_lengths = _padded(prefixes, cfg.pad_id, src.device)
+        self.forced, self.forced_lengths = padded_rows(prefixes, cfg.pad_id, src.device)
         # pad and the start symbol are never generated, unless the start symbol is eos (NLLB).
         banned = ({cfg.pad_id, cfg.bos_id} - {cfg.eos_id}) | (set() if eos else {cfg.eos_id})
         self.banned = torch.tensor(sorted(banned), device=src.device)
@@ -228,7 +239,7 @@ class _Batch:
         self.history = torch.cat([self.history, tokens[:, None]], dim=1)
 
 
-def _padded(rows: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, ...]:
+def padded_rows(rows: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, ...]:
     """Token rows as a (B, P) tensor padded with ``pad_id`` and their lengths (B,)."""
     host = torch.device("cpu")  # built on the host, copied once
     lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64, device=host)
@@ -405,7 +416,7 @@ def _greedy(batch: _Batch, max_lens, prefix, penalty, choose) -> list[Hypothesis
                 strict=True,
             )
             for sentence, ids, log_prob in finished:
-                results[sentence] = _hypothesis(ids, log_prob, eos_id, penalty)
+                results[sentence] = Hypothesis.from_generated(ids, log_prob, eos_id, penalty)
             rows = (~done).nonzero()[:, 0]
             if not rows.numel():
                 break
@@ -452,7 +463,7 @@ def beam_search(
         # A sentence's best 2K continuations are among its hypotheses' best 2K each.
         log_probs, next_ids = batch.next_tokens(2 * k)  # (N, C), C = 2K (or V if fewer)
         width, per_beam = scores.shape[1], log_probs.shape[1]
-        top, index = _best(scores.view(-1, 1) + log_probs, batch.size, 2 * k)  # (A, 2K)
+        top, index = best_candidates(scores.view(-1, 1) + log_probs, batch.size, 2 * k)  # (A, 2K)
         first_row = torch.arange(0, batch.size * width, width, device=src.device)[:, None]
         origins = first_row + index // per_beam  # (A, 2K) the row each candidate continues
         tokens = next_ids.reshape(batch.size, width * per_beam).gather(1, index)  # next token
@@ -472,7 +483,7 @@ def beam_search(
     return [sorted(h, key=lambda h: h.score, reverse=True)[:nbest] for h in finished]
 
 
-def _best(candidates, sentences: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def best_candidates(candidates, sentences: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The n best of each sentence's candidates (N, C) -> scores and their columns in the
     sentence's (W*C,) candidates, (A, n) each, best first. Fewer than n candidates (a vocabulary
     smaller than 2K at the first step) are padded with -inf scores at the last real column."""
@@ -502,17 +513,10 @@ def _finish(batch, finished, finishing, top, origins, tokens, k, eos_id, penalty
     )
     grown = set()
     for index, ids, log_prob in ended:
-        finished[index].append(_hypothesis(ids, log_prob, eos_id, penalty))
+        finished[index].append(Hypothesis.from_generated(ids, log_prob, eos_id, penalty))
         grown.add(index)
     for index in grown:  # more than K finishing at once: the K best scores stay (as transformers)
         finished[index] = sorted(finished[index], key=lambda h: h.score, reverse=True)[:k]
     full = [len(finished[index]) >= k for index in batch.sentences.tolist()]
     last = batch.max_lens <= batch.history.shape[1]
     return torch.tensor(full, device=last.device) | last
-
-
-def _hypothesis(ids: list[int], log_prob: float, eos_id: int, penalty) -> Hypothesis:
-    """A finished hypothesis from its generated ids (ending with eos unless truncated)."""
-    ended = eos_id in ids
-    tokens = ids[: ids.index(eos_id)] if ended else ids
-    return Hypothesis(tokens, log_prob, log_prob / penalty(len(ids)), ended)

@@ -8,7 +8,7 @@ the step keeps its shapes and decides everything on the device. So here every te
 of a batch bucket: B sentence slots (unused ones are empty sentences), S source positions, K beams
 (N = B*K hypothesis rows, sentence-major), T positions (the longest search):
 
-- the self-attention caches have room for all T positions (``attention.FixedKVCache``): a step
+- the self-attention caches have room for all T positions (``kv_cache.FixedKVCache``): a step
   writes its keys at a device position, attention masks the positions not yet written by key
   lengths, and the beams' reorder gathers one (N, T) table of cache rows shared by all layers;
 - a sentence's finished hypotheses live in K slots, merged by score with each step's new ones
@@ -40,7 +40,6 @@ from dataclasses import replace
 
 import torch
 
-from fastnmt.attention import FixedKVCache, KVCache, StepClock
 from fastnmt.decoding.next_token import (
     Sampling,
     ban_repeated_ngrams,
@@ -53,11 +52,11 @@ from fastnmt.decoding.search import (
     Hypothesis,
     LengthPenalty,
     Rules,
-    _best,
-    _hypothesis,
-    _padded,
+    best_candidates,
     check_arguments,
+    padded_rows,
 )
+from fastnmt.kv_cache import FixedKVCache, KVCache, StepClock
 from fastnmt.model import LayerCache, Transformer
 from fastnmt.training.cuda_graphs import Program, capture_on
 
@@ -191,8 +190,8 @@ class StaticSearch:
             self._sample_step(logits, position)
 
     def _rules(self, position: torch.Tensor) -> list:
-        """The step's masks of (N, V) log-probabilities (``search._Batch._rules``'s, on the
-        device's position)."""
+        """The step's masks of (N, V) log-probabilities: the dynamic search's rules
+        (``search.Rules``), at the device's position."""
         rules = []
         k = self.scores.shape[1]
         if self.forced.shape[1]:
@@ -216,7 +215,8 @@ class StaticSearch:
             [logits], self.candidates, self.banned, rules=self._rules(position)
         )  # (N, C)
         sentences, k = self.scores.shape
-        top, index = _best(self.scores.view(-1, 1) + log_probs, sentences, 2 * k)  # (B, 2K)
+        totals = self.scores.view(-1, 1) + log_probs  # (N, C) with each hypothesis' score
+        top, index = best_candidates(totals, sentences, 2 * k)  # (B, 2K)
         origins = self.first_rows + index // self.candidates  # (B, 2K) rows continued
         tokens = ids.view(sentences, -1).gather(1, index)  # (B, 2K)
         ends = tokens == self.model.cfg.eos_id
@@ -296,8 +296,8 @@ class StaticSearch:
         count, length = src.shape
         self.forced.fill_(self.model.cfg.pad_id)
         self.forced_lengths.zero_()
-        if prefixes:  # padded on the host, two copies in (not two per sentence)
-            padded, lengths = _padded(prefixes, self.model.cfg.pad_id, self.forced.device)
+        if prefixes:  # padded on the host: two copies in, however many sentences
+            padded, lengths = padded_rows(prefixes, self.model.cfg.pad_id, self.forced.device)
             self.forced[: len(prefixes), : padded.shape[1]].copy_(padded)
             self.forced_lengths[: len(prefixes)].copy_(lengths)
         samples = self.scores.shape[1]
@@ -338,7 +338,7 @@ class StaticSearch:
         found = []
         for slots in zip(scores, log_probs, tokens, lengths, strict=True):
             hypotheses = [
-                _hypothesis(ids[1 : 1 + length], log_prob, eos_id, self.penalty)
+                Hypothesis.from_generated(ids[1 : 1 + length], log_prob, eos_id, self.penalty)
                 for score, log_prob, ids, length in zip(*slots, strict=True)
                 if score > NEG_INF
             ]
