@@ -42,6 +42,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fastnmt.data import VOCABULARY_FILES, vocabulary_file
+from fastnmt.data.files import fsync, rename_durably
 
 LAST, BEST, AVERAGE = "checkpoint_last", "checkpoint_best", "checkpoint_average"
 WEIGHTS, CONFIG, STATE = "model.safetensors", "config.json", "trainer_state.pt"
@@ -85,8 +86,8 @@ def write(output_dir: Path, name: str, checkpoint: Checkpoint) -> Path:
     _write_file(new / STATE, lambda path: torch.save(checkpoint.trainer_state, path))
     fsync(new)
     if final.exists():  # the same name saved again: keep the old one until the new one is in
-        _rename(final, old)
-    _rename(new, final)
+        rename_durably(final, old)
+    rename_durably(new, final)
     _remove(old)
     return final
 
@@ -103,21 +104,6 @@ def _json(config: dict) -> str:
 def _write_file(path: Path, writer: Callable[[Path], object]) -> None:
     writer(path)
     fsync(path)
-
-
-def fsync(path: Path) -> None:
-    """Flush a file's data, or a directory's entries, to the disk."""
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def _rename(source: Path, target: Path) -> None:
-    """Rename, and make the rename itself durable."""
-    os.rename(source, target)
-    fsync(target.parent)
 
 
 def _remove(path: Path) -> None:
@@ -144,7 +130,7 @@ def _prune(output_dir: Path, keep_last: int) -> None:
     for old in steps[: max(0, len(steps) - keep_last)]:
         if old.resolve() not in linked:
             deleted = output_dir / f".{old.name}{DELETED}"
-            _rename(old, deleted)
+            rename_durably(old, deleted)
             shutil.rmtree(deleted)
 
 
@@ -169,7 +155,7 @@ def _recover_name(output_dir: Path, name: str) -> None:
     if old.exists() and not final.exists():
         # Interrupted between renaming the old one aside and the new one in: the new one was
         # complete and fsynced before the old one was moved.
-        _rename(new if new.exists() else old, final)
+        rename_durably(new if new.exists() else old, final)
     _remove(old)
     _remove(new)  # a write that never finished
     _remove(output_dir / f".{name}{DELETED}")

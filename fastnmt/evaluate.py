@@ -18,6 +18,7 @@ import sacrebleu
 
 import fastnmt
 from fastnmt import checkpoint, metrics
+from fastnmt.cli import UsageError
 from fastnmt.data import (
     MULTI30K_SPLITS,
     ParallelCorpus,
@@ -26,7 +27,6 @@ from fastnmt.data import (
     read_tsv,
 )
 from fastnmt.translate import (
-    UsageError,
     add_search_arguments,
     load_translator,
     run_command,

@@ -39,9 +39,10 @@ from pathlib import Path
 
 import torch
 
+from fastnmt.cli import UsageError
 from fastnmt.data import Vocabulary
 from fastnmt.model import ModelConfig, position_table
-from fastnmt.translate import UsageError, run_command
+from fastnmt.translate import run_command
 from fastnmt.translator import is_pretrained_directory, load_checkpoint
 
 FORMATS = ("ctranslate2", "huggingface")

@@ -14,9 +14,9 @@ import sys
 import time
 
 import fastnmt
+from fastnmt.cli import UsageError
 from fastnmt.data import read_parallel
 from fastnmt.translate import (
-    UsageError,
     add_length_penalty_arguments,
     add_model_arguments,
     load_translator,

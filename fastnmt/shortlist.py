@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 from fastnmt.data import DataError
+from fastnmt.data.prepared import open_prepared
 from fastnmt.decoding.shortlist import Shortlist
-from fastnmt.preprocess import open_prepared
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -29,6 +29,7 @@ from tqdm import tqdm
 import fastnmt
 from fastnmt import checkpoint, preprocess
 from fastnmt.checkpoint import CheckpointError
+from fastnmt.cli import UsageError, report_error
 from fastnmt.data import (
     DataError,
     Vocabulary,
@@ -37,10 +38,11 @@ from fastnmt.data import (
     read_tsv,
     vocabulary_from_bytes,
 )
+from fastnmt.data.prepared import Prepared, check_prepared
+from fastnmt.data.prepared import prepare as prepare_data
 from fastnmt.devices import configure_process, resolve_device
 from fastnmt.model import PRESETS, ModelConfig, preset
 from fastnmt.precision import AUTO_HELP, PrecisionChoice, choose_precision
-from fastnmt.preprocess import UsageError
 from fastnmt.training import cuda_graphs, fine_tune
 from fastnmt.training.distributed import Distributed
 from fastnmt.training.fine_tune import Initial
@@ -247,7 +249,7 @@ def load_corpora(args) -> Corpora:
     return Corpora(*(load_multi30k(s, args.src_lang, args.tgt_lang, args.data_dir) for s in splits))
 
 
-def prepared_data(args, world: Distributed, vocabulary: bytes | None) -> preprocess.Prepared:
+def prepared_data(args, world: Distributed, vocabulary: bytes | None) -> Prepared:
     """The prepared training data: rank 0 reuses or builds it, the other ranks then map it (a
     failure on rank 0 is every rank's one-line error)."""
     directory = Path(args.prepared_dir or Path(args.output_dir) / "prepared")
@@ -255,7 +257,7 @@ def prepared_data(args, world: Distributed, vocabulary: bytes | None) -> preproc
     prepared, failure = None, None
     if world.main:
         try:
-            prepared = preprocess.prepare(
+            prepared = prepare_data(
                 preprocess.source_from_arguments(args),
                 directory,
                 options,
@@ -271,7 +273,7 @@ def prepared_data(args, world: Distributed, vocabulary: bytes | None) -> preproc
         raise DataError(failure)
     if prepared is None:
         source = preprocess.source_from_arguments(args)
-        prepared = preprocess.check_prepared(source, directory, options, vocabulary)
+        prepared = check_prepared(source, directory, options, vocabulary)
     return prepared
 
 
@@ -411,8 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return train(args)
     except (UsageError, DataError, CheckpointError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return report_error(error)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

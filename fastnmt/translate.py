@@ -24,15 +24,12 @@ from typing import BinaryIO, TextIO
 import fastnmt
 from fastnmt import metrics
 from fastnmt.checkpoint import CheckpointError
+from fastnmt.cli import UsageError, report_error
 from fastnmt.data import DataError, read_lines
 from fastnmt.decoding.next_token import SAMPLING_METHODS, Sampling
 from fastnmt.devices import configure_process, resolve_device
 from fastnmt.precision import AUTO_HELP, choose_precision
 from fastnmt.translator import PRECISIONS, Translation, Translator
-
-
-class UsageError(ValueError):
-    """A bad command-line value; the message is one line."""
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -451,8 +448,7 @@ def run_command(run_args, parser: argparse.ArgumentParser, argv: list[str] | Non
     try:
         return run_args(args)
     except (UsageError, DataError, CheckpointError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return report_error(error)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from fastnmt import checkpoint, train
 from fastnmt.checkpoint import AVERAGE, BEST, LAST, Checkpoint, CheckpointError
+from fastnmt.data import files
 from tests.test_train import _arguments
 
 
@@ -22,9 +23,10 @@ class Crash(Exception):
 
 class FaultyFilesystem:
     """Counts the filesystem operations ``fastnmt.checkpoint`` makes (through its ``os`` and
-    ``shutil``) and raises Crash instead of making operation number ``crash_at``. What is on disk
-    then is what a process killed at that moment leaves (files written before an fsync included,
-    as they are in the page cache)."""
+    ``shutil``, and those of ``fastnmt.data.files``, whose fsync and rename it uses) and raises
+    Crash instead of making operation number ``crash_at``. What is on disk then is what a process
+    killed at that moment leaves (files written before an fsync included, as they are in the page
+    cache)."""
 
     OPERATIONS: ClassVar = {
         os: ("rename", "replace", "fsync", "symlink", "mkdir", "unlink"),
@@ -40,7 +42,8 @@ class FaultyFilesystem:
             proxy = types.SimpleNamespace(**vars(module))
             for name in names:
                 setattr(proxy, name, self._counted(getattr(module, name)))
-            monkeypatch.setattr(checkpoint, module.__name__, proxy)
+            for user in (checkpoint, files):
+                monkeypatch.setattr(user, module.__name__, proxy)
 
     def _counted(self, operation):
         def counted(*args, **kwargs):

@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from fastnmt.checkpoint import CheckpointError
+from fastnmt.cli import UsageError
 from fastnmt.data import MarianVocabulary, Vocabulary
 from fastnmt.model import PRESETS, ModelConfig
-from fastnmt.preprocess import UsageError
 from fastnmt.translator import is_pretrained_directory, load_checkpoint
 
 # From scratch: the learning rate and warmup of the small pre-norm presets.

@@ -6,8 +6,9 @@ nothing), and the CLI."""
 import pytest
 import torch
 
-from fastnmt import preprocess, shortlist
+from fastnmt import shortlist
 from fastnmt.data import DataError, EncodedCorpus, Vocabulary
+from fastnmt.data.prepared import Options, Source, prepare
 from fastnmt.decoding import shortlist as shortlists
 from fastnmt.decoding.next_token import Sampling
 from fastnmt.decoding.search import Rules, beam_search, greedy, sample
@@ -140,9 +141,9 @@ def test_translator_and_cli_take_a_shortlist_file(checkpoint_dir, vocab, tmp_pat
 
 
 def test_cli_builds_from_a_prepared_directory(corpus, tmp_path, capsys):
-    source = preprocess.Source((corpus / "train.en", corpus / "train.de"), str(corpus / "train"))
-    options = preprocess.Options(vocab_size=300)
-    prepared = preprocess.prepare(source, tmp_path / "prepared", options, workers=1)
+    source = Source((corpus / "train.en", corpus / "train.de"), str(corpus / "train"))
+    options = Options(vocab_size=300)
+    prepared = prepare(source, tmp_path / "prepared", options, workers=1)
     output = tmp_path / "list.st"
     argv = ["--prepared-dir", str(tmp_path / "prepared"), "--output", str(output)]
     assert shortlist.main([*argv, "--frequent", "20", "--per-token", "5"]) == 0
