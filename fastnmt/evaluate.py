@@ -18,20 +18,20 @@ import sacrebleu
 
 import fastnmt
 from fastnmt import checkpoint, metrics
-from fastnmt.cli import UsageError
+from fastnmt.cli import (
+    UsageError,
+    add_search_arguments,
+    load_translator,
+    run_command,
+    search_options,
+    search_translator_options,
+)
 from fastnmt.data import (
     MULTI30K_SPLITS,
     ParallelCorpus,
     load_multi30k,
     read_parallel_prefix,
     read_tsv,
-)
-from fastnmt.translate import (
-    add_search_arguments,
-    load_translator,
-    run_command,
-    search_options,
-    search_translator_options,
 )
 from fastnmt.translator import is_pretrained_directory
 

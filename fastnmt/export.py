@@ -39,10 +39,9 @@ from pathlib import Path
 
 import torch
 
-from fastnmt.cli import UsageError
+from fastnmt.cli import UsageError, run_command
 from fastnmt.data import Vocabulary
 from fastnmt.model import ModelConfig, position_table
-from fastnmt.translate import run_command
 from fastnmt.translator import is_pretrained_directory, load_checkpoint
 
 FORMATS = ("ctranslate2", "huggingface")

@@ -14,14 +14,14 @@ import sys
 import time
 
 import fastnmt
-from fastnmt.cli import UsageError
-from fastnmt.data import read_parallel
-from fastnmt.translate import (
+from fastnmt.cli import (
+    UsageError,
     add_length_penalty_arguments,
     add_model_arguments,
     load_translator,
     run_command,
 )
+from fastnmt.data import read_parallel
 
 
 def build_parser() -> argparse.ArgumentParser:
