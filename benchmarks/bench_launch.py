@@ -13,17 +13,17 @@ Run: ``pytest benchmarks/bench_launch.py --benchmark-only``.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import statistics
 import time
 
 import pytest
 import torch
 
+from fastnmt.ops.triton import attention as attention_launchers
 from fastnmt.ops.triton import common as triton_common
+from fastnmt.ops.triton.attention_kernels import _attention_forward_kernel
 from tests.helpers import StandInCompiled, StandInDriver
 
-attention_module = importlib.import_module("fastnmt.ops.attention")
 ON_GPU = torch.cuda.is_available()
 SAMPLES, LAUNCHES_PER_SAMPLE = 15, 500
 
@@ -32,7 +32,7 @@ SAMPLES, LAUNCHES_PER_SAMPLE = 15, 500
 def kernel(monkeypatch):
     """Attention's forward JITFunction: compiled on a GPU, else on the stand-in driver."""
     if ON_GPU:
-        return attention_module._attention_forward_kernel
+        return _attention_forward_kernel
     from triton.runtime import jit
 
     monkeypatch.setattr(jit, "driver", StandInDriver())
@@ -40,7 +40,7 @@ def kernel(monkeypatch):
     monkeypatch.setattr(triton_common, "device_guard", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
-    stand_in = jit.JITFunction(attention_module._attention_forward_kernel.fn)
+    stand_in = jit.JITFunction(_attention_forward_kernel.fn)
     compiled = StandInCompiled()  # its launch does nothing
 
     def compile_once(key, signature, device, *_):
@@ -77,8 +77,8 @@ def test_launch_host_cost(benchmark, kernel):
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), 0, 0, 0, 0,
         heads, length, length, head_dim, head_dim, head_dim**-0.5, 0.0,
     )  # fmt: skip
-    config = attention_module.launch_config("forward", length, length, head_dim)
-    options = attention_module._options(
+    config = attention_launchers.launch_config("forward", length, length, head_dim)
+    options = attention_launchers._options(
         config, head_dim, head_dim, q.dtype, "ieee", False, True, False, False, False
     )
     grid = (batch * heads, triton_common.cdiv(length, config.block_m), 1)

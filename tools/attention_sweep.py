@@ -36,7 +36,7 @@ from fastnmt.ops.triton.common import LaunchConfig, gpu_tiles
 from tests.helpers import error_check
 from tests.ops import test_attention as cases
 
-attention_module = importlib.import_module("fastnmt.ops.attention")
+attention_module = importlib.import_module("fastnmt.ops.triton.attention")  # the launchers
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 DEVICE = cases.TRITON_DEVICE
 # The failing case: (batch, heads, Lq, Lk, head dim, value dim, masks, dtype).

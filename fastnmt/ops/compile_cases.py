@@ -7,16 +7,15 @@ signature type "*DTYPE" is replaced by the case's data type (fp16, bf16) by the 
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastnmt.ops.triton import add_layer_norm as norm_triton
+from fastnmt.ops.triton import attention as attention_triton
+from fastnmt.ops.triton import attention_kernels
 from fastnmt.ops.triton import common as triton_common
-
-attention_op = importlib.import_module("fastnmt.ops.attention")
-ffn_op = importlib.import_module("fastnmt.ops.feed_forward")
-norm_op = importlib.import_module("fastnmt.ops.add_layer_norm")
-loss_op = importlib.import_module("fastnmt.ops.linear_cross_entropy")
+from fastnmt.ops.triton import feed_forward as ffn_triton
+from fastnmt.ops.triton import linear_cross_entropy as loss_triton
 
 
 @dataclass(frozen=True)
@@ -68,14 +67,14 @@ def attention_cases() -> list[CompileCase]:
         )
 
     kernels = {
-        "forward": attention_op._attention_forward_kernel,
-        "dkdv": attention_op._attention_backward_dkdv_kernel,
-        "dq": attention_op._attention_backward_dq_kernel,
-        "delta": attention_op._attention_backward_delta_kernel,
+        "forward": attention_kernels._attention_forward_kernel,
+        "dkdv": attention_kernels._attention_backward_dkdv_kernel,
+        "dq": attention_kernels._attention_backward_dq_kernel,
+        "delta": attention_kernels._attention_backward_delta_kernel,
     }
     cases = []
     for name, kernel in kernels.items():
-        for bucket, configs in attention_op._GPU_CONFIGS[name].items():
+        for bucket, configs in attention_triton._GPU_CONFIGS[name].items():
             for widest, config in configs.items():
                 sizes = dict(BLOCK_M=config.block_m, BLOCK_DV=widest)
                 if name != "delta":
@@ -87,9 +86,9 @@ def attention_cases() -> list[CompileCase]:
                 # forward uses mma.sync and delta has no dot product.
                 wgmma = name in ("dkdv", "dq") or (name == "forward" and config.block_m >= 64)
                 cases.append(case(kernel, config, wgmma, label, UPCAST=False, **sizes))
-    keep = attention_op._KEEP_CONFIG
+    keep = attention_triton._KEEP_CONFIG
     blocks = dict(BLOCK_M=keep.block_m, BLOCK_N=keep.block_n)
-    cases.append(case(attention_op._dropout_keep_kernel, keep, False, keep.label, **blocks))
+    cases.append(case(attention_kernels._dropout_keep_kernel, keep, False, keep.label, **blocks))
     return cases
 
 
@@ -102,7 +101,7 @@ _LAYER_NORM_FLAGS = ("HAS_RESIDUAL", "HAS_WEIGHT", "HAS_BIAS", "HAS_DROPOUT")
 
 def _layer_norm_case(kernel, tensors: tuple[str, ...], flags: tuple[str, ...], width: int):
     with triton_common.gpu_tiles():  # what a GPU launches, whatever this process runs on
-        block_m, block_n, num_warps = norm_op._tile(1 << 20, width)
+        block_m, block_n, num_warps = norm_triton._tile(1 << 20, width)
     constexprs = {**dict.fromkeys(flags, True), "BLOCK_M": block_m, "BLOCK_N": block_n}
     signature = {
         **{
@@ -112,7 +111,7 @@ def _layer_norm_case(kernel, tensors: tuple[str, ...], flags: tuple[str, ...], w
         "SEED": "*i64",
         "rows": "i32",
         "N": "i32",
-        **({"eps": "fp32"} if kernel is norm_op._add_layer_norm_forward_kernel else {}),
+        **({"eps": "fp32"} if kernel is norm_triton._add_layer_norm_forward_kernel else {}),
         "dropout_p": "fp32",
         **dict.fromkeys(constexprs, "constexpr"),
     }
@@ -126,25 +125,25 @@ def layer_norm_cases() -> list[CompileCase]:
     forward = ("X", "R", "W", "B", "Y", "H", "MEAN", "RSTD")
     backward = ("DY", "DH_OUT", "H", "W", "MEAN", "RSTD", "DX", "DH", "DW_PARTIAL", "DB_PARTIAL")
     sums = CompileCase(
-        norm_op._sum_partials_kernel,
+        norm_triton._sum_partials_kernel,
         dict.fromkeys(("DW_PARTIAL", "DB_PARTIAL", "DW", "DB"), "*fp32")
         | {"programs": "i32", "N": "i32"}
         | dict.fromkeys(("HAS_WEIGHT", "HAS_BIAS", "BLOCK"), "constexpr"),
-        {"HAS_WEIGHT": True, "HAS_BIAS": True, "BLOCK": norm_op._SUM_BLOCK},
-        label=f"BLOCK {norm_op._SUM_BLOCK}",
+        {"HAS_WEIGHT": True, "HAS_BIAS": True, "BLOCK": norm_triton._SUM_BLOCK},
+        label=f"BLOCK {norm_triton._SUM_BLOCK}",
     )
     return [sums] + [
         case
-        for width in (64, 1024, norm_op.MAX_WIDTH)
+        for width in (64, 1024, norm_triton.MAX_WIDTH)
         for case in (
             _layer_norm_case(
-                norm_op._add_layer_norm_forward_kernel,
+                norm_triton._add_layer_norm_forward_kernel,
                 forward,
                 (*_LAYER_NORM_FLAGS, "HAS_STATISTICS"),
                 width,
             ),
             _layer_norm_case(
-                norm_op._add_layer_norm_backward_kernel,
+                norm_triton._add_layer_norm_backward_kernel,
                 backward,
                 (*_LAYER_NORM_FLAGS, "HAS_DH_OUT"),
                 width,
@@ -198,7 +197,7 @@ def _matmul_case(config: triton_common.LaunchConfig, epilogue: str, activation: 
     }
     signature = {**_MATMUL_SIGNATURE, **dict.fromkeys(constexprs, "constexpr")}
     return CompileCase(
-        ffn_op._matmul_kernel,
+        ffn_triton._matmul_kernel,
         signature,
         constexprs,
         num_warps=config.num_warps,
@@ -212,7 +211,7 @@ def _elementwise_case(kernel, pointers: tuple[str, ...], activation: str) -> Com
     constexprs = {
         "ACTIVATION": activation,
         "HAS_DROPOUT": True,
-        "BLOCK": ffn_op._GPU_ELEMENTWISE_BLOCK,
+        "BLOCK": ffn_triton._GPU_ELEMENTWISE_BLOCK,
     }
     signature = {
         **dict.fromkeys(pointers, "*DTYPE"),
@@ -221,7 +220,7 @@ def _elementwise_case(kernel, pointers: tuple[str, ...], activation: str) -> Com
         "dropout_p": "fp32",
         **dict.fromkeys(constexprs, "constexpr"),
     }
-    label = f"{activation} dropout {ffn_op._GPU_ELEMENTWISE_BLOCK}"
+    label = f"{activation} dropout {ffn_triton._GPU_ELEMENTWISE_BLOCK}"
     return CompileCase(kernel, signature, constexprs, label=label)
 
 
@@ -229,13 +228,13 @@ def feed_forward_cases() -> list[CompileCase]:
     """Every GPU GEMM configuration with each epilogue (GELU or SiLU and dropout: the most
     registers), and the library path's elementwise kernels with each."""
     elementwise = {
-        ffn_op._activation_forward_kernel: ("A", "Z"),
-        ffn_op._activation_backward_kernel: ("DZ", "SAVED", "DA"),
+        ffn_triton._activation_forward_kernel: ("A", "Z"),
+        ffn_triton._activation_backward_kernel: ("DZ", "SAVED", "DA"),
     }
     return [
         *(
             _matmul_case(config, epilogue, activation)
-            for config in ffn_op._GPU_CONFIGS
+            for config in ffn_triton._GPU_CONFIGS
             for epilogue, activation in _MATMUL_VARIANTS
         ),
         *(
@@ -254,8 +253,8 @@ def feed_forward_cases() -> list[CompileCase]:
 def linear_cross_entropy_cases() -> list[CompileCase]:
     """The row kernel at the GPU block, the statistics and the backward's scaling."""
     block_v, num_warps = (
-        loss_op._GPU_BLOCK_V,
-        loss_op._num_warps(loss_op._GPU_BLOCK_V),
+        loss_triton._GPU_BLOCK_V,
+        loss_triton._num_warps(loss_triton._GPU_BLOCK_V),
     )
     signature = {
         "Z": "*DTYPE",
@@ -269,7 +268,7 @@ def linear_cross_entropy_cases() -> list[CompileCase]:
     }
     return [
         CompileCase(
-            loss_op._cross_entropy_rows_kernel,
+            loss_triton._cross_entropy_rows_kernel,
             signature,
             {"COMPUTE_GRAD": grad, "BLOCK_V": block_v},
             num_warps=num_warps,
@@ -278,21 +277,21 @@ def linear_cross_entropy_cases() -> list[CompileCase]:
         for grad in (True, False)
     ] + [
         CompileCase(
-            loss_op._sum_statistics_kernel,
+            loss_triton._sum_statistics_kernel,
             {"STATS": "*fp32", "rows": "i32", "LOSS": "*fp32", "SUMS": "*fp64"}
             | {"MEAN": "constexpr", "BLOCK_ROWS": "constexpr"},
-            {"MEAN": True, "BLOCK_ROWS": loss_op._STATISTICS_BLOCK_ROWS},
-            label=f"BLOCK_ROWS {loss_op._STATISTICS_BLOCK_ROWS}",
+            {"MEAN": True, "BLOCK_ROWS": loss_triton._STATISTICS_BLOCK_ROWS},
+            label=f"BLOCK_ROWS {loss_triton._STATISTICS_BLOCK_ROWS}",
         ),
         CompileCase(
-            loss_op._scale_gradients_kernel,
+            loss_triton._scale_gradients_kernel,
             {"DLOSS": "*fp32", "SUMS": "*fp64", "DH": "*DTYPE", "GRAD_H": "*DTYPE", "n_h": "i32"}
             | {"DW": "*fp32", "GRAD_W": "*DTYPE", "n_w": "i32"}
             | {"DB": "*fp32", "GRAD_B": "*DTYPE", "n_b": "i32"}
             | {"MEAN": "constexpr", "BLOCK": "constexpr"},
-            {"MEAN": True, "BLOCK": loss_op._SCALE_BLOCK},
-            num_warps=loss_op._SCALE_WARPS,
-            label=f"BLOCK {loss_op._SCALE_BLOCK} w{loss_op._SCALE_WARPS}",
+            {"MEAN": True, "BLOCK": loss_triton._SCALE_BLOCK},
+            num_warps=loss_triton._SCALE_WARPS,
+            label=f"BLOCK {loss_triton._SCALE_BLOCK} w{loss_triton._SCALE_WARPS}",
         ),
     ]
 

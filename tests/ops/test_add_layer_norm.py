@@ -19,7 +19,7 @@ from tests.helpers import (
     require_backend,
 )
 
-layer_norm_module = importlib.import_module("fastnmt.ops.add_layer_norm")
+triton_module = importlib.import_module("fastnmt.ops.triton.add_layer_norm")
 
 
 def layer_norm_oracle(x, residual, weight, bias, eps):
@@ -311,7 +311,7 @@ def test_fused_traced_by_torch_compile(fused):
 # so the widths run from many rows per tile to MAX_WIDTH, powers of two or not.
 GPU_TILE_CASES = [
     (width, DTYPES[i % 3], i % 2 == 0)
-    for i, width in enumerate([40, 100, 1000, 3000, layer_norm_module.MAX_WIDTH])
+    for i, width in enumerate([40, 100, 1000, 3000, triton_module.MAX_WIDTH])
 ]
 
 
@@ -321,10 +321,10 @@ def test_triton_at_gpu_tiles(triton_device, width, dtype, prenorm):
     sum dweight/dbias over two tiles and one; forward and backward by the error rule, and with
     dropout against the float64 oracle."""
     with triton_common.gpu_tiles():
-        block_m, block_n, _ = layer_norm_module._tile(1 << 20, width)
+        block_m, block_n, _ = triton_module._tile(1 << 20, width)
         rows = 2 * block_m + 1
-        assert layer_norm_module._tile(rows, width)[:2] == (block_m, block_n)
-        assert block_m * block_n == layer_norm_module._GPU_TILE == 4096
+        assert triton_module._tile(rows, width)[:2] == (block_m, block_n)
+        assert block_m * block_n == triton_module._GPU_TILE == 4096
         inputs = _inputs(rows, width, dtype, device=triton_device)
         _assert_within_error_rule("triton", inputs, prenorm, ATOL[dtype])
         with fastnmt.backend("triton"):
@@ -360,7 +360,7 @@ def test_triton_forward_and_backward_launch_three_kernels(triton_device, dtype, 
     seeds = torch.ones_like(x), torch.ones_like(x)
     with fastnmt.backend("triton"), triton_common.gpu_tiles():
         add_layer_norm(x, residual, weight, bias)  # the backend's choice, cached
-        with HostOps(layer_norm_module, _KERNELS) as host:
+        with HostOps(triton_module, _KERNELS) as host:
             torch.autograd.backward(add_layer_norm(x, residual, weight, bias), seeds)
     assert host.launches == (_KERNELS if weight is not None else _KERNELS[:2])
     if dtype == torch.float32:
@@ -373,7 +373,7 @@ def test_triton_inference_launches_the_forward_and_keeps_no_statistics(triton_de
     x, residual, weight, bias = _inputs(9, 100, torch.float32, device=triton_device)
     with fastnmt.backend("triton"), torch.no_grad():
         add_layer_norm(x, residual, weight, bias)  # the backend's choice, cached
-        with HostOps(layer_norm_module, _KERNELS) as host:
+        with HostOps(triton_module, _KERNELS) as host:
             add_layer_norm(x, residual, weight, bias)
     assert host.launches == ["_FORWARD"]
     assert [op for op in host.aten if op not in ("fill_", "detach")] == ["empty_like"] * 2

@@ -23,6 +23,7 @@ from tests.helpers import (
 )
 
 attention_module = importlib.import_module("fastnmt.ops.attention")
+triton_module = importlib.import_module("fastnmt.ops.triton.attention")
 
 FP32, FP16, BF16 = torch.float32, torch.float16, torch.bfloat16
 FP32_EPS = torch.finfo(FP32).eps  # the spacing of fp32 values at 1: rounding of a probability
@@ -327,7 +328,7 @@ def _with_grads(function, inputs, grad_out, *args, **kwargs):
 def _keep_mask_writer(backend):
     """(seed, shape, dropout_p) -> the bool keep mask that ``backend``'s kernels draw."""
     if backend == "triton":
-        return attention_module.dropout_keep_mask
+        return triton_module.dropout_keep_mask
     return lambda seed, shape, p: torch.ops.fastnmt.attention_cpp_dropout_mask(seed, *shape, p)
 
 
@@ -393,7 +394,7 @@ def test_triton_with_many_blocks_per_sequence(monkeypatch):
     torch.manual_seed(7)
     one_block = _triton(q, k, v, 0.3, True, **masks)[0]
     small = LaunchConfig(16, 16, 4, 1)
-    monkeypatch.setattr(attention_module, "launch_config", lambda *_: small)
+    monkeypatch.setattr(triton_module, "launch_config", lambda *_: small)
     _check_triton_case(*case)
     torch.manual_seed(7)
     many_blocks = _triton(q, k, v, 0.3, True, **masks)[0]
@@ -486,7 +487,7 @@ def test_triton_launches_for_the_inputs_device(monkeypatch):
     q, k, v = _qkv(1, 1, 3, 5, 16, requires_grad=True, device=TRITON_DEVICE)
     out = _triton(q, k, v, 0.3)[0]
     out.backward(torch.randn_like(out))
-    attention_module.dropout_keep_mask(dropout_seed(q.device), (1, 1, 3, 5), 0.3)
+    triton_module.dropout_keep_mask(dropout_seed(q.device), (1, 1, 3, 5), 0.3)
     launches = ["forward", "delta", "dK/dV", "dQ", "dropout mask"]
     assert devices == [q.device] * len(launches)
 
@@ -502,7 +503,7 @@ def test_triton_forward_and_backward_are_four_launches_and_their_outputs():
     lengths = torch.tensor([7, 3], device=TRITON_DEVICE)
     with dispatch.backend("triton"):
         grad = torch.randn_like(attention(q, k, v, key_lengths=lengths))  # the choice is cached
-        with HostOps(attention_module, TRITON_KERNELS) as host:
+        with HostOps(triton_module, TRITON_KERNELS) as host:
             attention(q, k, v, key_lengths=lengths).backward(grad)
     assert host.launches == list(TRITON_KERNELS)
     # full: the interpreter's outputs start as NaN; detach: autograd's own bookkeeping of saved
@@ -533,7 +534,7 @@ def test_a_repeated_call_launches_the_compiled_kernels_directly_on_a_gpu(monkeyp
     for each of the four."""
     counted = []
     for name in TRITON_KERNELS:
-        launcher = getattr(attention_module, name)
+        launcher = getattr(triton_module, name)
         monkeypatch.setattr(launcher, "kernel", _ThroughTriton(launcher.kernel, counted))
     q, k, v = _qkv(2, 3, 9, 11, 24, requires_grad=True, device=TRITON_DEVICE)
     with dispatch.backend("triton"):
@@ -559,7 +560,7 @@ def test_the_host_work_of_a_triton_call_is_a_few_dozen_python_calls(monkeypatch)
     would more than double the count."""
     monkeypatch.setattr(triton_common, "INTERPRETER", True)  # kernel[grid] on a GPU too
     for name in TRITON_KERNELS:
-        monkeypatch.setattr(getattr(attention_module, name), "kernel", _NoLaunch())
+        monkeypatch.setattr(getattr(triton_module, name), "kernel", _NoLaunch())
     q, k, v = _qkv(2, 2, 4, 8, 8, requires_grad=True, device=TRITON_DEVICE)
     lengths = torch.tensor([8, 3], device=TRITON_DEVICE)
     with gpu_tiles(), dispatch.backend("triton"):
@@ -587,7 +588,7 @@ def test_opcheck_forward_and_backward_ops():
 # every kernel, from _GPU_CONFIGS, so that a config added there is tested without more code.
 # ---------------------------------------------------------------------------------------------
 
-_GPU_CONFIGS = attention_module._GPU_CONFIGS
+_GPU_CONFIGS = triton_module._GPU_CONFIGS
 # (Lq, Lk) that fall in each length bucket: Lq != Lk, not powers of two.
 BUCKET_LENGTHS = {"decode": (3, 37), "short": (45, 70), "long": (21, 300)}
 
@@ -615,18 +616,18 @@ def _gpu_case_id(case):
 def _recorded_launch_configs(monkeypatch) -> dict:
     """kernel -> the config its launcher last asked launch_config for."""
     chosen = {}
-    choose = attention_module.launch_config
+    choose = triton_module.launch_config
 
     def recording(kernel, *args):
         chosen[kernel] = choose(kernel, *args)
         return chosen[kernel]
 
-    monkeypatch.setattr(attention_module, "launch_config", recording)
+    monkeypatch.setattr(triton_module, "launch_config", recording)
     return chosen
 
 
 def test_launch_config_buckets_by_lengths_and_widest_head_dim():
-    choose = attention_module.launch_config
+    choose = triton_module.launch_config
     forward, dq = _GPU_CONFIGS["forward"], _GPU_CONFIGS["dq"]
     with gpu_tiles():
         assert choose("forward", 16, 1000, 128) == forward["decode"][128]

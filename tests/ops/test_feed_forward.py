@@ -22,6 +22,7 @@ from tests.helpers import (
 )
 
 feed_forward_module = importlib.import_module("fastnmt.ops.feed_forward")
+triton_module = importlib.import_module("fastnmt.ops.triton.feed_forward")
 # Every activation the op offers (an added one fails the oracle tests until it has an oracle).
 ACTIVATION_NAMES = list(feed_forward_module.ACTIVATIONS)
 # act(a) in float64, from the definitions rather than torch.nn.functional.
@@ -225,7 +226,7 @@ def test_triton_dropout_backward_uses_the_forward_mask(
     forward = torch.ops.fastnmt.feed_forward_triton
     with triton_common.gpu_tiles() if gpu_tiles else contextlib.nullcontext():
         if gpu_tiles:
-            assert feed_forward_module._elementwise_block() == 1024
+            assert triton_module._elementwise_block() == 1024
         y, z, _ = forward(*inputs, activation, 0.2, seed, fused_gemm)
         other_path = forward(*inputs, activation, 0.2, seed, not fused_gemm)[1]
         dy = torch.randn_like(y)
@@ -249,7 +250,7 @@ def test_triton_dropout_backward_uses_the_forward_mask(
 # is covered too.
 GPU_GEMM_CASES = [
     pytest.param(config, ACTIVATION_NAMES[i % 3], DTYPES[i % 3], id=config.label)
-    for i, config in enumerate(feed_forward_module._GPU_CONFIGS)
+    for i, config in enumerate(triton_module._GPU_CONFIGS)
 ]
 
 
@@ -289,12 +290,12 @@ def test_triton_gemm_epilogues_at_gpu_tiles(triton_device, config, activation, d
     left_t, right = randn(k, m), randn(k, n, scale=k**-0.5)
     left = left_t.t()  # strides (1, m), as dy^T in dW2 = dy^T z
     seed = triton_common.dropout_seed(triton_device)
-    launch = feed_forward_module._matmul_launch
+    launch = triton_module._matmul_launch
     act = feed_forward_module.ACTIVATIONS[activation]
 
     with triton_common.gpu_tiles():
-        assert feed_forward_module.gemm_config(m, n) == config
-        a = feed_forward_module._output((m, n), dtype, triton_device)
+        assert triton_module.gemm_config(m, n) == config
+        a = triton_module._output((m, n), dtype, triton_device)
         dropout = dict(seed=seed, activation=activation, dropout_p=0.2)
         z = launch(
             x, w.t(), bias, epilogue="activation", saved=a, save_preactivation=True, **dropout
@@ -389,9 +390,9 @@ def test_triton_path_is_the_library_gemm_unless_asked(triton_backend, triton_dev
     """No GPU benchmark has shown the fused GEMM faster: it runs only when asked for, by
     ``fused_gemm=True`` or FASTNMT_FFN_FUSED_GEMM=1, and ``fused_gemm=False`` overrides that."""
     launches = []
-    launch = feed_forward_module._matmul_launch
+    launch = triton_module._matmul_launch
     monkeypatch.setattr(
-        feed_forward_module,
+        triton_module,
         "_matmul_launch",
         lambda *args, **kwargs: launches.append(args) or launch(*args, **kwargs),
     )
@@ -419,10 +420,10 @@ def test_triton_inference_is_the_library_products_around_an_aten_activation(
     activation in place where aten has that form, the error rule against float64 met."""
     inputs = _inputs(37, 40, 100, dtype, device=triton_device)
     with torch.no_grad():
-        with HostOps(feed_forward_module, ["_ACTIVATION_FORWARD", "_MATMUL"]) as host:
+        with HostOps(triton_module, ["_ACTIVATION_FORWARD", "_MATMUL"]) as host:
             y = feed_forward(*inputs, activation)
         same_dtype = feed_forward_module.feed_forward_reference(*inputs, activation, 0.0)
-        with HostOps(feed_forward_module, ["_ACTIVATION_FORWARD"]) as dropped:
+        with HostOps(triton_module, ["_ACTIVATION_FORWARD"]) as dropped:
             feed_forward(*inputs, activation, dropout_p=0.5)  # the seeded mask: the kernel's
     assert host.launches == [] and dropped.launches == ["_ACTIVATION_FORWARD"]
     activation_op = {"relu": "relu_", "silu": "silu_", "gelu": "gelu"}[activation]

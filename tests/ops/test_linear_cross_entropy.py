@@ -19,7 +19,7 @@ from tests.helpers import (
     require_backend,
 )
 
-op_module = sys.modules["fastnmt.ops.linear_cross_entropy"]
+triton_module = sys.modules["fastnmt.ops.triton.linear_cross_entropy"]
 IGNORE = -100
 
 
@@ -84,7 +84,7 @@ def test_reference_is_f_cross_entropy(reduction, smoothing):
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 def test_fused_matches_oracle(fused, monkeypatch, dtype, vocab, smoothing, reduction):
     """Chunks of 16 tokens over 40 (the last one partial); V not a multiple of any block."""
-    monkeypatch.setattr(op_module, "_CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr(triton_module, "_CHUNK_ELEMENTS", 1)
     inputs = _inputs(
         40, 24, vocab, dtype, bias=vocab == 17, ignored=(1, 20), device=device_of(fused)
     )
@@ -129,7 +129,7 @@ def test_triton_gpu_blocks_carry_max_sum_and_argmax_across_blocks(triton_device,
     counted = target != IGNORE
     assert (logits64.argmax(-1)[2:4] >= GPU_BLOCK_V).all()  # the construction holds
     with fastnmt.backend("triton"), gpu_tiles():
-        assert op_module._block_v(8003)[0] == GPU_BLOCK_V
+        assert triton_module._block_v(8003)[0] == GPU_BLOCK_V
         out, grads = _loss_and_grads(*inputs, smoothing, "sum")
     with fastnmt.backend("reference"):
         plain, plain_grads = _loss_and_grads(*inputs, smoothing, "sum")
@@ -192,19 +192,19 @@ def test_triton_backward_scales_each_gradient_over_its_blocks(triton_device, dty
     dw, db = torch.randn(4099, device=triton_device), torch.randn(2050, device=triton_device)
     sums = torch.tensor([1.0, 2.0, 7.0], dtype=torch.float64, device=triton_device)
     dloss = torch.tensor(-2.5, device=triton_device)
-    grads = op_module._scale_gradients(dloss, sums, dh, dw, db, mean, dtype, dtype, dtype)
+    grads = triton_module._scale_gradients(dloss, sums, dh, dw, db, mean, dtype, dtype, dtype)
     factor = dloss / 7 if mean else dloss
     for got, summed in zip(grads, (dh, dw, db), strict=True):
         assert got.dtype == dtype
         torch.testing.assert_close(got, (summed.float() * factor).to(dtype))
-    without_bias = op_module._scale_gradients(dloss, sums, dh, dw, db, mean, dtype, dtype, None)
+    without_bias = triton_module._scale_gradients(dloss, sums, dh, dw, db, mean, dtype, dtype, None)
     assert without_bias[2].numel() == 0
 
 
 def test_fused_one_chunk_equals_many_chunks(fused, monkeypatch):
     inputs = _inputs(70, 32, 300, device=device_of(fused))
     whole, whole_grads = _loss_and_grads(*inputs, 0.1, "sum")
-    monkeypatch.setattr(op_module, "_CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr(triton_module, "_CHUNK_ELEMENTS", 1)
     chunked, chunked_grads = _loss_and_grads(*inputs, 0.1, "sum")
     torch.testing.assert_close(chunked.loss, whole.loss)
     for a, b in zip(chunked_grads, whole_grads, strict=True):
@@ -397,7 +397,7 @@ def _triton_launches(tokens: int, vocab: int, dtype=torch.float32) -> list[str]:
         linear_cross_entropy(hidden, weight, bias, target, 0.1, IGNORE, "mean").loss.backward()
         for param in (hidden, weight, bias):
             param.grad = None
-        with HostOps(op_module, _KERNELS) as host:
+        with HostOps(triton_module, _KERNELS) as host:
             out = linear_cross_entropy(hidden, weight, bias, target, 0.1, IGNORE, "mean")
             out.loss.backward(seed)
     # clone: CPU GEMMs get a contiguous transposed weight; cuBLAS takes the view.
@@ -414,7 +414,7 @@ def test_triton_launches_are_few_and_do_not_grow_with_the_vocabulary(dtype):
     dw's GEMM to fp32; no zero-filled buffer or gradient, the same count for 17 words as for
     3,000."""
     with gpu_tiles():
-        assert op_module.chunk_rows(32000) >= 4096
+        assert triton_module.chunk_rows(32000) >= 4096
     launches = _triton_launches(40, 17, dtype)
     assert launches == _triton_launches(40, 3000, dtype) == _triton_launches(300, 3000, dtype)
     assert sorted(launches[:3]) == sorted(_KERNELS), launches

@@ -2,9 +2,10 @@
 
 Triton ships for Linux x86-64 (and aarch64 from some versions); on macOS, Windows or a machine
 without it, the C++ and reference backends still run. When the import fails, ``triton`` and ``tl``
-here are stand-ins that let the op modules define their kernels (``@triton.jit`` returns the
-function unchanged, ``tl.constexpr(x)`` is ``x``) but never launch them: the dispatcher gives the
-Triton backend the reason ``triton_status()``.
+here are stand-ins that let the kernel modules beside this one (``fastnmt.ops.triton.<op>``)
+define their kernels (``@triton.jit`` returns the function unchanged, ``tl.constexpr(x)`` is
+``x``) but never launch them: the dispatcher gives the Triton backend the reason
+``triton_status()``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,360 @@
+r"""The Triton kernels of ``fastnmt.ops.add_layer_norm`` (the math is there) and their launchers.
+
+The kernels work on tiles of BLOCK_M rows x BLOCK_N >= N columns (a whole row per tile, so the
+statistics need one pass); lanes past N load 0 and are excluded from mean and variance
+(Liger #518). The dropout mask is never stored: keep = rand(seed, offset + row * N + column) >= p
+is regenerated in the backward. The forward saves h (returned anyway), mean and rstd. The backward
+keeps per-program fp32 partial sums of dweight/dbias over the rows it visits, and one more kernel
+sums them over the programs in a fixed order, both at once: deterministic, no atomics, and a
+forward + backward is three launches.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from fastnmt.ops.triton import common as triton_common
+from fastnmt.ops.triton import tl, triton
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels.
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def apply_dropout(values, SEED, element, dropout_p):
+    """values * keep / (1 - p) with keep = rand(seed, offset + element) >= p (fp32 values)."""
+    seed = tl.load(SEED)
+    offset = tl.load(SEED + 1)
+    keep = tl.rand(seed, offset + element) >= dropout_p
+    return tl.where(keep, values / (1.0 - dropout_p), 0.0)
+
+
+@triton.jit
+def _add_layer_norm_forward_kernel(
+    X,  # (rows, N) sublayer output, contiguous
+    R,  # (rows, N) residual, contiguous (read when HAS_RESIDUAL)
+    W,  # (N,) LayerNorm weight (read when HAS_WEIGHT)
+    B,  # (N,) LayerNorm bias (read when HAS_BIAS)
+    Y,  # (rows, N) output LN(h), contiguous
+    H,  # (rows, N) output h = residual + dropout(x), contiguous
+    MEAN,  # (rows,) fp32 output: mean of h, saved for the backward (when HAS_STATISTICS)
+    RSTD,  # (rows,) fp32 output: 1 / sqrt(var + eps), saved for the backward (likewise)
+    SEED,  # int64 (2,): philox seed and offset of the dropout mask (read when HAS_DROPOUT)
+    rows,  # number of rows
+    N,  # row width
+    eps,  # added to the variance
+    dropout_p,  # probability of dropping an element of x
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    HAS_STATISTICS: tl.constexpr,  # False without a backward to come (inference)
+    BLOCK_M: tl.constexpr,  # rows per tile
+    BLOCK_N: tl.constexpr,  # power of two >= N
+):
+    row = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]  # (BLOCK_M, 1)
+    column = tl.arange(0, BLOCK_N)[None, :]  # (1, BLOCK_N)
+    inside = (row < rows) & (column < N)
+    element = row.to(tl.int64) * N + column  # index of each element in the (rows, N) tensors
+    h = tl.load(X + element, mask=inside, other=0.0).to(tl.float32)
+    if HAS_DROPOUT:
+        h = apply_dropout(h, SEED, element, tl.cast(dropout_p, tl.float32))
+    if HAS_RESIDUAL:
+        h += tl.load(R + element, mask=inside, other=0.0).to(tl.float32)
+    h = h.to(H.dtype.element_ty)  # the rounding the returned h gets, for consistent statistics
+    tl.store(H + element, h, mask=inside)
+    h = h.to(tl.float32)
+    mean = tl.sum(h, axis=1) / N  # (BLOCK_M,): lanes past N hold 0
+    centered = tl.where(inside, h - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=1) / N + tl.cast(eps, tl.float32))
+    y = centered * rstd[:, None]
+    if HAS_WEIGHT:
+        y *= tl.load(W + column, mask=column < N, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y += tl.load(B + column, mask=column < N, other=0.0).to(tl.float32)
+    tl.store(Y + element, y.to(Y.dtype.element_ty), mask=inside)
+    if HAS_STATISTICS:
+        row = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        tl.store(MEAN + row, mean, mask=row < rows)
+        tl.store(RSTD + row, rstd, mask=row < rows)
+
+
+@triton.jit
+def _add_layer_norm_backward_kernel(
+    DY,  # (rows, N) gradient of y, contiguous
+    DH_OUT,  # (rows, N) gradient flowing into the returned h (read when HAS_DH_OUT)
+    H,  # (rows, N) h saved by the forward
+    W,  # (N,) LayerNorm weight (read when HAS_WEIGHT)
+    MEAN,  # (rows,) fp32 mean of h
+    RSTD,  # (rows,) fp32 1 / sqrt(var + eps)
+    SEED,  # int64 (2,): the forward's dropout seed and offset (read when HAS_DROPOUT)
+    DX,  # (rows, N) output: gradient of x
+    DH,  # (rows, N) output: gradient of h = of the residual (written when HAS_RESIDUAL)
+    DW_PARTIAL,  # (programs, N) fp32 output: this program's sum of dy * xhat (when HAS_WEIGHT)
+    DB_PARTIAL,  # (programs, N) fp32 output: this program's sum of dy (when HAS_BIAS)
+    rows,  # number of rows
+    N,  # row width
+    dropout_p,  # probability of dropping an element of x
+    HAS_DH_OUT: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows per tile
+    BLOCK_N: tl.constexpr,  # power of two >= N
+):
+    column = tl.arange(0, BLOCK_N)[None, :]  # (1, BLOCK_N)
+    weight = tl.full((1, BLOCK_N), 1.0, tl.float32)
+    if HAS_WEIGHT:
+        weight = tl.load(W + column, mask=column < N, other=0.0).to(tl.float32)
+    dweight = tl.zeros((BLOCK_N,), tl.float32)
+    dbias = tl.zeros((BLOCK_N,), tl.float32)
+    # Programs take every num_programs-th tile: a fixed grid, so a fixed summation order.
+    for first_row in range(tl.program_id(0) * BLOCK_M, rows, tl.num_programs(0) * BLOCK_M):
+        row = first_row + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+        inside = (row[:, None] < rows) & (column < N)
+        element = row[:, None].to(tl.int64) * N + column
+        dy = tl.load(DY + element, mask=inside, other=0.0).to(tl.float32)
+        h = tl.load(H + element, mask=inside, other=0.0).to(tl.float32)
+        mean = tl.load(MEAN + row, mask=row < rows, other=0.0)
+        rstd = tl.load(RSTD + row, mask=row < rows, other=0.0)
+        xhat = tl.where(inside, (h - mean[:, None]) * rstd[:, None], 0.0)
+        g = dy * weight
+        mean_g = tl.sum(g, axis=1) / N
+        mean_g_xhat = tl.sum(g * xhat, axis=1) / N
+        dh = (g - mean_g[:, None] - xhat * mean_g_xhat[:, None]) * rstd[:, None]
+        if HAS_DH_OUT:
+            dh += tl.load(DH_OUT + element, mask=inside, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            tl.store(DH + element, dh.to(DH.dtype.element_ty), mask=inside)
+        if HAS_DROPOUT:
+            dh = apply_dropout(dh, SEED, element, tl.cast(dropout_p, tl.float32))
+        tl.store(DX + element, dh.to(DX.dtype.element_ty), mask=inside)
+        if HAS_WEIGHT:
+            dweight += tl.sum(dy * xhat, axis=0)
+        if HAS_BIAS:
+            dbias += tl.sum(dy, axis=0)
+    partial = tl.program_id(0) * N + tl.arange(0, BLOCK_N)
+    if HAS_WEIGHT:
+        tl.store(DW_PARTIAL + partial, dweight, mask=tl.arange(0, BLOCK_N) < N)
+    if HAS_BIAS:
+        tl.store(DB_PARTIAL + partial, dbias, mask=tl.arange(0, BLOCK_N) < N)
+
+
+@triton.jit
+def _sum_partials_kernel(
+    DW_PARTIAL,  # (programs, N) fp32: the backward programs' sums of dy * xhat (when HAS_WEIGHT)
+    DB_PARTIAL,  # (programs, N) fp32: their sums of dy (when HAS_BIAS)
+    DW,  # (N,) fp32 output: dweight
+    DB,  # (N,) fp32 output: dbias
+    programs,  # rows of the partial sums
+    N,  # row width
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,  # columns per program
+):
+    column = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = column < N
+    dweight = tl.zeros((BLOCK,), tl.float32)
+    dbias = tl.zeros((BLOCK,), tl.float32)
+    for program in range(0, programs):  # in order: the same sums at every call
+        if HAS_WEIGHT:
+            dweight += tl.load(DW_PARTIAL + program * N + column, mask=inside, other=0.0)
+        if HAS_BIAS:
+            dbias += tl.load(DB_PARTIAL + program * N + column, mask=inside, other=0.0)
+    if HAS_WEIGHT:
+        tl.store(DW + column, dweight, mask=inside)
+    if HAS_BIAS:
+        tl.store(DB + column, dbias, mask=inside)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers.
+# ---------------------------------------------------------------------------------------------
+
+MAX_WIDTH = 4096  # one tile holds a whole row (16 values per thread); wider rows: another backend
+_GPU_TILE = 4096  # elements per tile on a GPU: 8-16 fp32 values per thread and tensor
+_INTERPRETER_TILE = 65536  # the interpreter's cost grows with the number of programs
+
+
+def _tile(rows: int, width: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for a (rows, width) problem: whole rows, as many as fit
+    the tile (the GPU's, or in the interpreter outside ``gpu_tiles()`` its own)."""
+    return _chosen_tile(rows, width, triton_common.use_gpu_tiles())
+
+
+@functools.lru_cache(maxsize=4096)  # per call signature, as the dispatcher's decisions
+def _chosen_tile(rows: int, width: int, gpu_tiles: bool) -> tuple[int, int, int]:
+    block_n = triton_common.power_of_2_at_least(width)
+    tile = _GPU_TILE if gpu_tiles else _INTERPRETER_TILE
+    block_m = min(max(1, tile // block_n), triton_common.power_of_2_at_least(rows))
+    num_warps = min(8, max(1, block_m * block_n // 512))
+    return block_m, block_n, num_warps
+
+
+def _backward_programs(row_tiles: int, device: torch.device) -> int:
+    """Programs of the backward grid: a few per SM, each summing dweight over several tiles."""
+    return min(row_tiles, _most_backward_programs(device))
+
+
+@functools.cache  # one entry per device
+def _most_backward_programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 2  # the interpreter: still exercises a program visiting two tiles
+
+
+def _h_dtype(x, residual, residual_in_fp32: bool) -> torch.dtype:
+    if residual_in_fp32:
+        return torch.float32
+    if residual is None or residual.dtype == x.dtype:  # promote_types is an aten call
+        return x.dtype
+    return torch.promote_types(x.dtype, residual.dtype)
+
+
+def _contiguous(tensor):
+    return None if tensor is None else tensor.contiguous()
+
+
+_FORWARD = triton_common.Launcher(_add_layer_norm_forward_kernel)
+_BACKWARD = triton_common.Launcher(_add_layer_norm_backward_kernel)
+_SUM_PARTIALS = triton_common.Launcher(_sum_partials_kernel)
+
+
+def _launch_forward(
+    x, residual, weight, bias, eps, dropout_p, residual_in_fp32, seed, statistics=True
+):
+    """(y, h, mean, rstd); mean and rstd are None unless ``statistics`` (a backward to come)."""
+    # The kernels read and write dense rows of ``width``: any contiguous tensor is those rows.
+    width = x.shape[-1]
+    x = x.contiguous()
+    rows = x.numel() // width
+    h_dtype = _h_dtype(x, residual, residual_in_fp32)
+    like, buffer_dtype = triton_common.new_output_like, triton_common.kernel_output_dtype
+    y = like(x, buffer_dtype(x.dtype), torch.contiguous_format)  # x's shape, dense rows
+    h = like(x, buffer_dtype(h_dtype), torch.contiguous_format)
+    mean = rstd = None
+    if statistics:
+        mean = triton_common.new_output((rows,), torch.float32, x.device)
+        rstd = triton_common.new_output((rows,), torch.float32, x.device)
+    block_m, block_n, num_warps = _tile(rows, width)
+    _FORWARD(
+        x.device,
+        (triton_common.cdiv(rows, block_m), 1, 1),
+        (
+            x,
+            _contiguous(residual),
+            _contiguous(weight),
+            _contiguous(bias),
+            y,
+            h,
+            mean,
+            rstd,
+            seed,
+            rows,
+            width,
+            eps,
+            dropout_p,
+        ),
+        triton_common.launch_options(
+            HAS_RESIDUAL=residual is not None,
+            HAS_WEIGHT=weight is not None,
+            HAS_BIAS=bias is not None,
+            HAS_DROPOUT=dropout_p > 0.0,
+            HAS_STATISTICS=statistics,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            num_warps=num_warps,
+        ),
+    )
+    return triton_common.as_dtype(y, x.dtype), triton_common.as_dtype(h, h_dtype), mean, rstd
+
+
+def _launch_backward(dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_residual, has_bias):
+    width = h.shape[-1]
+    rows = mean.shape[0]
+    block_m, block_n, num_warps = _tile(rows, width)
+    programs = _backward_programs(triton_common.cdiv(rows, block_m), h.device)
+    like, buffer_dtype = triton_common.new_output_like, triton_common.kernel_output_dtype
+    dx = like(h, buffer_dtype(dy.dtype), torch.contiguous_format)  # h's shape, dense rows
+    dh = like(h, buffer_dtype(h.dtype), torch.contiguous_format) if has_residual else None
+    dweight_partial, dbias_partial = (
+        triton_common.new_output((programs, width), torch.float32, h.device) if wanted else None
+        for wanted in (weight is not None, has_bias)
+    )
+    _BACKWARD(
+        h.device,
+        (programs, 1, 1),
+        (
+            dy.contiguous(),  # dense rows, as in the forward
+            _contiguous(dh_out),
+            h.contiguous(),
+            _contiguous(weight),
+            mean,
+            rstd,
+            seed,
+            dx,
+            dh,
+            dweight_partial,
+            dbias_partial,
+            rows,
+            width,
+            dropout_p,
+        ),
+        triton_common.launch_options(
+            HAS_DH_OUT=dh_out is not None,
+            HAS_RESIDUAL=has_residual,
+            HAS_WEIGHT=weight is not None,
+            HAS_BIAS=has_bias,
+            HAS_DROPOUT=dropout_p > 0.0,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            num_warps=num_warps,
+        ),
+    )
+    dweight, dbias = _sum_partials(dweight_partial, dbias_partial)
+    return dx, dh, dweight, dbias
+
+
+_SUM_BLOCK = 1024  # columns a program of the partial sums' kernel covers
+
+
+def _sum_partials(dweight_partial, dbias_partial):
+    """(dweight, dbias) fp32 (N,) from the backward programs' partial sums (each None if there
+    is no such parameter), in one launch."""
+    partial = dweight_partial if dweight_partial is not None else dbias_partial
+    if partial is None:
+        return None, None
+    programs, width = partial.shape
+    output = triton_common.new_output
+    dweight, dbias = (
+        None if summed is None else output((width,), torch.float32, partial.device)
+        for summed in (dweight_partial, dbias_partial)
+    )
+    _SUM_PARTIALS(
+        partial.device,
+        (triton_common.cdiv(width, _SUM_BLOCK), 1, 1),
+        (dweight_partial, dbias_partial, dweight, dbias, programs, width),
+        triton_common.launch_options(
+            HAS_WEIGHT=dweight_partial is not None,
+            HAS_BIAS=dbias_partial is not None,
+            BLOCK=_SUM_BLOCK,
+        ),
+    )
+    return dweight, dbias
+
+
+def _backward(dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_residual, has_bias):
+    """(dx, dresidual, dweight, dbias), the sums in fp32; empty where there is no such input."""
+    dx, dh, dweight, dbias = _launch_backward(
+        dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_residual, has_bias
+    )
+    return (
+        triton_common.as_dtype(dx, dy.dtype),
+        h.new_empty(0) if dh is None else triton_common.as_dtype(dh, h.dtype),
+        h.new_empty(0) if dweight is None else dweight,
+        h.new_empty(0) if dbias is None else dbias,
+    )

@@ -1,0 +1,275 @@
+"""The launchers of ``fastnmt.ops.attention``'s Triton kernels (``attention_kernels``): launch
+configurations, output buffers and grids.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from fastnmt.ops.triton.attention_kernels import (
+    _attention_backward_delta_kernel,
+    _attention_backward_dkdv_kernel,
+    _attention_backward_dq_kernel,
+    _attention_forward_kernel,
+    _dropout_keep_kernel,
+)
+from fastnmt.ops.triton.common import (
+    LaunchConfig,
+    Launcher,
+    as_dtype,
+    cdiv,
+    dot_precision,
+    kernel_output_dtype,
+    launch_options,
+    new_output,
+    new_output_like,
+    power_of_2_at_least,
+    upcast_in_interpreter,
+    use_gpu_tiles,
+)
+
+MAX_HEAD_DIM = 128
+_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# A documented heuristic rather than triton.autotune: MT batches change shape every step, and
+# autotuning each new shape would cost more than it saves. Keyed on buckets of (Lq, Lk):
+# - "decode": Lq <= 16, incremental decoding and beam search against a KV cache (forward only):
+#   16-row query blocks, so a step of 1-4 queries does not compute 64 rows of padding;
+# - "short": lengths up to 256, the sentences of machine translation: 64-row tiles, so that small
+#   batches still give enough programs to fill the GPU;
+# - "long": longer sequences: 128-row query blocks with 8 warps, as FlashAttention-2;
+# and on the head dim: each bucket maps the widest head dim a config serves to the config (the
+# first that fits is used; a bucket a kernel lacks falls back to "short"). Wide heads need
+# narrower key blocks or more warps to stay in registers: every config below compiles without
+# spills with every mask feature and dropout on (python -m fastnmt.compile_check), under triton
+# 3.6 and 3.9 (3.6 allocates registers less tightly: key blocks twice as wide spill there).
+_GPU_CONFIGS = {
+    "forward": {
+        "decode": {128: LaunchConfig(16, 32, 4, 2)},
+        "short": {64: LaunchConfig(64, 32, 4, 2), 128: LaunchConfig(64, 32, 8, 2)},
+        "long": {64: LaunchConfig(128, 64, 8, 3), 128: LaunchConfig(64, 32, 8, 2)},
+    },
+    "dkdv": {"short": {128: LaunchConfig(32, 64, 8, 2)}},
+    "dq": {
+        "short": {64: LaunchConfig(64, 32, 4, 2), 128: LaunchConfig(64, 16, 8, 2)},
+        "long": {64: LaunchConfig(128, 32, 8, 2)},
+    },
+    # delta reads two (rows, Dv) tiles and reduces them (no keys): small blocks, few registers.
+    "delta": {"short": {128: LaunchConfig(32, 0, 4, 1)}},
+}
+_KEEP_CONFIG = LaunchConfig(64, 64, 4, 1)  # of the dropout-mask kernel (tests, debugging)
+
+
+def _interpreter_block(length: int) -> int:
+    """The interpreter's cost grows with the number of blocks: one block per sequence up to 128."""
+    return min(128, max(16, power_of_2_at_least(length)))
+
+
+def _length_buckets(lq: int, lk: int) -> list[str]:
+    """The buckets of (lq, lk), most specific first."""
+    return ["decode"] * (lq <= 16) + ["long"] * (max(lq, lk) > 256) + ["short"]
+
+
+def launch_config(kernel: str, lq: int, lk: int, head_dim: int) -> LaunchConfig:
+    """Block sizes of ``kernel`` ("forward", "dkdv", "dq" or "delta") for lengths lq, lk and the
+    larger of the q/k and v head dims."""
+    return _chosen_config(kernel, lq, lk, head_dim, use_gpu_tiles())
+
+
+@functools.lru_cache(maxsize=4096)  # per call signature, as the dispatcher's decisions
+def _chosen_config(kernel: str, lq: int, lk: int, head_dim: int, gpu_tiles: bool) -> LaunchConfig:
+    if not gpu_tiles:
+        return LaunchConfig(_interpreter_block(lq), _interpreter_block(lk), 4, 1)
+    for bucket in _length_buckets(lq, lk):
+        for widest, config in _GPU_CONFIGS[kernel].get(bucket, {}).items():
+            if head_dim <= widest:
+                return config
+    raise AssertionError(f"no {kernel} config for head dim {head_dim}")  # > MAX_HEAD_DIM
+
+
+def _head_block(head_dim: int) -> int:
+    """Head dims are padded to a power of two (>= 16, the smallest tl.dot) and masked."""
+    return max(16, power_of_2_at_least(head_dim))
+
+
+@functools.lru_cache(maxsize=1024)
+def _options(
+    config: LaunchConfig,
+    head_dim: int,
+    value_dim: int,
+    dtype: torch.dtype,
+    precision: str,
+    causal: bool,
+    has_lengths: bool,
+    has_padding: bool,
+    dropout: bool,
+    has_cache_rows: bool | None,  # None: the kernel has no such flag (the backward's)
+) -> dict:
+    """The constexprs and launch options of the forward, dK/dV and dQ kernels."""
+    extra = {} if has_cache_rows is None else {"HAS_CACHE_ROWS": has_cache_rows}
+    return launch_options(
+        **extra,
+        CAUSAL=causal,
+        HAS_LENGTHS=has_lengths,
+        HAS_PADDING=has_padding,
+        DROPOUT=dropout,
+        UPCAST=upcast_in_interpreter(dtype),
+        DOT_PRECISION=precision,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_D=_head_block(head_dim),
+        BLOCK_DV=_head_block(value_dim),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _delta_options(config: LaunchConfig, value_dim: int, dtype: torch.dtype) -> dict:
+    return launch_options(
+        UPCAST=upcast_in_interpreter(dtype),
+        BLOCK_M=config.block_m,
+        BLOCK_DV=_head_block(value_dim),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+
+
+def _padding_view(key_padding_mask):
+    """The bool mask as uint8 (same bytes, no copy) and its strides: Triton loads bytes."""
+    if key_padding_mask is None:
+        return None, (0, 0)
+    padding = key_padding_mask.view(torch.uint8)
+    return padding, padding.stride()
+
+
+def _new_attention_output(shape, dtype, device) -> torch.Tensor:
+    """An empty (B, H, Lq, Dv) output lying (B, Lq, H, Dv) in memory, as FlashAttention's: joining
+    the heads to (B, Lq, H * Dv) for the output projection is then a view, not a copy (the
+    kernels write through strides). The C++ op allocates the same."""
+    _, heads, lq, value_dim = shape
+    strides = (lq * heads * value_dim, value_dim, heads * value_dim, 1)
+    return new_output(shape, dtype, device, strides)
+
+
+_FORWARD = Launcher(_attention_forward_kernel)
+_DELTA = Launcher(_attention_backward_delta_kernel)
+_DKDV = Launcher(_attention_backward_dkdv_kernel)
+_DQ = Launcher(_attention_backward_dq_kernel)
+_KEEP = Launcher(_dropout_keep_kernel)
+
+
+def _launch_forward(
+    q, k, v, key_lengths, key_padding_mask, seed, causal, dropout_p, scale, cache_rows
+):
+    batch, heads, lq, head_dim = q.shape
+    lk, value_dim = k.shape[2], v.shape[3]
+    out = _new_attention_output(
+        (batch, heads, lq, value_dim), kernel_output_dtype(q.dtype), q.device
+    )
+    lse = new_output((batch, heads, lq), torch.float32, q.device)
+    padding, padding_strides = _padding_view(key_padding_mask)
+    config = launch_config("forward", lq, lk, max(head_dim, value_dim))
+    options = _options(
+        config, head_dim, value_dim, q.dtype, dot_precision(q.dtype), causal,
+        key_lengths is not None, padding is not None, seed is not None, cache_rows is not None,
+    )  # fmt: skip
+    _FORWARD(
+        q.device,
+        (batch * heads, cdiv(lq, config.block_m), 1),
+        (
+            q, k, v, out, lse, key_lengths, padding, seed, cache_rows,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *padding_strides,
+            *(cache_rows.stride() if cache_rows is not None else (0, 0)),
+            heads, lq, lk, head_dim, value_dim, scale, dropout_p,
+        ),
+        options,
+    )  # fmt: skip
+    return as_dtype(out, q.dtype), lse
+
+
+def _launch_delta(out, grad_out, grad_lse):
+    """delta_i = dO_i . O_i in fp32, minus the gradient g_i reaching lse_i (when the caller used
+    the LSE): d lse_i / d S_ij = P_ij adds P_ij g_i to dS_ij = P_ij (dP_ij - delta_i)."""
+    batch, heads, lq, value_dim = out.shape
+    delta = new_output((batch, heads, lq), torch.float32, out.device)
+    config = launch_config("delta", lq, lq, value_dim)
+    _DELTA(
+        out.device,
+        (batch * heads, cdiv(lq, config.block_m), 1),
+        (out, grad_out, delta, *out.stride(), *grad_out.stride(), heads, lq, value_dim),
+        _delta_options(config, value_dim, out.dtype),
+    )
+    return delta if grad_lse is None else delta - grad_lse
+
+
+def _launch_backward(
+    grad_out, grad_lse, q, k, v, out, lse, key_lengths, key_padding_mask, seed, causal, dropout_p,
+    scale,
+):  # fmt: skip
+    batch, heads, lq, head_dim = q.shape
+    lk, value_dim = k.shape[2], v.shape[3]
+    delta = _launch_delta(out, grad_out, grad_lse)
+    grad_dtype = kernel_output_dtype(q.dtype)
+    # Dense in each input's dimension order (torch.empty_like, as SDPA's): the gradient of
+    # proj(h).view(B, L, H, D).transpose(1, 2) then reaches proj's output without a copy.
+    grad_q = new_output_like(q, grad_dtype)
+    grad_k = new_output_like(k, grad_dtype)
+    grad_v = new_output_like(v, grad_dtype)
+    padding, padding_strides = _padding_view(key_padding_mask)
+    shared = (
+        key_lengths, padding, seed,
+        *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *padding_strides,
+        heads, lq, lk, head_dim, value_dim, scale, dropout_p,
+    )  # fmt: skip
+    flags = (
+        q.dtype, dot_precision(q.dtype), causal, key_lengths is not None, padding is not None,
+        seed is not None, None,
+    )  # fmt: skip
+    key_grads = (grad_k, grad_v, *grad_k.stride(), *grad_v.stride())
+    config = launch_config("dkdv", lq, lk, max(head_dim, value_dim))
+    _DKDV(
+        q.device,
+        (batch * heads, cdiv(lk, config.block_n), 1),
+        (q, k, v, grad_out, lse, delta, *key_grads, *shared),
+        _options(config, head_dim, value_dim, *flags),
+    )
+    config = launch_config("dq", lq, lk, max(head_dim, value_dim))
+    _DQ(
+        q.device,
+        (batch * heads, cdiv(lq, config.block_m), 1),
+        (q, k, v, grad_out, lse, delta, grad_q, *grad_q.stride(), *shared),
+        _options(config, head_dim, value_dim, *flags),
+    )
+    if grad_dtype == q.dtype:  # k and v have q's dtype
+        return grad_q, grad_k, grad_v
+    return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype)
+
+
+def dropout_keep_mask(seed: torch.Tensor, shape: tuple[int, int, int, int], dropout_p: float):
+    """Bool (B, H, Lq, Lk) keep_ij that the Triton kernels apply for ``seed`` (the
+    ``dropout_seed`` given to ``attention``, or the one it draws), written out by a kernel that
+    shares their ``_dropout_keep``.
+
+    Without a ``dropout_seed``, the Triton backend draws its seed with
+    ``triton_common.dropout_seed(q.device)`` as its first random draw, so ``torch.manual_seed(s)``
+    before both gives the mask of an ``attention`` call (tests use this to check outputs and
+    gradients against the reference given the kernel's own mask).
+    """
+    batch, heads, lq, lk = shape
+    keep = new_output(shape, torch.uint8, seed.device)
+    config = _KEEP_CONFIG
+    grid = (batch * heads, cdiv(lq, config.block_m), cdiv(lk, config.block_n))
+    _KEEP(
+        seed.device,
+        grid,
+        (keep, seed, lq, lk, dropout_p),
+        launch_options(
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        ),
+    )  # fmt: skip
+    return keep.bool()
