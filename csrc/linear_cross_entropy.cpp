@@ -151,7 +151,7 @@ at::Tensor cross_entropy_rows_op(at::Tensor logits, const at::Tensor& target,
   return cross_entropy_rows(logits, target, label_smoothing, ignore_index, compute_grad, 1.0);
 }
 
-constexpr int64_t kChunkElements = int64_t{1} << 23;  // as fastnmt/ops/linear_cross_entropy.py
+constexpr int64_t kChunkElements = int64_t{1} << 23;  // as fastnmt/ops/triton/linear_cross_entropy.py
 
 // s of the math: the loss's factor, 1 / counted tokens for a mean (1 when none count).
 double mean_scale(bool mean, int64_t counted) {
