@@ -43,7 +43,7 @@ from fastnmt.data.prepared import prepare as prepare_data
 from fastnmt.devices import configure_process, resolve_device
 from fastnmt.model import PRESETS, ModelConfig, preset
 from fastnmt.precision import AUTO_HELP, PrecisionChoice, choose_precision
-from fastnmt.training import cuda_graphs, fine_tune
+from fastnmt.training import fine_tune, graph_updates
 from fastnmt.training.distributed import Distributed
 from fastnmt.training.fine_tune import Initial
 from fastnmt.training.trainer import PRECISIONS, RESUME_KEYS, Corpora, Trainer
@@ -302,7 +302,7 @@ def resolve_precision(
 def resolve_cuda_graphs(args, device: torch.device) -> None:
     """``--cuda-graphs`` as "on" or "off" for this device and precision; graphs replay fixed
     shapes, so "on" implies shape buckets."""
-    reasons = cuda_graphs.capture_reasons(device, loss_scaling=args.precision == "fp16")
+    reasons = graph_updates.capture_reasons(device, loss_scaling=args.precision == "fp16")
     if args.cuda_graphs == "on" and reasons:
         raise UsageError(f"--cuda-graphs on: {'; '.join(reasons)}")
     args.cuda_graphs = "off" if reasons or args.cuda_graphs == "off" else "on"
@@ -373,7 +373,10 @@ def prepare(args) -> Trainer:
     except ValueError as error:
         raise UsageError(str(error)) from None
     world = Distributed.from_environment(device)
-    initial = fine_tune.load_initial(args) if args.init_from else None
+    try:
+        initial = fine_tune.load_initial(args) if args.init_from else None
+    except ValueError as error:  # a flag or --init-from's directory, named in the message
+        raise UsageError(str(error)) from None
     shape = initial.cfg if initial is not None else model_shape(args)
     precision = resolve_precision(args.precision, device, shape, world)
     args.precision = precision.precision

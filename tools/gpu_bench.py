@@ -48,12 +48,13 @@ import torch
 import torch.nn.functional as F
 
 import fastnmt
+from fastnmt.cuda_graphs import Program
 from fastnmt.decoding.search import LengthPenalty, beam_search, greedy
 from fastnmt.decoding.static_search import StaticSearches, graph_reasons
 from fastnmt.model import Transformer, preset
 from fastnmt.ops import add_layer_norm, attention, feed_forward, linear_cross_entropy
 from fastnmt.ops.feed_forward import feed_forward_triton
-from fastnmt.training.cuda_graphs import Program, capture
+from fastnmt.training.graph_updates import capture
 from fastnmt.training.trainer import label_smoothed_loss
 
 

@@ -40,6 +40,7 @@ from dataclasses import replace
 
 import torch
 
+from fastnmt.cuda_graphs import Program, capture_on
 from fastnmt.decoding.next_token import (
     Sampling,
     ban_repeated_ngrams,
@@ -58,7 +59,6 @@ from fastnmt.decoding.search import (
 )
 from fastnmt.kv_cache import FixedKVCache, KVCache, StepClock
 from fastnmt.model import LayerCache, Transformer
-from fastnmt.training.cuda_graphs import Program, capture_on
 
 CHECK_EVERY = 4  # steps between the host's checks that every sentence is done
 SOURCE_ROUNDING = 16  # bucket lengths (source positions, decoding steps) are multiples of this

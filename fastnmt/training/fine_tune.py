@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 
 from fastnmt.checkpoint import CheckpointError
-from fastnmt.cli import UsageError
 from fastnmt.data import MarianVocabulary, Vocabulary
 from fastnmt.model import PRESETS, ModelConfig
 from fastnmt.translator import is_pretrained_directory, load_checkpoint
@@ -57,7 +56,7 @@ def apply_defaults(args) -> None:
 
 
 def load_initial(args) -> Initial:
-    """The model of ``--init-from``, configured by the flags (one-line UsageError for a directory
+    """The model of ``--init-from``, configured by the flags (a one-line ValueError for a directory
     that holds no model it can start from, or flags that contradict it)."""
     initial = _load(Path(args.init_from))
     initial.cfg = fine_tuning_config(args, initial.cfg)
@@ -67,13 +66,13 @@ def load_initial(args) -> Initial:
 def _load(path: Path) -> Initial:
     """The model of a Hugging Face Marian directory or a fastnmt checkpoint."""
     if not path.is_dir():
-        raise UsageError(f"--init-from {path}: not a directory")
+        raise ValueError(f"--init-from {path}: not a directory")
     if is_pretrained_directory(path):
         return _from_marian(path)
     try:
         model, vocab = load_checkpoint(path)
     except CheckpointError as error:
-        raise UsageError(f"--init-from: {error}") from None
+        raise ValueError(f"--init-from: {error}") from None
     return Initial(model.cfg, model.state_dict(), vocab)
 
 
@@ -84,20 +83,20 @@ def _from_marian(path: Path) -> Initial:
         from fastnmt.integrations.transformers import UnsupportedModelError
         from fastnmt.integrations.transformers.convert import convert_model
     except ImportError as error:
-        raise UsageError(f"--init-from {path} is a Hugging Face model: {error}") from None
+        raise ValueError(f"--init-from {path} is a Hugging Face model: {error}") from None
     config = transformers.AutoConfig.from_pretrained(path)
     if config.model_type != "marian":
-        raise UsageError(
+        raise ValueError(
             f"--init-from fine-tunes Marian (Opus-MT) models; {path} is {config.model_type!r}"
         )
     hf_model = transformers.MarianMTModel.from_pretrained(path, dtype=torch.float32)
     try:
         model = convert_model(hf_model)
     except UnsupportedModelError as error:
-        raise UsageError(f"--init-from {path}: {error}") from None
+        raise ValueError(f"--init-from {path}: {error}") from None
     vocab = MarianVocabulary.from_directory(path, bos_id=config.decoder_start_token_id)
     if len(vocab) != model.cfg.vocab_size:
-        raise UsageError(
+        raise ValueError(
             f"--init-from {path}: vocab.json has {len(vocab)} ids, the model {model.cfg.vocab_size}"
         )
     return Initial(model.cfg, model.state_dict(), vocab)
@@ -109,23 +108,23 @@ def _flag(name: str) -> str:
 
 def fine_tuning_config(args, cfg: ModelConfig) -> ModelConfig:
     """The initial model's configuration with the dropouts the user set; an architecture flag
-    that contradicts it is a one-line UsageError naming the flag."""
+    that contradicts it is a one-line ValueError naming the flag."""
     for name in ARCHITECTURE:
         given, own = getattr(args, name), getattr(cfg, name)
         if given is not None and given != own:
-            raise UsageError(f"{_flag(name)} {given} contradicts --init-from's model ({own})")
+            raise ValueError(f"{_flag(name)} {given} contradicts --init-from's model ({own})")
     if args.postnorm and cfg.prenorm:
-        raise UsageError("--postnorm contradicts --init-from's model, which is pre-norm")
+        raise ValueError("--postnorm contradicts --init-from's model, which is pre-norm")
     if args.preset is not None:
         for name in ARCHITECTURE:
             given, own = getattr(PRESETS[args.preset], name), getattr(cfg, name)
             if given != own:
-                raise UsageError(
+                raise ValueError(
                     f"--preset {args.preset} contradicts --init-from's model ({name} {given} "
                     f"in the preset, {own} in the model)"
                 )
     if args.max_len > cfg.max_positions:
-        raise UsageError(
+        raise ValueError(
             f"--max-len {args.max_len} exceeds --init-from's model's {cfg.max_positions} positions"
         )
     dropouts = {name: getattr(args, name) for name in DROPOUTS if getattr(args, name) is not None}

@@ -31,8 +31,8 @@ from fastnmt.devices import autocast
 from fastnmt.model import ModelConfig, Transformer
 from fastnmt.ops import linear_cross_entropy
 from fastnmt.training.buckets import ShapeBuckets
-from fastnmt.training.cuda_graphs import BucketedUpdates
 from fastnmt.training.distributed import Distributed
+from fastnmt.training.graph_updates import BucketedUpdates
 from fastnmt.translator import Translator
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fastnmt import train
+from fastnmt import cuda_graphs, train
 from fastnmt.model import ModelConfig, Transformer
-from fastnmt.training import cuda_graphs
+from fastnmt.training import graph_updates
 from fastnmt.training.buckets import ShapeBuckets
 from tests.test_train import NO_DROPOUT, _arguments
 
@@ -30,11 +30,11 @@ def _trained(corpus, output, *extra) -> dict[str, torch.Tensor]:
 
 
 def test_capture_reasons_name_the_device_and_loss_scaling():
-    assert cuda_graphs.capture_reasons(torch.device("cuda", 0), loss_scaling=False) == []
-    assert cuda_graphs.capture_reasons(torch.device("cpu"), loss_scaling=False) == [
+    assert graph_updates.capture_reasons(torch.device("cuda", 0), loss_scaling=False) == []
+    assert graph_updates.capture_reasons(torch.device("cpu"), loss_scaling=False) == [
         "CUDA graphs need a CUDA device, got cpu"
     ]
-    assert cuda_graphs.capture_reasons(torch.device("cuda", 0), loss_scaling=True) == [
+    assert graph_updates.capture_reasons(torch.device("cuda", 0), loss_scaling=True) == [
         "fp16 loss scaling decides on the host whether to step (use bf16)"
     ]
 
@@ -66,7 +66,7 @@ def test_state_preserved_undoes_updates_and_random_draws(fresh):
     # a copy: loading shares the given state's tensors where their dtype and device fit
     twin_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
     rng = torch.get_rng_state()
-    with cuda_graphs.state_preserved(model, optimizer):
+    with graph_updates.state_preserved(model, optimizer):
         for _ in range(2):
             _step(model, optimizer)
     assert torch.equal(torch.get_rng_state(), rng)
@@ -93,7 +93,7 @@ def test_warm_up_leaves_a_trainers_whole_update_state(corpus, tmp_path):
     names = ("updates", "lr", "loss_scale", "sums", "statistics")
     before = {name: getattr(trainer, name).clone() for name in names}
     parameters = [p.detach().clone() for p in trainer.model.parameters()]
-    cuda_graphs.warm_up(bucketed.programs, trainer.model, trainer.optimizer, bucketed.state)
+    graph_updates.warm_up(bucketed.programs, trainer.model, trainer.optimizer, bucketed.state)
     for name in names:
         assert torch.equal(getattr(trainer, name), before[name]), name
     for kept, now in zip(parameters, trainer.model.parameters(), strict=True):
@@ -104,7 +104,7 @@ def test_gradients_are_views_of_one_buffer_and_inputs_are_padding():
     model = Transformer(ModelConfig(vocab_size=30, d_model=16, heads=2, d_ff=32))
     buckets = ShapeBuckets(max_tokens=60, max_len=11, count=3, pad_id=0)
     cpu = torch.device("cpu")
-    updates = cuda_graphs.BucketedUpdates(model, buckets, None, lambda: None, None, cpu)
+    updates = graph_updates.BucketedUpdates(model, buckets, None, lambda: None, None, cpu)
     flat = updates.gradients
     assert flat.numel() == sum(p.numel() for p in model.parameters())
     for p in model.parameters():
@@ -238,10 +238,10 @@ def test_pieces_reach_the_programs_through_one_reused_host_buffer_per_shape(monk
     seen = []
 
     def piece(batch):
-        seen.append({name: getattr(batch, name).clone() for name in cuda_graphs._INPUTS})
+        seen.append({name: getattr(batch, name).clone() for name in graph_updates._INPUTS})
 
     cpu = torch.device("cpu")
-    updates = cuda_graphs.BucketedUpdates(model, buckets, piece, lambda: None, None, cpu)
+    updates = graph_updates.BucketedUpdates(model, buckets, piece, lambda: None, None, cpu)
     buffers = {shape: staging.batch.src for shape, staging in updates.staging.items()}
     batches = [_random_batch(rows, seed) for seed, rows in enumerate((1, 9, 23))]
     expected = [p for batch in batches for p in buckets.split(batch)]
@@ -270,7 +270,7 @@ def test_pieces_reach_the_programs_through_one_reused_host_buffer_per_shape(monk
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
     shape = buckets.shape_of(batches[0])
-    staging = cuda_graphs.HostStaging(buckets, shape, torch.device("cuda"))
+    staging = graph_updates.HostStaging(buckets, shape, torch.device("cuda"))
     assert pinned == [("cpu", True)]
     inputs = _empty(buckets, shape, "cpu")
     staging.copy(batches[0], 0, 1, inputs)
