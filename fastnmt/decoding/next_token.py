@@ -28,6 +28,10 @@ import torch
 from fastnmt.ops import log_softmax_topk
 
 NEG_INF = float("-inf")
+# Top-p first looks for its nucleus among the best this many tokens (the fused top-k, no sort):
+# a trained model's nucleus is almost always there; a batch with a row whose nucleus is not
+# sorts the whole vocabulary.
+NUCLEUS_CANDIDATES = 64
 SAMPLING_METHODS = ("topk", "topp")
 
 
@@ -152,20 +156,49 @@ def candidates(
     *,
     temperature: float = 1.0,
     rules: Sequence[Rule] = (),
+    topp: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The k best next tokens of every row: fp32 log-probabilities and their columns, (N, k)
     each, best first; k None: every column in order (columns None). ``logits``: one (N, V)
     tensor per ensemble member; ``banned`` ids (n,) and the ``rules`` are never chosen. One model
     without rules takes ``log_softmax_topk``, which never writes the (N, V) log-probabilities,
     where k is a part of the vocabulary: every column (top-p's sorted nucleus) is a sort of the
-    log-probabilities, which the fused op's top-k list is not made for."""
+    log-probabilities, which the fused op's top-k list is not made for.
+
+    ``topp`` (k the whole vocabulary, for ``nucleus``): first the best ``NUCLEUS_CANDIDATES``
+    and, as one last column, the log of the allowed probability past them, when every row's
+    nucleus lies within them (``nucleus`` then normalises by the same allowed probability and
+    masks that last column, so the draw is the sorted vocabulary's); else the sort. Checking
+    reads one flag back to the host: not for a captured search."""
     if len(logits) == 1 and not rules and k is not None and k < logits[0].shape[1]:
         scaled = logits[0] if temperature == 1.0 else logits[0].float() / temperature
         return log_softmax_topk(scaled, k, banned)
+    if topp is not None and len(logits) == 1 and not rules:
+        found = _nucleus_candidates(logits[0], topp, banned, temperature)
+        if found is not None:
+            return found
     log_probs = full_log_probs(logits, temperature).index_fill_(1, banned, NEG_INF)
     for rule in rules:
         rule(log_probs)
     return (log_probs, None) if k is None else log_probs.topk(k, dim=1)
+
+
+def _nucleus_candidates(logits: torch.Tensor, topp: float, banned, temperature: float):
+    """``candidates``' top-p shortcut: the best NUCLEUS_CANDIDATES log-probabilities and the
+    log of the allowed probability past them (N, C + 1), with their columns (the last column's
+    is any: it is never drawn); None when a row's nucleus reaches past them."""
+    vocab = logits.shape[1]
+    if vocab <= NUCLEUS_CANDIDATES + 1:
+        return None
+    scaled = logits if temperature == 1.0 else logits.float() / temperature
+    values, ids = log_softmax_topk(scaled, NUCLEUS_CANDIDATES, banned)
+    log_normaliser = scaled.gather(1, ids[:, :1]).float() - values[:, :1]  # (N, 1)
+    banned_mass = (scaled.index_select(1, banned).float() - log_normaliser).exp().sum(1)
+    allowed, best = 1.0 - banned_mass, values.exp().sum(1)  # (N,) each
+    if not bool((best >= topp * allowed).all()):
+        return None
+    rest = (allowed - best).clamp(min=0.0).log()[:, None]
+    return torch.cat([values, rest], 1), torch.cat([ids, ids[:, :1]], 1)
 
 
 def force(log_probs: torch.Tensor, forced: torch.Tensor, tokens: torch.Tensor) -> None:

@@ -177,11 +177,11 @@ class _Batch:
         return torch.searchsorted(self.vocabulary, ids.contiguous())
 
     def next_tokens(
-        self, k: int | None, temperature: float = 1.0
+        self, k: int | None, temperature: float = 1.0, topp: float | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The k most probable next tokens of every hypothesis: float32 log-probabilities and
         token ids, both (N, k), best first; k None: every scored token, in id order (ids None
-        when that is the whole vocabulary)."""
+        when that is the whole vocabulary); ``topp``: see ``next_token.candidates``."""
         logits = [m.logits(self.history, self.cached, self.src_lengths) for m in self.members]
         self.cached = self.history.shape[1]
         vocab = logits[0].shape[1]
@@ -191,6 +191,7 @@ class _Batch:
             self.banned,
             temperature=temperature,
             rules=self._rules(logits[0].shape[0]),
+            topp=topp,
         )
         log_probs, ids = found
         if self.vocabulary is None:
@@ -382,7 +383,8 @@ def sample(
 
     def draw(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         vocab = models[0].cfg.vocab_size if batch.vocabulary is None else len(batch.vocabulary)
-        values, ids = batch.next_tokens(sampling.candidates(vocab), sampling.temperature)
+        topp = sampling.topp if sampling.method == "topp" else None
+        values, ids = batch.next_tokens(sampling.candidates(vocab), sampling.temperature, topp)
         random = uniforms(seed, row_streams.index_select(0, batch.sentences), step)
         column = sampling.draw(values, random)[:, None]
         tokens = column if ids is None else ids.gather(1, column)

@@ -7,6 +7,7 @@ import torch
 from scipy.stats import chisquare
 
 from fastnmt.decoding.next_token import (
+    NUCLEUS_CANDIDATES,
     Sampling,
     ban_repeated_ngrams,
     candidates,
@@ -84,6 +85,30 @@ def test_top_p_samples_follow_the_softmax_of_the_nucleus(topp):
     assert _chi_square_p(counts, log_probs, kept) > 1e-3
     if topp < 1.0:  # the test can fail: these draws are not from the whole softmax
         assert _chi_square_p(counts, log_probs, log_probs > float("-inf")) < 1e-6
+
+
+@pytest.mark.parametrize("temperature", [0.8, 1.0])
+def test_top_p_over_the_best_candidates_draws_what_the_sorted_vocabulary_draws(temperature):
+    """Peaked rows (a trained model's) take the shortcut, and draw the same tokens with the same
+    log-probabilities as from the sorted vocabulary, banned tokens' mass (here about a third)
+    left out of the nucleus' share; one flat row sends the batch to the sort."""
+    rows, vocab, banned = 4096, 1000, torch.tensor([0, 1])
+    logits = torch.randn(rows, vocab) * 4.0
+    logits[:, 0] = logits.max(1).values  # a banned token as probable as the best
+    sampling = Sampling("topp", topp=0.85, temperature=temperature)
+    random = uniforms(torch.tensor(5), torch.arange(rows), 0)
+    drawn = {}
+    for topp in (0.85, None):
+        values, ids = candidates([logits], vocab, banned, temperature=temperature, topp=topp)
+        column = sampling.draw(values, random)[:, None]
+        drawn[topp] = (ids.gather(1, column), values.gather(1, column), values.shape[1])
+    (tokens, scores, width), (sorted_tokens, sorted_scores, sorted_width) = drawn.values()
+    assert (width, sorted_width) == (NUCLEUS_CANDIDATES + 1, vocab)
+    assert torch.equal(tokens, sorted_tokens)
+    torch.testing.assert_close(scores, sorted_scores, rtol=0, atol=1e-5)
+    logits[7] = 0.0  # its nucleus: most of the vocabulary
+    values, _ = candidates([logits], vocab, banned, temperature=temperature, topp=0.85)
+    assert values.shape[1] == vocab
 
 
 def test_uniforms_are_uniform_and_a_function_of_seed_stream_and_step():
