@@ -8,6 +8,11 @@
 // list that a whole vector of candidates skips when none of its lanes beats the k-th best. No
 // (rows x V) log-probability tensor is written. Rows are independent, so the work is split over
 // rows and no result depends on the thread count.
+//
+// An ensemble's logits (M, rows, V) average the members' probabilities (fairseq's rule): each
+// member's row is loaded and banned as above and its log-normaliser summed in one pass; one more
+// pass sums the members' probabilities per column and keeps the top k of those sums, whose logs
+// (less log M) are the values. Still no (rows x V) tensor is written.
 #include "common.h"
 #include "vec.h"
 
@@ -76,24 +81,31 @@ float ban(float* x, const int64_t* banned, int64_t banned_count, float row_max) 
   return total;
 }
 
-// log (sum exp(x - row_max) + banned_total) + row_max over x, and its top k (best first) offered
-// to top, in one pass; a vector of candidates whose lanes none beats the k-th best is skipped with
-// one compare.
+// The whole vectors holding the first k columns: all offered, whatever they hold.
+int64_t offered_head(int64_t padded, const TopK& top) {
+  return std::min(padded, whole_vectors(top.capacity()));
+}
+
+// Offers the lanes of v (columns j...) above the k-th best (never a padding lane: -inf beats
+// nothing once full): a vector none of whose lanes does is skipped with one compare.
+void offer_vector(const float* x, Vec v, int64_t j, TopK& top) {
+  for (uint32_t mask = greater_mask(v, top.threshold()); mask; mask &= mask - 1) {
+    const int l = __builtin_ctz(mask);
+    top.offer(x[j + l], j + l);
+  }
+}
+
+// log (sum exp(x - row_max) + banned_total) + row_max over x, and (top not null) its top k (best
+// first) offered to top, in one pass.
 float log_sum_exp_and_top(const float* x, int64_t vocab, int64_t padded, float row_max,
-                          float banned_total, TopK& top) {
-  // The whole vectors holding the first k columns are all offered, whatever they hold.
-  const int64_t head = std::min(padded, whole_vectors(top.capacity()));
-  for (int64_t j = 0; j < std::min(head, vocab); ++j) top.offer(x[j], j);
+                          float banned_total, TopK* top) {
+  const int64_t head = top ? offered_head(padded, *top) : 0;
+  for (int64_t j = 0; j < std::min(head, vocab); ++j) top->offer(x[j], j);
   Vec total = splat(0.0f);
   for (int64_t j = 0; j < padded; j += kLanes) {
     const Vec v = load(x + j);
     total += v > -kInf ? vector_exp(v - row_max) : Vec{};
-    if (j < head) continue;
-    // Only the lanes above the k-th best (never a padding lane: -inf beats nothing once full).
-    for (uint32_t mask = greater_mask(v, top.threshold()); mask; mask &= mask - 1) {
-      const int l = __builtin_ctz(mask);
-      top.offer(x[j + l], j + l);
-    }
+    if (top && j >= head) offer_vector(x, v, j, *top);
   }
   return row_max + std::log(horizontal_sum(total) + banned_total);
 }
@@ -109,7 +121,7 @@ void rows(const T* logits, const int64_t* banned, int64_t banned_count, float* v
       const float row_max = load_row(logits + i * vocab, vocab, padded, x);
       const float banned_total = ban(x, banned, banned_count, row_max);
       TopK top(values + i * k, indices + i * k, k);
-      const float lse = log_sum_exp_and_top(x, vocab, padded, row_max, banned_total, top);
+      const float lse = log_sum_exp_and_top(x, vocab, padded, row_max, banned_total, &top);
       for (int64_t c = 0; c < k; ++c) {
         float& value = values[i * k + c];
         // every logit -inf: no token is possible, every value -inf
@@ -119,12 +131,55 @@ void rows(const T* logits, const int64_t* banned, int64_t banned_count, float* v
   });
 }
 
+// The ensemble's rows: logits (members, count, V).
+template <typename T>
+void ensemble_rows(const T* logits, int64_t members, const int64_t* banned, int64_t banned_count,
+                   float* values, int64_t* indices, int64_t count, int64_t vocab, int64_t k) {
+  const int64_t padded = whole_vectors(vocab);
+  const float log_members = std::log(static_cast<float>(members));
+  at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer((members + 1) * padded), lse(members);
+    float* sum = buffer.data() + members * padded;  // the members' probabilities, per column
+    for (int64_t i = begin; i < end; ++i) {
+      bool possible = false;
+      for (int64_t m = 0; m < members; ++m) {
+        float* x = buffer.data() + m * padded;
+        const float row_max = load_row(logits + (m * count + i) * vocab, vocab, padded, x);
+        const float banned_total = ban(x, banned, banned_count, row_max);
+        lse[m] = log_sum_exp_and_top(x, vocab, padded, row_max, banned_total, nullptr);
+        possible |= row_max > -kInf;
+      }
+      for (int64_t j = 0; j < padded; j += kLanes) {
+        Vec total = splat(0.0f);
+        for (int64_t m = 0; m < members; ++m) {
+          const Vec v = load(buffer.data() + m * padded + j);
+          total += v > -kInf ? vector_exp(v - lse[m]) : Vec{};
+        }
+        // Columns no member can choose stay out of the choice (banned, padding lanes).
+        store(sum + j, total > 0.0f ? total : splat(-kInf));
+      }
+      TopK top(values + i * k, indices + i * k, k);
+      const int64_t head = offered_head(padded, top);
+      for (int64_t j = 0; j < std::min(head, vocab); ++j) top.offer(sum[j], j);
+      for (int64_t j = head; j < padded; j += kLanes) offer_vector(sum, load(sum + j), j, top);
+      for (int64_t c = 0; c < k; ++c) {
+        float& value = values[i * k + c];
+        value = possible && value > -kInf ? std::log(value) - log_members : -kInf;
+      }
+    }
+  });
+}
+
 std::tuple<at::Tensor, at::Tensor> log_softmax_topk(const at::Tensor& logits_in, int64_t k,
                                                     const at::Tensor& banned_in) {
   check_cpu(logits_in, "logits");
   check_cpu(banned_in, "banned");
-  TORCH_CHECK(logits_in.dim() == 2, "logits must be 2-D (rows, V), got ", logits_in.dim(), " dims");
-  const auto count = logits_in.size(0), vocab = logits_in.size(1);
+  TORCH_CHECK(logits_in.dim() == 2 || logits_in.dim() == 3,
+              "logits must be (rows, V) or an ensemble's (members, rows, V), got ",
+              logits_in.dim(), " dims");
+  const bool ensemble = logits_in.dim() == 3;
+  const auto members = ensemble ? logits_in.size(0) : 1;
+  const auto count = logits_in.size(-2), vocab = logits_in.size(-1);
   TORCH_CHECK(k >= 1 && k <= vocab, "k must be in [1, ", vocab, "], got ", k);
   TORCH_CHECK(banned_in.dim() == 1, "banned must be 1-D");
   const auto logits = logits_in.contiguous();
@@ -138,8 +193,13 @@ std::tuple<at::Tensor, at::Tensor> log_softmax_topk(const at::Tensor& logits_in,
   auto indices = at::empty({count, k}, logits.options().dtype(at::kLong));
   dispatch_float(logits.scalar_type(), "log_softmax_topk", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    rows(logits.data_ptr<T>(), banned_ids, banned.numel(), values.data_ptr<float>(),
-         indices.data_ptr<int64_t>(), count, vocab, k);
+    if (ensemble) {
+      ensemble_rows(logits.data_ptr<T>(), members, banned_ids, banned.numel(),
+                    values.data_ptr<float>(), indices.data_ptr<int64_t>(), count, vocab, k);
+    } else {
+      rows(logits.data_ptr<T>(), banned_ids, banned.numel(), values.data_ptr<float>(),
+           indices.data_ptr<int64_t>(), count, vocab, k);
+    }
   });
   return {values, indices};
 }

@@ -160,18 +160,19 @@ def candidates(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The k best next tokens of every row: fp32 log-probabilities and their columns, (N, k)
     each, best first; k None: every column in order (columns None). ``logits``: one (N, V)
-    tensor per ensemble member; ``banned`` ids (n,) and the ``rules`` are never chosen. One model
-    without rules takes ``log_softmax_topk``, which never writes the (N, V) log-probabilities,
-    where k is a part of the vocabulary: every column (top-p's sorted nucleus) is a sort of the
-    log-probabilities, which the fused op's top-k list is not made for.
+    tensor per ensemble member; ``banned`` ids (n,) and the ``rules`` are never chosen. Without
+    rules, ``log_softmax_topk`` (an ensemble's logits stacked) never writes the (N, V)
+    log-probabilities, where k is a part of the vocabulary: every column (top-p's sorted nucleus)
+    is a sort of the log-probabilities, which the fused op's top-k list is not made for.
 
     ``topp`` (k the whole vocabulary, for ``nucleus``): first the best ``NUCLEUS_CANDIDATES``
     and, as one last column, the log of the allowed probability past them, when every row's
     nucleus lies within them (``nucleus`` then normalises by the same allowed probability and
     masks that last column, so the draw is the sorted vocabulary's); else the sort. Checking
     reads one flag back to the host: not for a captured search."""
-    if len(logits) == 1 and not rules and k is not None and k < logits[0].shape[1]:
-        scaled = logits[0] if temperature == 1.0 else logits[0].float() / temperature
+    if not rules and k is not None and k < logits[0].shape[1]:
+        stacked = logits[0] if len(logits) == 1 else torch.stack(logits)
+        scaled = stacked if temperature == 1.0 else stacked.float() / temperature
         return log_softmax_topk(scaled, k, banned)
     if topp is not None and len(logits) == 1 and not rules:
         found = _nucleus_candidates(logits[0], topp, banned, temperature)

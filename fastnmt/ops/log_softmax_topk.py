@@ -20,6 +20,13 @@ need the shift: no (N, V) log-probability tensor is written. Beam search then ra
 candidates of a sentence (each beam's best 2K contain the sentence's best 2K) instead of its K*V.
 A row whose allowed columns are all banned or -inf gives -inf values.
 
+An ensemble's logits (M, N, V) average its members' probabilities at each column (fairseq's
+rule), each member normalised over every column:
+
+    out = log (1/M sum_m exp(z_{m,i,top_i} - lse_{m,i}))   top_i: the k largest of that average
+
+so the members' log-probabilities are never written either.
+
 Banned ids must lie in [0, V). The op checks this only under ``FASTNMT_CHECK_VALUES=1`` (a host
 sync per decoding step otherwise; the search bans fixed ids: pad, bos). Unchecked, a wrong id
 still reads and writes nothing out of bounds: the C++ kernel checks the ids, which are on the CPU
@@ -34,6 +41,8 @@ decoding step; the dispatcher runs the reference there.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from fastnmt.ops import checks, dispatch
@@ -47,8 +56,11 @@ _CPP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def log_softmax_topk_reference(logits, k, banned):
-    z = logits.float()  # (N, V)
-    lse = torch.logsumexp(z, dim=-1, keepdim=True)  # (N, 1), banned columns included
+    z = logits.float()  # (N, V), or an ensemble's (M, N, V)
+    lse = torch.logsumexp(z, dim=-1, keepdim=True)  # (..., N, 1), banned columns included
+    if z.dim() == 3:  # the members' average probability, as log-probabilities (N, V)
+        z = torch.where(lse > float("-inf"), z - lse, float("-inf"))
+        z, lse = z.logsumexp(0), torch.tensor(math.log(z.shape[0]), device=z.device)
     if banned is not None:
         z = z.index_fill(1, banned.long(), float("-inf"))  # out of the choice only
     values, indices = z.topk(k, dim=-1)  # ties in torch.topk's order (a full sort: 20x slower)
@@ -74,15 +86,19 @@ if extension_available():
 
     @torch.library.register_fake("fastnmt::log_softmax_topk_cpp")
     def _cpp_fake(logits, k, banned):
-        values = logits.new_empty((logits.shape[0], k), dtype=torch.float32)
-        return values, logits.new_empty((logits.shape[0], k), dtype=torch.int64)
+        values = logits.new_empty((logits.shape[-2], k), dtype=torch.float32)
+        return values, logits.new_empty((logits.shape[-2], k), dtype=torch.int64)
 
 
 def _prepare(logits, k, banned=None):
-    checks.tensor("logits", logits, ndim=2, floating=True)
-    vocab = logits.shape[1]
+    checks.tensor("logits", logits, floating=True)
+    if logits.dim() not in (2, 3):
+        raise ValueError(
+            f"logits must be (N, V) or an ensemble's (M, N, V), got shape {tuple(logits.shape)}"
+        )
+    vocab = logits.shape[-1]
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= vocab:
-        raise ValueError(f"k must be an int in [1, {vocab}] (logits.shape[1]), got {k!r}")
+        raise ValueError(f"k must be an int in [1, {vocab}] (logits.shape[-1]), got {k!r}")
     if banned is not None:
         checks.tensor("banned", banned, ndim=1)
         if banned.dtype not in (torch.int64, torch.int32):
@@ -112,7 +128,8 @@ def log_softmax_topk(logits, k: int, banned=None) -> tuple[torch.Tensor, torch.T
     """The k largest log-probabilities of each row and their columns, best first.
 
     Args:
-        logits: (N, V) floating scores.
+        logits: (N, V) floating scores, or an ensemble's (M, N, V), whose members'
+            probabilities are averaged.
         k: how many per row, 1 <= k <= V.
         banned: optional int (n,) column ids never chosen (e.g. pad and bos); they stay in the
             softmax's normaliser, as in fairseq's and transformers' beam search.

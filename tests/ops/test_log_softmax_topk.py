@@ -1,6 +1,7 @@
 """fastnmt.ops.log_softmax_topk: both backends against log_softmax + a stable sort in float64
 (the C++ kernel in the same order, ties included)."""
 
+import math
 import re
 
 import pytest
@@ -59,6 +60,36 @@ def test_matches_the_float64_oracle(backend, dtype, rows, vocab, k):
         )
 
 
+def _ensemble_oracle(logits, k, banned):
+    """The members' float64 probabilities averaged, as log-probabilities; then ``_oracle``'s
+    choice (every member normalised over every column, banned ones included)."""
+    log_probs = logits.double().log_softmax(-1).nan_to_num(float("-inf"), neginf=float("-inf"))
+    average = log_probs.logsumexp(0) - math.log(logits.shape[0])
+    values, indices = average.index_fill(1, banned, float("-inf")).sort(-1, descending=True)
+    return values[:, :k], indices[:, :k]
+
+
+@pytest.mark.parametrize(("members", "rows", "vocab", "k"), [(2, 5, 33, 4), (3, 7, 8003, 8)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend", ["cpp", "reference"])
+def test_an_ensemble_averages_its_members_probabilities(backend, dtype, members, rows, vocab, k):
+    """Against float64: a member's row at -inf leaves the others' average (halved, as fairseq
+    averages); a row no member can continue gives -inf."""
+    require_backend(backend)
+    logits = (torch.randn(members, rows, vocab) * 4).to(dtype)
+    logits[0, 1] = float("-inf")
+    logits[:, 2] = float("-inf")
+    banned = torch.tensor([0, 2])
+    with fastnmt.backend(backend):
+        values, indices = log_softmax_topk(logits, k, banned)
+    expected_values, expected_indices = _ensemble_oracle(logits, k, banned)
+    assert values.shape == indices.shape == (rows, k) and values.dtype == torch.float32
+    torch.testing.assert_close(values.double(), expected_values, rtol=1e-5, atol=1e-5)
+    assert torch.isneginf(values[2]).all()
+    finite = torch.isfinite(expected_values)
+    torch.testing.assert_close(indices[finite], expected_indices[finite], rtol=0, atol=0)
+
+
 def test_ties_go_to_the_lower_column_first(cpp):
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0, 2.0] * 5])
     values, indices = log_softmax_topk(logits, 5)
@@ -107,7 +138,7 @@ def test_the_cpp_kernel_is_chosen_on_a_cpu_and_a_reason_given_for_triton():
 @pytest.mark.parametrize(
     ("args", "error", "match"),
     [
-        ((torch.randn(5), 1), ValueError, "logits must have 2 dimensions"),
+        ((torch.randn(5), 1), ValueError, r"logits must be \(N, V\) or an ensemble's"),
         ((torch.randint(0, 3, (2, 5)), 1), TypeError, "logits must have a floating dtype"),
         ((torch.randn(2, 5), 0), ValueError, r"k must be an int in \[1, 5\]"),
         ((torch.randn(2, 5), 6), ValueError, r"k must be an int in \[1, 5\]"),
