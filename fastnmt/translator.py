@@ -107,23 +107,19 @@ def _in_dtype(model: Transformer, dtype: torch.dtype | None) -> Transformer:
 
 def _target_log_probs(model: Transformer, batch, *, per_token: bool) -> torch.Tensor:
     """Teacher-forced log-probabilities of a batch's targets: per target token (tokens,), or
-    summed per sentence (B,) by the fused loss, one call a sentence (the sum of its nll, as the
-    trainer's loss without label smoothing; never the tokens x vocabulary log-probabilities).
-    Per token is the reference path: the fused kernels only sum."""
+    summed per sentence (B,): the nll of the fused loss without label smoothing, as the trainer
+    computes it, per token (never the tokens x vocabulary log-probabilities on the C++
+    kernels)."""
     states = model(batch.src, batch.src_lengths, batch.tgt_in)
     states = states.reshape(-1, states.shape[-1]).index_select(0, batch.tgt_positions)
     targets = batch.tgt_out.reshape(-1).index_select(0, batch.tgt_positions)
-
-    def nll(states, targets, reduction: str) -> torch.Tensor:
-        weight, bias, pad = model.embedding.weight, model.output_bias, model.cfg.pad_id
-        out = linear_cross_entropy(states, weight, bias, targets, 0.0, pad, reduction)
-        return out.loss
-
+    weight, bias, pad = model.embedding.weight, model.output_bias, model.cfg.pad_id
+    log_probs = -linear_cross_entropy(states, weight, bias, targets, 0.0, pad, "none").loss
     if per_token:
-        return -nll(states, targets, "none")
-    lengths = batch.tgt_lengths.tolist()
-    pairs = zip(states.split(lengths), targets.split(lengths), strict=True)
-    return -torch.stack([nll(s, t, "sum") for s, t in pairs])
+        return log_probs
+    sentences = torch.arange(len(batch.tgt_lengths), device=log_probs.device)
+    sentence_of_token = sentences.repeat_interleave(batch.tgt_lengths.to(log_probs.device))
+    return log_probs.new_zeros(len(sentences)).index_add_(0, sentence_of_token, log_probs)
 
 
 @dataclass

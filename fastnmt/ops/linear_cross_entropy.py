@@ -37,8 +37,9 @@ writes the loss statistics and overwrites the row with g, and two more GEMMs tur
 chunk's dh and its share of dW (accumulated in fp32). The loss is a scalar, so its gradient is
 computed in the forward and the backward only scales it by dloss s: three GEMMs, as unfused, and
 one chunk of logits alive at a time instead of logits, fp32 logits, log-probabilities and their
-gradients over all tokens. s stays a device tensor (no host sync). reduction="none" needs each
-token's gradient scaled separately, so it runs on the reference path.
+gradients over all tokens. s stays a device tensor (no host sync). reduction="none" with
+gradients needs each token's gradient scaled separately, so it runs on the reference path;
+without (scoring), the C++ backend returns its row kernel's per-token losses, chunk by chunk.
 
 On a GPU a chunk holds up to ``_GPU_CHUNK_ELEMENTS`` logits (a call of 4,096 tokens over 32k words
 is one chunk): there a chunk costs kernel launches, which cost more host time than the GEMMs take
@@ -68,7 +69,7 @@ import torch.nn.functional as F
 
 from fastnmt.ops import checks, dispatch, registration
 from fastnmt.ops.extension import extension_available
-from fastnmt.ops.triton.linear_cross_entropy import _chunked, _scale_gradients
+from fastnmt.ops.triton.linear_cross_entropy import _CHUNK_ELEMENTS, _chunked, _scale_gradients
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -282,13 +283,44 @@ def _running(fused_op):
     return implementation
 
 
-def _fused_unsupported(kernels: str):
-    def unsupported(hidden, weight, bias, target, label_smoothing, ignore_index, reduction):
-        if reduction == "none":
-            yield (
-                "reduction='none' needs each token's gradient scaled on its own; the fused "
-                "kernels compute the gradient of a summed or mean loss in the forward"
+def _per_token_cpp(hidden, weight, bias, target, label_smoothing, ignore_index):
+    """reduction='none' without gradients: each chunk's logits (one GEMM, in the dtype the
+    fused op computes them in) turned into losses by the C++ row kernel, as the fused op's
+    forward does; no (N, V) tensor beyond a chunk's."""
+    hidden, target = _flat(hidden, target)
+    dtype = _autocast_dtype(hidden.device) or hidden.dtype
+    h, w = hidden.to(dtype), weight.to(dtype)
+    b = None if bias is None else bias.to(dtype)
+    step = max(16, _CHUNK_ELEMENTS // max(w.shape[0], 1) // 16 * 16)
+    rows = [h.new_zeros((0, 3), dtype=torch.float32)]  # per token: loss, nll, correct
+    for start in range(0, h.shape[0], step):
+        logits = F.linear(h[start : start + step], w, b)
+        chunk = target[start : start + step]
+        rows.append(
+            torch.ops.fastnmt.cross_entropy_rows_cpp(
+                logits, chunk, label_smoothing, ignore_index, False
             )
+        )
+    stats = torch.cat(rows)
+    counted = (target != ignore_index).sum(dtype=torch.float64)
+    return stats[:, 0], torch.cat([stats[:, 1:].sum(0, dtype=torch.float64), counted[None]])
+
+
+_PER_TOKEN_GRADIENTS = (
+    "reduction='none' needs each token's gradient scaled on its own; the fused kernels compute "
+    "the gradient of a summed or mean loss in the forward"
+)
+
+
+def _fused_unsupported(kernels: str, per_token_inference: bool = False):
+    """The fused backends' reasons; ``per_token_inference``: reduction='none' runs where no
+    gradient is needed."""
+
+    def unsupported(hidden, weight, bias, target, label_smoothing, ignore_index, reduction):
+        if reduction == "none" and not per_token_inference:
+            yield _PER_TOKEN_GRADIENTS
+        elif reduction == "none" and dispatch.needs_autograd((hidden, weight, bias)):
+            yield _PER_TOKEN_GRADIENTS + " (without gradients the C++ kernel gives them)"
         dtype = _autocast_dtype(hidden.device) or hidden.dtype
         if dtype not in _SUPPORTED_DTYPES:
             yield f"hidden has dtype {dtype}; the {kernels} kernels take fp32, fp16 and bf16"
@@ -358,7 +390,18 @@ LINEAR_CROSS_ENTROPY.register(
     traced=_running(_triton_op),
     inference=_running(_chunked),
 )(_running(_triton_eager))
-LINEAR_CROSS_ENTROPY.register("cpp", _fused_unsupported("C++"))(_running(_cpp_op))
+
+
+def _cpp_inference(hidden, weight, bias, target, label_smoothing, ignore_index, reduction):
+    if reduction == "none":
+        return _per_token_cpp(hidden, weight, bias, target, label_smoothing, ignore_index)
+    return _fused_cpp(hidden, weight, bias, target, label_smoothing, ignore_index, reduction)
+
+
+_fused_cpp = _running(_cpp_op)
+LINEAR_CROSS_ENTROPY.register(
+    "cpp", _fused_unsupported("C++", per_token_inference=True), inference=_cpp_inference
+)(_fused_cpp)
 
 
 def linear_cross_entropy(
@@ -374,7 +417,8 @@ def linear_cross_entropy(
         target: (...) int64/int32 class indices in [0, V), or ``ignore_index``.
         label_smoothing: eps in [0, 1), as in ``F.cross_entropy``.
         reduction: "mean" (over counted tokens; 0 when none), "sum", or "none" (per-token
-            losses, shape of target; reference path).
+            losses, shape of target: on the C++ kernels without gradients, else the
+            reference).
 
     Returns:
         ``CrossEntropyOutput(loss, nll, correct, tokens)``: the loss, and for logging the summed

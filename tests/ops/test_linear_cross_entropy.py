@@ -252,7 +252,7 @@ def test_fused_fp16_mean_gradient_survives_loss_scaling(fused):
         assert_error_within(got, torch_same_dtype, oracle, factor=3, atol=1e-7)
 
 
-def test_reduction_none_runs_on_the_reference():
+def test_reduction_none_with_gradients_runs_on_the_reference():
     hidden, weight, bias, target = _inputs(6, 8, 11)
     reasons = fastnmt.ops.dispatch.explain(
         "linear_cross_entropy", hidden, weight, bias, target, reduction="none"
@@ -265,6 +265,38 @@ def test_reduction_none_runs_on_the_reference():
     on_triton = (t.to(TRITON_DEVICE) for t in (hidden, weight, bias, target))
     with fastnmt.backend("triton"), pytest.raises(fastnmt.BackendUnavailableError, match="none"):
         linear_cross_entropy(*on_triton, 0.1, IGNORE, "none")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_per_token_losses_without_gradients_on_the_cpp_kernel(monkeypatch, dtype, smoothing):
+    """Scoring: reduction='none' under no_grad takes the C++ row kernel, chunk by chunk (chunks
+    of 16 tokens over 40, the last partial), within the reference's error of float64; ignored
+    tokens give 0."""
+    require_backend("cpp")
+    monkeypatch.setattr(sys.modules["fastnmt.ops.linear_cross_entropy"], "_CHUNK_ELEMENTS", 1)
+    inputs = _inputs(40, 24, 8003, dtype, bias=True, ignored=(1, 20))
+    hidden, weight, bias, target = (
+        t.detach().double() if t.is_floating_point() else t for t in inputs
+    )
+    expected = F.cross_entropy(
+        F.linear(hidden, weight, bias), target,
+        ignore_index=IGNORE, label_smoothing=smoothing, reduction="none",
+    )  # fmt: skip
+    with torch.no_grad():
+        reasons = fastnmt.ops.dispatch.explain(
+            "linear_cross_entropy", *inputs, smoothing, IGNORE, "none"
+        )
+        out = linear_cross_entropy(*inputs, smoothing, IGNORE, "none")
+        with fastnmt.backend("reference"):
+            plain = linear_cross_entropy(*inputs, smoothing, IGNORE, "none")
+    assert reasons["chosen"] == "cpp"
+    assert out.loss.shape == (40,) and out.loss.dtype == torch.float32
+    assert out.loss[1] == out.loss[20] == 0.0
+    assert_error_within(out.loss, plain.loss, expected, factor=2, atol=1e-6)
+    assert out.tokens.item() == plain.tokens.item() == 38
+    assert out.correct.item() == plain.correct.item()
+    torch.testing.assert_close(out.nll, plain.nll, rtol=1e-3, atol=0)
 
 
 def test_fused_opcheck(fused):
