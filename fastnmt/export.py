@@ -227,7 +227,11 @@ def export_huggingface(checkpoint_path: str | Path, output: str | Path, force=Fa
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m fastnmt.export", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m fastnmt.export",
+        description="Export a fastnmt checkpoint as a CTranslate2 model directory or a Hugging "
+        "Face Marian directory.",
+    )
     p.add_argument("--checkpoint", required=True, help="checkpoint or training output directory")
     p.add_argument("--format", required=True, choices=FORMATS)
     p.add_argument("--output", required=True, help="the model directory to write")
