@@ -141,7 +141,7 @@ class Server:
         app.get("/health", responses={503: {"model": ErrorResponse}})(self.health)
         app.get("/ready", responses={503: {"model": ErrorResponse}})(self.ready)
         app.get("/metrics", response_class=Response)(self.prometheus)
-        errors = {status: {"model": ErrorResponse} for status in (400, 413, 415, 422, 429)}
+        errors = {status: {"model": ErrorResponse} for status in (400, 408, 413, 415, 422, 429)}
         errors |= {status: {"model": ErrorResponse} for status in (500, 503, 504)}
         app.post(
             "/translate",
@@ -215,7 +215,7 @@ class Server:
         if media_type != "application/json":
             shown = media_type or "none"
             raise Rejected(415, f"the body must be application/json, got {shown}", "Content-Type")
-        body = await _read_body(request, self.limits.max_body_bytes)
+        body = await self._body(request, arrived)
         translator = self.translator
         max_input = self.limits.max_input_tokens or translator.max_source_tokens
         max_output = self.limits.max_output_tokens or translator.model.cfg.max_positions
@@ -238,6 +238,19 @@ class Server:
         if translations is None:  # the client went away: nobody reads this
             return Response(status_code=499)
         return JSONResponse({"translations": [candidates(t) for t in translations]})
+
+    async def _body(self, request: Request, arrived: float) -> bytes:
+        """The body, within the request's deadline: a client that sends it too slowly gets 408
+        and its connection closed, rather than holding one for ever."""
+        timeout = self.limits.request_timeout
+        remaining = arrived + timeout - time.monotonic()
+        try:
+            return await asyncio.wait_for(
+                _read_body(request, self.limits.max_body_bytes), remaining
+            )
+        except asyncio.TimeoutError:
+            message = f"the body did not arrive within {timeout:g} s"
+            raise Rejected(408, message, Connection="close") from None
 
     async def _translations(self, request: Request, jobs: list[Job], arrived: float):
         """The jobs' translations, or None if the client went away first; 504 past the

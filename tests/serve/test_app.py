@@ -4,8 +4,10 @@ ids, a full queue is 429, a client that goes away leaves the queue, a request pa
 is 504, and SIGTERM answers what was accepted (within --shutdown-timeout) and exits 0."""
 
 import concurrent.futures
+import json
 import random
 import signal
+import socket
 import time
 
 import pytest
@@ -135,6 +137,28 @@ def test_a_client_that_goes_away_leaves_the_queue_and_sigterm_drains(checkpoint_
         assert slow.process.wait(timeout=60) == 0
     finally:
         slow.stop()
+
+
+def test_a_body_slower_than_the_deadline_is_408_and_its_connection_closed(checkpoint_dir):
+    """A client that sends half its body and stalls (slowloris) holds no connection past the
+    request's deadline (1 s); the server goes on answering."""
+    server = ServerProcess(checkpoint_dir, "--request-timeout", 1)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as stalled:
+            stalled.sendall(
+                b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 40\r\n\r\n{"text": '
+            )
+            started, answer = time.monotonic(), b""
+            while chunk := stalled.recv(4096):  # until the server closes the connection
+                answer += chunk
+        assert 0.9 < time.monotonic() - started < 10
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408 ")
+        assert json.loads(body) == {"error": "the body did not arrive within 1 s", "field": None}
+        assert len(server.client.translate(["Dogs."])) == 1
+    finally:
+        server.stop()
 
 
 def test_a_request_past_its_deadline_is_504_and_sigterm_waits_at_most_the_shutdown_timeout(
