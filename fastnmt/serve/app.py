@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
@@ -79,6 +79,7 @@ class Server:
             translator = self.load()
             check_limits(self.limits, translator)
             self.translator = translator
+            self.metrics.ready.set(1)
         except Exception as error:  # reported by main, which exits 2
             self.load_error = one_line(error)
             ERROR_LOG.error("the model failed to load: %s", self.load_error)
@@ -122,6 +123,7 @@ class Server:
         yield
         worker.cancel()
         self.parser.shutdown(wait=False, cancel_futures=True)
+        self.metrics.process_ended()
 
     def _batcher_ended(self, worker: asyncio.Task) -> None:
         """The batcher never returns: if it does, fail what waits and the probes."""
@@ -194,7 +196,7 @@ class Server:
         return {"ready": True}
 
     async def prometheus(self):
-        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(self.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     async def translate(self, request: Request):
         arrived = time.monotonic()

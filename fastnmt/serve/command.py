@@ -4,12 +4,14 @@ the app factories for other ASGI servers (``create_app``, ``app_from_environment
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import logging
 import os
 import shlex
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -19,6 +21,7 @@ from fastapi import FastAPI
 from fastnmt.devices import configure_process
 from fastnmt.serve.api import Limits, check_limits, one_line
 from fastnmt.serve.app import ACCESS_LOG, Server
+from fastnmt.serve.metrics import MULTIPROCESS
 from fastnmt.translator import Translator
 
 DESCRIPTION = "A translation server that batches sentences across concurrent requests."
@@ -207,6 +210,27 @@ def _serve_workers(args: argparse.Namespace, argv: list[str]) -> int:
         return 2
     os.environ[ENVIRONMENT] = shlex.join(argv)
     signal.signal(signal.SIGTERM, lambda *_: None)
+    with _shared_metrics():
+        _run_workers(args)
+    return 0
+
+
+@contextlib.contextmanager
+def _shared_metrics():
+    """$PROMETHEUS_MULTIPROC_DIR for the workers (the user's, or an empty temporary one), so that
+    a scrape of /metrics answers for all of them."""
+    if MULTIPROCESS in os.environ:
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="fastnmt-metrics-") as directory:
+        os.environ[MULTIPROCESS] = directory
+        try:
+            yield
+        finally:
+            del os.environ[MULTIPROCESS]
+
+
+def _run_workers(args: argparse.Namespace) -> None:
     uvicorn.run(
         "fastnmt.serve:app_from_environment",
         factory=True,
@@ -217,7 +241,6 @@ def _serve_workers(args: argparse.Namespace, argv: list[str]) -> int:
         timeout_graceful_shutdown=args.shutdown_timeout,
         **_patient_healthcheck(),
     )
-    return 0
 
 
 def _patient_healthcheck() -> dict:

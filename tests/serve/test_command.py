@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.serve.helpers import ServerProcess, free_port
+from tests.serve.helpers import ServerProcess, free_port, httpx
 from tests.test_translator import SENTENCES
 
 
@@ -39,23 +39,24 @@ def test_bad_arguments_and_checkpoints_exit_2(tmp_path, checkpoint_dir):
     )
 
 
-def test_workers_share_the_port_each_with_its_threads(checkpoint_dir, offline):
-    """--workers 2 --threads 1: answers as one process gives, from more than one process."""
+def test_workers_share_the_port_and_their_metrics_each_with_its_threads(checkpoint_dir, offline):
+    """--workers 2 --threads 1: answers as one process gives; /metrics, whichever worker answers
+    it, sums both (the sentences all translated) and shows each worker ready (its pid)."""
     pair = ServerProcess(checkpoint_dir, "--workers", 2, "--threads", 1, "--no-access-log")
     try:
         texts = [s for s in SENTENCES if s.strip()]
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(lambda t: pair.client.translate([t], beam=2)[0], texts * 2))
         assert answers == offline.translate(texts * 2, beam=2)
-        # Each process counts the scrapes it answered: one process alone would count 0, 1,
-        # 2, ... New connections go to whichever worker accepts first (the second may still be
-        # starting): ask until two have answered.
-        scrapes, deadline = [], time.monotonic() + 60
-        name = 'fastnmt_responses_total{code="200",handler="/metrics"}'
-        while scrapes == list(range(len(scrapes))) and time.monotonic() < deadline:
-            scrapes.append(int(pair.metric(name)))
-            time.sleep(0.02)
-        assert scrapes != list(range(len(scrapes))), "one process answered every connection"
+        deadline = time.monotonic() + 60  # the second worker may still be loading
+        while time.monotonic() < deadline:
+            scrape = httpx.get(f"{pair.url}/metrics").text.splitlines()
+            ready = [line for line in scrape if line.startswith("fastnmt_ready{")]
+            if len(ready) == 2 and pair.metric("fastnmt_sentences_total") == 2 * len(texts):
+                break
+            time.sleep(0.1)
+        assert len(ready) == 2 and all('pid="' in line and line.endswith(" 1.0") for line in ready)
+        assert pair.metric("fastnmt_sentences_total") == 2 * len(texts)
     finally:
         assert pair.stop() == 0
 
