@@ -29,9 +29,11 @@ from fastnmt.ops import log_softmax_topk
 
 NEG_INF = float("-inf")
 # Top-p first looks for its nucleus among the best this many tokens (the fused top-k, no sort):
-# a trained model's nucleus is almost always there; a batch with a row whose nucleus is not
-# sorts the whole vocabulary.
+# a trained model's nucleus is almost always there; only a row whose nucleus is not is sorted.
 NUCLEUS_CANDIDATES = 64
+# A row whose nucleus is wider takes torch's top-k of this many (a partial sort, 4x cheaper than
+# sorting 8,000 columns); wider still, all of them.
+WIDE_NUCLEUS_CANDIDATES = 1024
 SAMPLING_METHODS = ("topk", "topp")
 
 
@@ -165,11 +167,11 @@ def candidates(
     log-probabilities, where k is a part of the vocabulary: every column (top-p's sorted nucleus)
     is a sort of the log-probabilities, which the fused op's top-k list is not made for.
 
-    ``topp`` (k the whole vocabulary, for ``nucleus``): first the best ``NUCLEUS_CANDIDATES``
-    and, as one last column, the log of the allowed probability past them, when every row's
-    nucleus lies within them (``nucleus`` then normalises by the same allowed probability and
-    masks that last column, so the draw is the sorted vocabulary's); else the sort. Checking
-    reads one flag back to the host: not for a captured search."""
+    ``topp`` (k the whole vocabulary, for ``nucleus``): the best candidates that hold every
+    row's nucleus (``_nucleus_candidates``) and, as one last column, the log of the allowed
+    probability past them (``nucleus`` then normalises by the same allowed probability and masks
+    that last column, so the draw is the sorted vocabulary's). Finding the rows to sort reads
+    them back to the host: not for a captured search."""
     if not rules and k is not None and k < logits[0].shape[1]:
         stacked = logits[0] if len(logits) == 1 else torch.stack(logits)
         scaled = stacked if temperature == 1.0 else stacked.float() / temperature
@@ -185,21 +187,53 @@ def candidates(
 
 
 def _nucleus_candidates(logits: torch.Tensor, topp: float, banned, temperature: float):
-    """``candidates``' top-p shortcut: the best NUCLEUS_CANDIDATES log-probabilities and the
-    log of the allowed probability past them (N, C + 1), with their columns (the last column's
-    is any: it is never drawn); None when a row's nucleus reaches past them."""
-    vocab = logits.shape[1]
-    if vocab <= NUCLEUS_CANDIDATES + 1:
+    """``candidates``' top-p: (N, C + 1) log-probabilities, best first, holding every row's
+    nucleus, then the log of the allowed probability past them, with their columns (the last
+    one's is any: it is never drawn); None where the vocabulary is no wider than the shortcut.
+    The best NUCLEUS_CANDIDATES come from the fused top-k; only the rows whose nucleus reaches
+    past them are sorted, and C is the widest nucleus among them (one column of margin)."""
+    if logits.shape[1] <= NUCLEUS_CANDIDATES + 1:
         return None
     scaled = logits if temperature == 1.0 else logits.float() / temperature
     values, ids = log_softmax_topk(scaled, NUCLEUS_CANDIDATES, banned)
     log_normaliser = scaled.gather(1, ids[:, :1]).float() - values[:, :1]  # (N, 1)
     banned_mass = (scaled.index_select(1, banned).float() - log_normaliser).exp().sum(1)
-    allowed, best = 1.0 - banned_mass, values.exp().sum(1)  # (N,) each
-    if not bool((best >= topp * allowed).all()):
-        return None
-    rest = (allowed - best).clamp(min=0.0).log()[:, None]
+    allowed = 1.0 - banned_mass  # (N,)
+    # A row on the boundary (to rounding) counts as wide: it is sorted, with a margin.
+    wide = (values.exp().sum(1) < topp * allowed + 1e-6).nonzero()[:, 0]
+    if len(wide):
+        values, ids = _widened(values, ids, scaled, wide, topp * allowed[wide, None], banned)
+    rest = (allowed - values.exp().sum(1)).clamp(min=0.0).log()[:, None]
     return torch.cat([values, rest], 1), torch.cat([ids, ids[:, :1]], 1)
+
+
+def _widened(values, ids, scaled, wide, mass, banned):
+    """``values`` and ``ids`` (N, C) widened to hold the nucleus of each ``wide`` row (its
+    probability ``mass`` (W, 1)), whose candidates are the best of its log-probabilities
+    (``candidates``' order: torch's top-k); the other rows padded with -inf (column 0)."""
+    log_probs = scaled.index_select(0, wide).float().log_softmax(1).index_fill_(1, banned, NEG_INF)
+    best, order = log_probs.topk(min(WIDE_NUCLEUS_CANDIDATES, log_probs.shape[1]), 1)
+    wider = (best.exp().sum(1) < mass[:, 0] + 1e-6).nonzero()[:, 0]
+    if len(wider):  # every column, for the rows whose nucleus is wider still
+        all_values, all_order = log_probs.index_select(0, wider).topk(log_probs.shape[1], 1)
+        best, order = _padded_to(best, all_values.shape[1]), _padded_to(order, all_order.shape[1])
+        best[wider], order[wider] = all_values, all_order
+    probabilities = best.exp()
+    before = probabilities.cumsum(1) - probabilities
+    needed = int((before < mass).sum(1).max()) + 1
+    width = max(values.shape[1], min(needed, scaled.shape[1]))
+    wider_values = _padded_to(values, width)
+    wider_ids = _padded_to(ids, width)
+    wider_values[wide], wider_ids[wide] = _padded_to(best, width)[:, :width], order[:, :width]
+    return wider_values, wider_ids
+
+
+def _padded_to(x: torch.Tensor, width: int) -> torch.Tensor:
+    """(N, C) as (N, max(C, width)): log-probabilities padded with -inf, ids with 0."""
+    if x.shape[1] >= width:
+        return x
+    padding = NEG_INF if x.is_floating_point() else 0
+    return torch.cat([x, x.new_full((x.shape[0], width - x.shape[1]), padding)], 1)
 
 
 def force(log_probs: torch.Tensor, forced: torch.Tensor, tokens: torch.Tensor) -> None:

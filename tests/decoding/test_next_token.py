@@ -6,6 +6,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from fastnmt.decoding import next_token
 from fastnmt.decoding.next_token import (
     NUCLEUS_CANDIDATES,
     Sampling,
@@ -88,13 +89,22 @@ def test_top_p_samples_follow_the_softmax_of_the_nucleus(topp):
 
 
 @pytest.mark.parametrize("temperature", [0.8, 1.0])
-def test_top_p_over_the_best_candidates_draws_what_the_sorted_vocabulary_draws(temperature):
-    """Peaked rows (a trained model's) take the shortcut, and draw the same tokens with the same
-    log-probabilities as from the sorted vocabulary, banned tokens' mass (here about a third)
-    left out of the nucleus' share; one flat row sends the batch to the sort."""
+@pytest.mark.parametrize("flat_rows", [0, 3])
+def test_top_p_over_the_best_candidates_draws_what_the_sorted_vocabulary_draws(
+    temperature, flat_rows, monkeypatch
+):
+    """Peaked rows (a trained model's) take the fused top-k's best candidates, wider ones a
+    partial top-k of their own, flat ones (their nucleus: most of the vocabulary) all of their
+    columns; every row draws the same tokens with
+    the same log-probabilities as from the sorted vocabulary, banned tokens' mass (here about a
+    third) left out of the nucleus' share."""
     rows, vocab, banned = 4096, 1000, torch.tensor([0, 1])
     logits = torch.randn(rows, vocab) * 4.0
     logits[:, 0] = logits.max(1).values  # a banned token as probable as the best
+    flat = torch.randperm(rows)[:flat_rows]
+    logits[flat] = torch.randn(flat_rows, vocab) * 0.1
+    logits[flat[:1], 5:300] += 5.0  # a nucleus of about 300 columns: the partial top-k's
+    monkeypatch.setattr(next_token, "WIDE_NUCLEUS_CANDIDATES", 400)  # the others need them all
     sampling = Sampling("topp", topp=0.85, temperature=temperature)
     random = uniforms(torch.tensor(5), torch.arange(rows), 0)
     drawn = {}
@@ -103,12 +113,10 @@ def test_top_p_over_the_best_candidates_draws_what_the_sorted_vocabulary_draws(t
         column = sampling.draw(values, random)[:, None]
         drawn[topp] = (ids.gather(1, column), values.gather(1, column), values.shape[1])
     (tokens, scores, width), (sorted_tokens, sorted_scores, sorted_width) = drawn.values()
-    assert (width, sorted_width) == (NUCLEUS_CANDIDATES + 1, vocab)
+    assert sorted_width == vocab
+    assert width == NUCLEUS_CANDIDATES + 1 if flat_rows == 0 else 500 < width <= vocab + 1
     assert torch.equal(tokens, sorted_tokens)
     torch.testing.assert_close(scores, sorted_scores, rtol=0, atol=1e-5)
-    logits[7] = 0.0  # its nucleus: most of the vocabulary
-    values, _ = candidates([logits], vocab, banned, temperature=temperature, topp=0.85)
-    assert values.shape[1] == vocab
 
 
 def test_uniforms_are_uniform_and_a_function_of_seed_stream_and_step():
