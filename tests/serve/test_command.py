@@ -52,7 +52,8 @@ def test_workers_share_the_port_and_their_metrics_each_with_its_threads(checkpoi
         while time.monotonic() < deadline:
             scrape = httpx.get(f"{pair.url}/metrics").text.splitlines()
             ready = [line for line in scrape if line.startswith("fastnmt_ready{")]
-            if len(ready) == 2 and pair.metric("fastnmt_sentences_total") == 2 * len(texts):
+            loaded = len(ready) == 2 and all(line.endswith(" 1.0") for line in ready)
+            if loaded and pair.metric("fastnmt_sentences_total") == 2 * len(texts):
                 break
             time.sleep(0.1)
         assert len(ready) == 2 and all('pid="' in line and line.endswith(" 1.0") for line in ready)
