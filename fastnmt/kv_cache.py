@@ -205,9 +205,11 @@ class FixedKVCache:
     def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """Write one step's keys/values (N, H, 1, D) at the clock's position."""
         if self._key is None:  # the first call, before any capture
+            # Zeros, not uninitialised memory: attention masks the positions not yet written,
+            # but a NaN there would still reach a reference backend's output (0 * NaN).
             capacity = self.clock.rows.shape[1]
-            self._key = key.new_empty(capacity, *key.shape[:2], key.shape[3])
-            self._value = value.new_empty(self._key.shape)
+            self._key = key.new_zeros(capacity, *key.shape[:2], key.shape[3])
+            self._value = value.new_zeros(self._key.shape)
         self._key.index_copy_(0, self.clock.position, key.permute(2, 0, 1, 3))
         self._value.index_copy_(0, self.clock.position, value.permute(2, 0, 1, 3))
 

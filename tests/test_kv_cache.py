@@ -5,7 +5,7 @@ import torch
 
 import fastnmt.attention
 import fastnmt.kv_cache
-from fastnmt.kv_cache import CacheRows, KVCache
+from fastnmt.kv_cache import CacheRows, FixedKVCache, KVCache, StepClock
 
 
 def test_reorder_selects_batch_entries():
@@ -76,3 +76,15 @@ def test_the_caches_stay_importable_from_fastnmt_attention():
     names = ("CacheRows", "FixedKVCache", "KVCache", "StepClock")
     for name in names:
         assert getattr(fastnmt.attention, name) is getattr(fastnmt.kv_cache, name)
+
+
+def test_a_fixed_cache_starts_from_zeros_not_uninitialised_memory(monkeypatch):
+    """The static search's caches are read at positions not yet written (masked by key lengths):
+    memory left over as NaN must not be there, or the reference attention's output is NaN."""
+    monkeypatch.setattr(
+        torch.Tensor, "new_empty", lambda self, *size, **kw: torch.full(size, float("nan"))
+    )
+    cache = FixedKVCache(StepClock(2, 5, torch.device("cpu")))
+    cache.append(torch.ones(2, 3, 1, 4), torch.ones(2, 3, 1, 4))
+    key, value, _ = cache.stored()
+    assert torch.isfinite(key).all() and torch.isfinite(value).all()
