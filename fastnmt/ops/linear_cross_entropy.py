@@ -69,7 +69,7 @@ import torch.nn.functional as F
 
 from fastnmt.ops import checks, dispatch, registration
 from fastnmt.ops.extension import extension_available
-from fastnmt.ops.triton.linear_cross_entropy import _CHUNK_ELEMENTS, _chunked, _scale_gradients
+from fastnmt.ops.triton.linear_cross_entropy import _chunked, _scale_gradients, chunk_rows
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -291,7 +291,7 @@ def _per_token_cpp(hidden, weight, bias, target, label_smoothing, ignore_index):
     dtype = _autocast_dtype(hidden.device) or hidden.dtype
     h, w = hidden.to(dtype), weight.to(dtype)
     b = None if bias is None else bias.to(dtype)
-    step = max(16, _CHUNK_ELEMENTS // max(w.shape[0], 1) // 16 * 16)
+    step = chunk_rows(max(w.shape[0], 1))
     rows = [h.new_zeros((0, 3), dtype=torch.float32)]  # per token: loss, nll, correct
     for start in range(0, h.shape[0], step):
         logits = F.linear(h[start : start + step], w, b)
