@@ -99,9 +99,9 @@ class Batcher:
         self.queue: collections.deque[Job] = collections.deque()
         self.arrival = asyncio.Event()
         self.stalled = False
-        # The last batch's size, and how many sentences arrived since it was answered (its
-        # clients' next requests; see _wait).
-        self.answered_sentences, self.arrived_since = 0, 0
+        # The last batch's size, how many sentences arrived since it was answered (its clients'
+        # next requests) and when the model became free (see _wait).
+        self.answered_sentences, self.arrived_since, self.free_since = 0, 0, 0.0
 
     def submit(self, jobs: list[Job]) -> None:
         self.queue = collections.deque(j for j in self.queue if not j.future.done())
@@ -134,6 +134,8 @@ class Batcher:
             except Exception as error:  # answer the batch's requests; the server goes on
                 _settle(batch, error=error)
                 continue
+            finally:
+                self.free_since = time.monotonic()
             if found is None:  # past its deadline, answered already
                 continue
             _settle(batch, found=found)
@@ -181,15 +183,18 @@ class Batcher:
     def _wait(self, oldest: Job, batch: list[Job]) -> float:
         """Seconds to wait for more sentences before running ``batch`` (<= 0: run it now).
 
-        A batch waits for more at most ``max_wait`` after its oldest sentence arrived, and not at
-        all once it is full, or once as many sentences have arrived since the last batch was
-        answered as that batch held: clients that send their next request once answered (a
-        closed loop) are then all back, and a lone client waits for nobody."""
+        A batch waits for more at most ``max_wait`` after its oldest sentence arrived or the model
+        became free, whichever is later, and not at all once it is full, or once as many
+        sentences have arrived since the last batch was answered as that batch held: clients
+        that send their next request once answered (a closed loop) are then all back, and a lone
+        client waits for nobody. Counting from the moment the model is free lets the sentences
+        that queued while a batch ran wait for that batch's clients: without it, closed-loop
+        clients split into two cohorts that take turns with half batches."""
         if batch_cost(batch) >= self.max_tokens:
             return 0.0
         if self.answered_sentences and self.arrived_since >= self.answered_sentences:
             return 0.0
-        return oldest.arrived + self.max_wait - time.monotonic()
+        return max(oldest.arrived, self.free_since) + self.max_wait - time.monotonic()
 
     def _take(self, key: tuple, dry_run: bool) -> list[Job]:
         """The waiting jobs of ``key``, oldest first, within ``max_tokens`` (at least one)."""

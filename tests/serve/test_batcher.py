@@ -166,7 +166,8 @@ def test_max_tokens_counts_padded_source_tokens_times_the_beam():
 
 def test_no_sentence_waits_for_more_past_max_wait():
     """Whatever the state of the batcher, a batch waits at most max_wait after its oldest
-    sentence arrived; and not at all once the last batch's clients are all back."""
+    sentence arrived or the model became free (the later); and not at all once the last batch's
+    clients are all back."""
     rng = random.Random()
 
     async def scenario():
@@ -179,10 +180,33 @@ def test_no_sentence_waits_for_more_past_max_wait():
             jobs = _jobs([rng.randint(1, 20) for _ in range(rng.randint(1, 64))], 1, loop, arrived)
             batcher.submit(jobs)
             batcher.arrived_since = rng.randint(0, 64)
+            batcher.free_since = time.monotonic() - rng.uniform(0.0, 0.2)
             wait = batcher._wait(jobs[0], batcher._take(jobs[0].key, dry_run=True))
-            assert max(wait, 0.0) <= max(arrived + max_wait - time.monotonic(), 0.0) + 1e-3
+            since = max(arrived, batcher.free_since)
+            assert max(wait, 0.0) <= max(since + max_wait - time.monotonic(), 0.0) + 1e-3
             if 0 < batcher.answered_sentences <= batcher.arrived_since:
                 assert wait <= 0
+
+    asyncio.run(scenario())
+
+
+def test_sentences_queued_during_a_batch_wait_for_its_clients_once_the_model_is_free():
+    """Closed-loop clients in two cohorts: the half that queued while the other half's batch ran
+    waits (up to max_wait from the moment the model is free) for that half to come back, and
+    then runs with it as one batch."""
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        batcher = _batcher(10_000, 0.05)
+        waiting = _jobs([5] * 32, 1, loop, time.monotonic() - 1.0)  # queued a second ago
+        batcher.submit(waiting)
+        batcher.answered_sentences, batcher.arrived_since = 32, 0
+        batcher.free_since = time.monotonic()
+        taken = batcher._take(waiting[0].key, dry_run=True)
+        assert 0.04 < batcher._wait(waiting[0], taken) <= 0.05
+        batcher.submit(_jobs([5] * 32, 1, loop))  # the answered batch's clients are back
+        taken = batcher._take(waiting[0].key, dry_run=True)
+        assert batcher._wait(waiting[0], taken) <= 0 and len(taken) == 64
 
     asyncio.run(scenario())
 
