@@ -14,6 +14,7 @@
 // pass sums the members' probabilities per column and keeps the top k of those sums, whose logs
 // (less log M) are the values. Still no (rows x V) tensor is written.
 #include "common.h"
+#include "row_softmax.h"
 #include "vec.h"
 
 #include <cmath>
@@ -21,94 +22,6 @@
 
 namespace fastnmt {
 namespace {
-
-// The best k (value, index) pairs seen, best first; among equal values the lower index first.
-class TopK {
- public:
-  TopK(float* values, int64_t* indices, int64_t k) : values_(values), indices_(indices), k_(k) {}
-
-  // The value a candidate must beat (strictly) to enter; -inf admits only while not full.
-  float threshold() const { return size_ < k_ ? -kInf : values_[k_ - 1]; }
-
-  // Offer candidates in increasing index order.
-  void offer(float value, int64_t index) {
-    if (size_ == k_ && !(value > values_[k_ - 1])) return;
-    int64_t position = std::min(size_, k_ - 1);
-    while (position > 0 && values_[position - 1] < value) {  // strict: ties keep the earlier
-      values_[position] = values_[position - 1];
-      indices_[position] = indices_[position - 1];
-      --position;
-    }
-    values_[position] = value;
-    indices_[position] = index;
-    size_ = std::min(size_ + 1, k_);
-  }
-
-  int64_t capacity() const { return k_; }
-
- private:
-  float* values_;
-  int64_t* indices_;
-  int64_t k_;
-  int64_t size_ = 0;
-};
-
-// Row row (V logits) -> x (fp32, whole vectors; the padding lanes -inf), returning its max.
-template <typename T>
-float load_row(const T* row, int64_t vocab, int64_t padded, float* x) {
-  Vec running_max = splat(-kInf);
-  for (int64_t j = 0; j < padded; j += kLanes) {
-    const int64_t n = std::min(kLanes, vocab - j);
-    const Vec v = n == kLanes ? load_float(row + j) : load_float(row + j, n);
-    store(x + j, v);
-    running_max = v > running_max ? v : running_max;
-  }
-  std::fill(x + vocab, x + padded, -kInf);  // the tail lanes were loaded as 0
-  const float row_max = horizontal_max(running_max);
-  // a tail 0 may have been the max
-  return vocab < padded ? *std::max_element(x, x + vocab) : row_max;
-}
-
-// Sets the banned columns of x to -inf and returns the sum of their exp(x - row_max), which stays
-// in the normaliser. A repeated id adds nothing the second time (its column is -inf by then).
-float ban(float* x, const int64_t* banned, int64_t banned_count, float row_max) {
-  float total = 0.0f;
-  for (int64_t b = 0; b < banned_count; ++b) {
-    float& value = x[banned[b]];
-    if (value > -kInf) total += std::exp(value - row_max);
-    value = -kInf;
-  }
-  return total;
-}
-
-// The whole vectors holding the first k columns: all offered, whatever they hold.
-int64_t offered_head(int64_t padded, const TopK& top) {
-  return std::min(padded, whole_vectors(top.capacity()));
-}
-
-// Offers the lanes of v (columns j...) above the k-th best (never a padding lane: -inf beats
-// nothing once full): a vector none of whose lanes does is skipped with one compare.
-void offer_vector(const float* x, Vec v, int64_t j, TopK& top) {
-  for (uint32_t mask = greater_mask(v, top.threshold()); mask; mask &= mask - 1) {
-    const int l = __builtin_ctz(mask);
-    top.offer(x[j + l], j + l);
-  }
-}
-
-// log (sum exp(x - row_max) + banned_total) + row_max over x, and (top not null) its top k (best
-// first) offered to top, in one pass.
-float log_sum_exp_and_top(const float* x, int64_t vocab, int64_t padded, float row_max,
-                          float banned_total, TopK* top) {
-  const int64_t head = top ? offered_head(padded, *top) : 0;
-  for (int64_t j = 0; j < std::min(head, vocab); ++j) top->offer(x[j], j);
-  Vec total = splat(0.0f);
-  for (int64_t j = 0; j < padded; j += kLanes) {
-    const Vec v = load(x + j);
-    total += v > -kInf ? vector_exp(v - row_max) : Vec{};
-    if (top && j >= head) offer_vector(x, v, j, *top);
-  }
-  return row_max + std::log(horizontal_sum(total) + banned_total);
-}
 
 template <typename T>
 void rows(const T* logits, const int64_t* banned, int64_t banned_count, float* values,
@@ -121,7 +34,8 @@ void rows(const T* logits, const int64_t* banned, int64_t banned_count, float* v
       const float row_max = load_row(logits + i * vocab, vocab, padded, x);
       const float banned_total = ban(x, banned, banned_count, row_max);
       TopK top(values + i * k, indices + i * k, k);
-      const float lse = log_sum_exp_and_top(x, vocab, padded, row_max, banned_total, &top);
+      const float lse =
+          row_max + std::log(exp_sum_and_top(x, vocab, padded, row_max, &top) + banned_total);
       for (int64_t c = 0; c < k; ++c) {
         float& value = values[i * k + c];
         // every logit -inf: no token is possible, every value -inf
@@ -146,7 +60,8 @@ void ensemble_rows(const T* logits, int64_t members, const int64_t* banned, int6
         float* x = buffer.data() + m * padded;
         const float row_max = load_row(logits + (m * count + i) * vocab, vocab, padded, x);
         const float banned_total = ban(x, banned, banned_count, row_max);
-        lse[m] = log_sum_exp_and_top(x, vocab, padded, row_max, banned_total, nullptr);
+        lse[m] = row_max +
+                 std::log(exp_sum_and_top(x, vocab, padded, row_max, nullptr) + banned_total);
         possible |= row_max > -kInf;
       }
       for (int64_t j = 0; j < padded; j += kLanes) {

@@ -31,6 +31,7 @@ PUBLIC = {
         "gather_cache_rows",
         "linear_cross_entropy",
         "log_softmax_topk",
+        "sample_token",
     ],
     "fastnmt.attention": [
         "KVCache",

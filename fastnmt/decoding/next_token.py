@@ -9,12 +9,11 @@ forced prefix's other tokens and repeated n-grams are never chosen but keep thei
 normaliser, as pad and bos always have (fairseq does the same). An ensemble's are fairseq's
 average of the members' probabilities, ``logsumexp_m(log p_m) - log M``.
 
-Sampling draws one token per row by inverse transform: the row's candidate probabilities summed
-in order, and the first whose running sum passes ``u`` times the total. ``u`` comes from a
-counter-based hash of (seed, stream, step), with a stream per sentence and sample: the same seed
-gives the same samples whatever the batch a sentence is in, the backend or the search (dynamic or
-static), and a CUDA graph that replays a step draws fresh numbers because its step counter lives
-on the device.
+Sampling draws one token per row with ``fastnmt.ops.sample_token`` (an inverse transform over
+the top k, the nucleus or every token) from a uniform ``u`` per row, a counter-based hash of
+(seed, stream, step), with a stream per sentence and sample: the same seed gives the same samples
+whatever the batch a sentence is in, the backend or the search (dynamic or static), and a CUDA
+graph that replays a step draws fresh numbers because its step counter lives on the device.
 """
 
 from __future__ import annotations
@@ -25,15 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from fastnmt.ops import log_softmax_topk
+from fastnmt.ops import log_softmax_topk, sample_token
 
 NEG_INF = float("-inf")
-# Top-p first looks for its nucleus among the best this many tokens (the fused top-k, no sort):
-# a trained model's nucleus is almost always there; only a row whose nucleus is not is sorted.
-NUCLEUS_CANDIDATES = 64
-# A row whose nucleus is wider takes torch's top-k of this many (a partial sort, 4x cheaper than
-# sorting 8,000 columns); wider still, all of them.
-WIDE_NUCLEUS_CANDIDATES = 1024
 SAMPLING_METHODS = ("topk", "topp")
 
 
@@ -66,18 +59,12 @@ class Sampling:
         if self.seed is not None and not 0 <= self.seed < 1 << 63:
             raise ValueError(f"seed must be a non-negative 64-bit integer, got {self.seed}")
 
-    def candidates(self, vocab: int) -> int | None:
-        """How many best candidates a row's draw needs, sorted (None: all columns, in order)."""
+    @property
+    def restriction(self) -> dict:
+        """``sample_token``'s topk and topp arguments."""
         if self.method == "topp":
-            return vocab
-        return None if self.topk is None or self.topk >= vocab else self.topk
-
-    def draw(self, values: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-        """The column (N,) of ``values`` (N, C) (``candidates``' log-probabilities) each row
-        draws with its uniform (N,)."""
-        if self.method == "topp":
-            values = nucleus(values, self.topp)
-        return inverse_transform(values, uniforms)
+            return dict(topk=None, topp=self.topp)
+        return dict(topk=self.topk, topp=None)
 
 
 def resolve_seed(sampling: Sampling | None) -> Sampling | None:
@@ -117,25 +104,6 @@ def uniforms(seed: torch.Tensor, streams: torch.Tensor, step: int | torch.Tensor
     return (x >> 8).float() * 2.0**-24
 
 
-def inverse_transform(values: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """The column (N,) of the first candidate whose running probability sum passes u times the
-    row's total: a draw from softmax(values) (N, C); -inf candidates are never drawn."""
-    probabilities = (values - values.amax(1, keepdim=True).clamp(min=-1e30)).exp()
-    running = probabilities.cumsum(1)
-    target = uniforms[:, None] * running[:, -1:]
-    return (running <= target).sum(1).clamp_(max=values.shape[1] - 1)
-
-
-def nucleus(sorted_values: torch.Tensor, topp: float) -> torch.Tensor:
-    """``sorted_values`` (N, C), best first, with the candidates past the smallest prefix that
-    holds ``topp`` of the row's probability set to -inf (the first is always kept). The
-    probability is that of the tokens that may be drawn (as transformers' top-p): banned ones
-    keep their share of the log-probabilities, not of the nucleus."""
-    probabilities = (sorted_values - sorted_values.logsumexp(1, keepdim=True)).exp()
-    before = probabilities.cumsum(1) - probabilities  # the mass of the better candidates
-    return sorted_values.masked_fill(before >= topp, NEG_INF)
-
-
 # ---------------------------------------------------------------------------------------------
 # Candidates of a step.
 
@@ -156,84 +124,50 @@ def candidates(
     k: int | None,
     banned: torch.Tensor,
     *,
-    temperature: float = 1.0,
     rules: Sequence[Rule] = (),
-    topp: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The k best next tokens of every row: fp32 log-probabilities and their columns, (N, k)
     each, best first; k None: every column in order (columns None). ``logits``: one (N, V)
     tensor per ensemble member; ``banned`` ids (n,) and the ``rules`` are never chosen. Without
     rules, ``log_softmax_topk`` (an ensemble's logits stacked) never writes the (N, V)
-    log-probabilities, where k is a part of the vocabulary: every column (top-p's sorted nucleus)
-    is a sort of the log-probabilities, which the fused op's top-k list is not made for.
-
-    ``topp`` (k the whole vocabulary, for ``nucleus``): the best candidates that hold every
-    row's nucleus (``_nucleus_candidates``) and, as one last column, the log of the allowed
-    probability past them (``nucleus`` then normalises by the same allowed probability and masks
-    that last column, so the draw is the sorted vocabulary's). Finding the rows to sort reads
-    them back to the host: not for a captured search."""
+    log-probabilities."""
     if not rules and k is not None and k < logits[0].shape[1]:
-        stacked = logits[0] if len(logits) == 1 else torch.stack(logits)
-        scaled = stacked if temperature == 1.0 else stacked.float() / temperature
-        return log_softmax_topk(scaled, k, banned)
-    if topp is not None and len(logits) == 1 and not rules:
-        found = _nucleus_candidates(logits[0], topp, banned, temperature)
-        if found is not None:
-            return found
-    log_probs = full_log_probs(logits, temperature).index_fill_(1, banned, NEG_INF)
-    for rule in rules:
-        rule(log_probs)
+        return log_softmax_topk(logits[0] if len(logits) == 1 else torch.stack(logits), k, banned)
+    log_probs = masked_log_probs(logits, banned, rules)
     return (log_probs, None) if k is None else log_probs.topk(k, dim=1)
 
 
-def _nucleus_candidates(logits: torch.Tensor, topp: float, banned, temperature: float):
-    """``candidates``' top-p: (N, C + 1) log-probabilities, best first, holding every row's
-    nucleus, then the log of the allowed probability past them, with their columns (the last
-    one's is any: it is never drawn); None where the vocabulary is no wider than the shortcut.
-    The best NUCLEUS_CANDIDATES come from the fused top-k; only the rows whose nucleus reaches
-    past them are sorted, and C is the widest nucleus among them (one column of margin)."""
-    if logits.shape[1] <= NUCLEUS_CANDIDATES + 1:
-        return None
-    scaled = logits if temperature == 1.0 else logits.float() / temperature
-    values, ids = log_softmax_topk(scaled, NUCLEUS_CANDIDATES, banned)
-    log_normaliser = scaled.gather(1, ids[:, :1]).float() - values[:, :1]  # (N, 1)
-    banned_mass = (scaled.index_select(1, banned).float() - log_normaliser).exp().sum(1)
-    allowed = 1.0 - banned_mass  # (N,)
-    # A row on the boundary (to rounding) counts as wide: it is sorted, with a margin.
-    wide = (values.exp().sum(1) < topp * allowed + 1e-6).nonzero()[:, 0]
-    if len(wide):
-        values, ids = _widened(values, ids, scaled, wide, topp * allowed[wide, None], banned)
-    rest = (allowed - values.exp().sum(1)).clamp(min=0.0).log()[:, None]
-    return torch.cat([values, rest], 1), torch.cat([ids, ids[:, :1]], 1)
+def masked_log_probs(
+    logits: Sequence[torch.Tensor], banned: torch.Tensor, rules: Sequence[Rule], temperature=1.0
+) -> torch.Tensor:
+    """(N, V) log-probabilities (``full_log_probs``) with the banned ids and the rules' tokens
+    -inf."""
+    log_probs = full_log_probs(logits, temperature).index_fill_(1, banned, NEG_INF)
+    for rule in rules:
+        rule(log_probs)
+    return log_probs
 
 
-def _widened(values, ids, scaled, wide, mass, banned):
-    """``values`` and ``ids`` (N, C) widened to hold the nucleus of each ``wide`` row (its
-    probability ``mass`` (W, 1)), whose candidates are the best of its log-probabilities
-    (``candidates``' order: torch's top-k); the other rows padded with -inf (column 0)."""
-    log_probs = scaled.index_select(0, wide).float().log_softmax(1).index_fill_(1, banned, NEG_INF)
-    best, order = log_probs.topk(min(WIDE_NUCLEUS_CANDIDATES, log_probs.shape[1]), 1)
-    wider = (best.exp().sum(1) < mass[:, 0] + 1e-6).nonzero()[:, 0]
-    if len(wider):  # every column, for the rows whose nucleus is wider still
-        all_values, all_order = log_probs.index_select(0, wider).topk(log_probs.shape[1], 1)
-        best, order = _padded_to(best, all_values.shape[1]), _padded_to(order, all_order.shape[1])
-        best[wider], order[wider] = all_values, all_order
-    probabilities = best.exp()
-    before = probabilities.cumsum(1) - probabilities
-    needed = int((before < mass).sum(1).max()) + 1
-    width = max(values.shape[1], min(needed, scaled.shape[1]))
-    wider_values = _padded_to(values, width)
-    wider_ids = _padded_to(ids, width)
-    wider_values[wide], wider_ids[wide] = _padded_to(best, width)[:, :width], order[:, :width]
-    return wider_values, wider_ids
-
-
-def _padded_to(x: torch.Tensor, width: int) -> torch.Tensor:
-    """(N, C) as (N, max(C, width)): log-probabilities padded with -inf, ids with 0."""
-    if x.shape[1] >= width:
-        return x
-    padding = NEG_INF if x.is_floating_point() else 0
-    return torch.cat([x, x.new_full((x.shape[0], width - x.shape[1]), padding)], 1)
+def drawn(
+    logits: Sequence[torch.Tensor],
+    banned: torch.Tensor,
+    sampling: Sampling,
+    uniforms: torch.Tensor,
+    *,
+    rules: Sequence[Rule] = (),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's drawn token: its log-probability (N,) fp32 and column (N,), by ``sampling``'s
+    rule with ``uniforms`` (N,). One model without rules goes to ``sample_token`` whole (the
+    log-probabilities are never written); an ensemble or rules first write the masked
+    log-probabilities, from which ``sample_token`` draws (the draw depends only on
+    differences within a row, so it is the same)."""
+    if len(logits) == 1 and not rules:
+        return sample_token(
+            logits[0], uniforms, banned, temperature=sampling.temperature, **sampling.restriction
+        )
+    log_probs = masked_log_probs(logits, banned, rules, sampling.temperature)
+    _, columns = sample_token(log_probs, uniforms, **sampling.restriction)
+    return log_probs.gather(1, columns[:, None])[:, 0], columns
 
 
 def force(log_probs: torch.Tensor, forced: torch.Tensor, tokens: torch.Tensor) -> None:

@@ -31,6 +31,7 @@ from fastnmt.decoding.next_token import (
     ban_repeated_ngrams,
     candidates,
     check_no_repeat_ngram,
+    drawn,
     force,
     resolve_seed,
     uniforms,
@@ -176,22 +177,17 @@ class _Batch:
             return ids
         return torch.searchsorted(self.vocabulary, ids.contiguous())
 
-    def next_tokens(
-        self, k: int | None, temperature: float = 1.0, topp: float | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def next_tokens(self, k: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The k most probable next tokens of every hypothesis: float32 log-probabilities and
         token ids, both (N, k), best first; k None: every scored token, in id order (ids None
-        when that is the whole vocabulary); ``topp``: see ``next_token.candidates``."""
-        logits = [m.logits(self.history, self.cached, self.src_lengths) for m in self.members]
-        self.cached = self.history.shape[1]
+        when that is the whole vocabulary)."""
+        logits = self._logits()
         vocab = logits[0].shape[1]
         found = candidates(
             logits,
             None if k is None else min(k, vocab),
             self.banned,
-            temperature=temperature,
-            rules=self._rules(logits[0].shape[0]),
-            topp=topp,
+            rules=self._rules(len(logits[0])),
         )
         log_probs, ids = found
         if self.vocabulary is None:
@@ -199,6 +195,22 @@ class _Batch:
         return log_probs, self.vocabulary.expand(log_probs.shape) if ids is None else (
             self.vocabulary[ids]
         )
+
+    def drawn(
+        self, sampling: Sampling, uniforms: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every hypothesis' next token drawn by ``sampling`` with ``uniforms`` (N,): its
+        float32 log-probability and token id, (N,) each (``next_token.drawn``)."""
+        logits = self._logits()
+        rules = self._rules(len(logits[0]))
+        log_probs, columns = drawn(logits, self.banned, sampling, uniforms, rules=rules)
+        return log_probs, columns if self.vocabulary is None else self.vocabulary[columns]
+
+    def _logits(self) -> list[torch.Tensor]:
+        """Each member's (N, V) logits of the step (the cache then holds the whole history)."""
+        logits = [m.logits(self.history, self.cached, self.src_lengths) for m in self.members]
+        self.cached = self.history.shape[1]
+        return logits
 
     def _rules(self, rows: int) -> list:
         """The step's masks of (N, V) log-probabilities."""
@@ -382,13 +394,9 @@ def sample(
     row_streams, seed = row_streams.reshape(-1), torch.tensor(sampling.seed, device=src.device)
 
     def draw(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        vocab = models[0].cfg.vocab_size if batch.vocabulary is None else len(batch.vocabulary)
-        topp = sampling.topp if sampling.method == "topp" else None
-        values, ids = batch.next_tokens(sampling.candidates(vocab), sampling.temperature, topp)
         random = uniforms(seed, row_streams.index_select(0, batch.sentences), step)
-        column = sampling.draw(values, random)[:, None]
-        tokens = column if ids is None else ids.gather(1, column)
-        return values.gather(1, column), tokens
+        log_probs, tokens = batch.drawn(sampling, random)
+        return log_probs[:, None], tokens[:, None]
 
     found = _greedy(batch, expanded[2], prefix, penalty, draw)
     return [

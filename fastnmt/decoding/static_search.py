@@ -45,6 +45,7 @@ from fastnmt.decoding.next_token import (
     Sampling,
     ban_repeated_ngrams,
     candidates,
+    drawn,
     force,
     resolve_seed,
     uniforms,
@@ -231,18 +232,12 @@ class StaticSearch:
 
     def _sample_step(self, logits: torch.Tensor, position: torch.Tensor) -> None:
         """Each row draws its next token (``next_token``): rows never move."""
-        sampling, (sentences, k) = self.sampling, self.scores.shape
-        count = sampling.candidates(logits.shape[1])
-        values, ids = candidates(
-            [logits],
-            count,
-            self.banned,
-            temperature=sampling.temperature,
-            rules=self._rules(position),
-        )
-        column = sampling.draw(values, uniforms(self.seed, self.streams, position))[:, None]
-        tokens = (column if ids is None else ids.gather(1, column)).view(sentences, k)
-        top = self.scores + values.gather(1, column).view(sentences, k)  # (B, K)
+        sentences, k = self.scores.shape
+        random = uniforms(self.seed, self.streams, position)
+        rules = self._rules(position)
+        log_probs, tokens = drawn([logits], self.banned, self.sampling, random, rules=rules)
+        tokens = tokens.view(sentences, k)
+        top = self.scores + log_probs.view(sentences, k)  # (B, K)
         ends = tokens == self.model.cfg.eos_id
         last = self.max_lens <= position + 1  # (B,)
         self._finish((ends | last[:, None]) & (top > NEG_INF), top, self.own_rows, tokens, position)

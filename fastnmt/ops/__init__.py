@@ -5,6 +5,7 @@ from fastnmt.ops.attention import attention, attention_probabilities, gather_cac
 from fastnmt.ops.feed_forward import feed_forward
 from fastnmt.ops.linear_cross_entropy import CrossEntropyOutput, linear_cross_entropy
 from fastnmt.ops.log_softmax_topk import log_softmax_topk
+from fastnmt.ops.sample_token import sample_token
 from fastnmt.ops.triton.common import dropout_seeds
 
 __all__ = [
@@ -17,4 +18,5 @@ __all__ = [
     "gather_cache_rows",
     "linear_cross_entropy",
     "log_softmax_topk",
+    "sample_token",
 ]

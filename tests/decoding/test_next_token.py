@@ -6,12 +6,11 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from fastnmt.decoding import next_token
 from fastnmt.decoding.next_token import (
-    NUCLEUS_CANDIDATES,
     Sampling,
     ban_repeated_ngrams,
     candidates,
+    drawn,
     force,
     full_log_probs,
     uniforms,
@@ -88,35 +87,27 @@ def test_top_p_samples_follow_the_softmax_of_the_nucleus(topp):
         assert _chi_square_p(counts, log_probs, log_probs > float("-inf")) < 1e-6
 
 
-@pytest.mark.parametrize("temperature", [0.8, 1.0])
-@pytest.mark.parametrize("flat_rows", [0, 3])
-def test_top_p_over_the_best_candidates_draws_what_the_sorted_vocabulary_draws(
-    temperature, flat_rows, monkeypatch
-):
-    """Peaked rows (a trained model's) take the fused top-k's best candidates, wider ones a
-    partial top-k of their own, flat ones (their nucleus: most of the vocabulary) all of their
-    columns; every row draws the same tokens with
-    the same log-probabilities as from the sorted vocabulary, banned tokens' mass (here about a
-    third) left out of the nucleus' share."""
-    rows, vocab, banned = 4096, 1000, torch.tensor([0, 1])
-    logits = torch.randn(rows, vocab) * 4.0
-    logits[:, 0] = logits.max(1).values  # a banned token as probable as the best
-    flat = torch.randperm(rows)[:flat_rows]
-    logits[flat] = torch.randn(flat_rows, vocab) * 0.1
-    logits[flat[:1], 5:300] += 5.0  # a nucleus of about 300 columns: the partial top-k's
-    monkeypatch.setattr(next_token, "WIDE_NUCLEUS_CANDIDATES", 400)  # the others need them all
-    sampling = Sampling("topp", topp=0.85, temperature=temperature)
-    random = uniforms(torch.tensor(5), torch.arange(rows), 0)
-    drawn = {}
-    for topp in (0.85, None):
-        values, ids = candidates([logits], vocab, banned, temperature=temperature, topp=topp)
-        column = sampling.draw(values, random)[:, None]
-        drawn[topp] = (ids.gather(1, column), values.gather(1, column), values.shape[1])
-    (tokens, scores, width), (sorted_tokens, sorted_scores, sorted_width) = drawn.values()
-    assert sorted_width == vocab
-    assert width == NUCLEUS_CANDIDATES + 1 if flat_rows == 0 else 500 < width <= vocab + 1
-    assert torch.equal(tokens, sorted_tokens)
-    torch.testing.assert_close(scores, sorted_scores, rtol=0, atol=1e-5)
+@pytest.mark.parametrize("sampling", [Sampling("topk", topk=5), Sampling("topp", topp=0.8)])
+def test_rules_and_ensembles_draw_from_the_written_log_probabilities_as_one_model_does(sampling):
+    """One model without rules draws straight from its logits; with rules (here: masking
+    nothing) or as an ensemble of itself, from the written log-probabilities. The draw depends
+    only on differences within a row, so the tokens are the same, and so are their
+    log-probabilities (the written ones, not renormalised over what the rules leave)."""
+    rows, vocab, banned = 500, 300, torch.tensor([0, 1])
+    logits = torch.randn(rows, vocab) * 3.0
+    random = uniforms(torch.tensor(3), torch.arange(rows), 0)
+    alone = drawn([logits], banned, sampling, random)
+    for other in (
+        drawn([logits], banned, sampling, random, rules=[lambda log_probs: None]),
+        drawn([logits, logits], banned, sampling, random),
+    ):
+        assert (other[1] != alone[1]).float().mean() < 0.01  # a draw on a boundary may differ
+        same = other[1] == alone[1]
+        torch.testing.assert_close(other[0][same], alone[0][same], rtol=0, atol=1e-5)
+    masked = drawn([logits], banned, sampling, random, rules=[lambda lp: lp[:, 2:100].fill_(-1e30)])
+    assert (masked[1] >= 100).all()
+    expected = logits.log_softmax(-1).gather(1, masked[1][:, None])[:, 0]
+    torch.testing.assert_close(masked[0], expected, rtol=0, atol=1e-5)
 
 
 def test_uniforms_are_uniform_and_a_function_of_seed_stream_and_step():

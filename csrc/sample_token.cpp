@@ -1,0 +1,282 @@
+// One token drawn from each row of softmax(logits / temperature), some columns banned, restricted
+// to the top k or to the top-p nucleus (the row step of sampling; fastnmt/ops/sample_token.py has
+// the math and the reference).
+//
+// Each row is read once into an fp32 buffer (divided by the temperature) while finding its max;
+// the banned columns' exponentials are summed and the columns set to -inf there. One vectorised
+// pass over that buffer sums the other exponentials (the normaliser) and, for top-k and top-p,
+// keeps the best columns in a small sorted list. Top-p finds the nucleus' last column in that
+// list, or, for a row whose nucleus is wider, from a histogram of the row's probabilities by value
+// and a sort of the one bucket where the running probability crosses p; the columns past it are
+// set to -inf. The draw is an inverse transform over the candidates (the top k best first; the nucleus
+// and the whole row in column order), on whole vectors' sums over a row. No (rows x V) tensor is
+// written, and rows are split over threads.
+#include "common.h"
+#include "row_softmax.h"
+#include "vec.h"
+
+#include <array>
+#include <cmath>
+#include <vector>
+
+namespace fastnmt {
+namespace {
+
+// How many best columns top-p lists in the normaliser's pass: a trained model's nucleus is almost
+// always among them.
+constexpr int64_t kNucleusList = 64;
+// A wider nucleus' buckets of value: kBucketsPerNat per nat below the best, the last one holding
+// everything past 32 nats (probabilities below 1e-14 of the best's).
+constexpr float kBucketsPerNat = 16.0f;
+constexpr int kBuckets = 513;
+
+struct Candidate {
+  float value;
+  int64_t index;
+};
+
+// Candidates best first: ties to the lower column (the list's and a stable sort's order).
+bool worse(const Candidate& a, const Candidate& b) {
+  return a.value < b.value || (a.value == b.value && a.index > b.index);
+}
+
+// The largest of x's padded whole vectors.
+float allowed_max(const float* x, int64_t padded) {
+  Vec running = splat(-kInf);
+  for (int64_t j = 0; j < padded; j += kLanes) {
+    const Vec v = load(x + j);
+    running = v > running ? v : running;
+  }
+  return horizontal_max(running);
+}
+
+// The first of n candidates whose running probability sum passes u times their total, the
+// probabilities exp(value - top) (written to probabilities, n of them); where rounding leaves
+// u * total at the total, the last one that can be drawn (0 when none can). value(c) gives
+// candidate c's value.
+template <typename Value>
+int64_t inverse_transform(int64_t n, Value value, float top, float u, float* probabilities) {
+  double total = 0.0;
+  int64_t last = 0;
+  for (int64_t c = 0; c < n; ++c) {
+    const float v = value(c);
+    probabilities[c] = v > -kInf ? std::exp(v - top) : 0.0f;
+    total += probabilities[c];
+    if (probabilities[c] > 0.0f) last = c;
+  }
+  const double target = static_cast<double>(u) * total;
+  double running = 0.0;
+  for (int64_t c = 0; c < last; ++c) {
+    running += probabilities[c];
+    if (running > target) return c;
+  }
+  return last;
+}
+
+// inverse_transform over every column of x (padded with -inf) in column order: exponentials
+// summed a vector at a time, then only the vector where the running sum passes the target is
+// walked column by column.
+int64_t inverse_transform_columns(const float* x, int64_t vocab, int64_t padded, float top,
+                                  float u, float* sums) {
+  const int64_t vectors = padded / kLanes;
+  double total = 0.0;
+  for (int64_t b = 0; b < vectors; ++b) {
+    const Vec v = load(x + b * kLanes);
+    sums[b] = horizontal_sum(v > -kInf ? vector_exp(v - top) : Vec{});
+    total += sums[b];
+  }
+  const double target = static_cast<double>(u) * total;
+  double running = 0.0;
+  for (int64_t b = 0; b < vectors; ++b) {
+    if (running + sums[b] > target) {
+      const float* block = x + b * kLanes;
+      const int64_t n = std::min(kLanes, vocab - b * kLanes);
+      const float rest = static_cast<float>((target - running) / sums[b]);
+      float probabilities[kLanes];
+      return b * kLanes +
+             inverse_transform(n, [&](int64_t l) { return block[l]; }, top, rest, probabilities);
+    }
+    running += sums[b];
+  }
+  // Rounding: the last column that can be drawn.
+  for (int64_t j = vocab - 1; j > 0; --j) {
+    if (x[j] > -kInf) return j;
+  }
+  return 0;
+}
+
+// The nucleus' last candidate, best first (ties to the lower column): the first whose running
+// probability, with all before it, reaches topp of the allowed probability; the probabilities are
+// exp(value - best) / allowed, best the largest value and allowed their sum. From the list when
+// the nucleus ends within it. Otherwise the probabilities are written to p and summed by
+// buckets of value (1/16 nat each, below best): only the columns of the bucket where the running
+// probability crosses topp are sorted.
+Candidate nucleus_edge(const float* x, int64_t vocab, int64_t padded, const TopK& listed,
+                       const float* listed_values, const int64_t* listed_indices, float best,
+                       double allowed, double topp, float* p, std::vector<Candidate>& band) {
+  const double target = topp * allowed;
+  double running = 0.0;
+  for (int64_t c = 0; c < listed.size(); ++c) {
+    running += std::exp(listed_values[c] - best);
+    if (running >= target) return {listed_values[c], listed_indices[c]};
+  }
+  const int64_t last = listed.size() - 1;
+  if (listed.size() < listed.capacity()) return {listed_values[last], listed_indices[last]};
+  for (int64_t j = 0; j < padded; j += kLanes) {
+    const Vec v = load(x + j);
+    store(p + j, v > -kInf ? vector_exp(v - best) : Vec{});
+  }
+  // The probabilities by bucket of value below best, in one pass; only the columns of the
+  // bucket where the running probability crosses the target are sorted.
+  std::array<double, kBuckets> mass{};
+  const auto bucket = [best](float value) {
+    return static_cast<int>(std::min((best - value) * kBucketsPerNat, kBuckets - 1.0f));
+  };
+  for (int64_t j = 0; j < vocab; ++j) {
+    if (x[j] > -kInf) mass[bucket(x[j])] += p[j];
+  }
+  // Where rounding keeps the running probability below the target (p near 1), the last bucket
+  // with a column: the nucleus is every allowed column.
+  running = 0.0;
+  int crossing = 0;
+  double before_crossing = 0.0;
+  for (int b = 0; b < kBuckets; ++b) {
+    if (mass[b] == 0.0) continue;
+    crossing = b, before_crossing = running;
+    running += mass[b];
+    if (running >= target) break;
+  }
+  running = before_crossing;
+  band.clear();
+  for (int64_t j = 0; j < vocab; ++j) {
+    if (x[j] > -kInf && bucket(x[j]) == crossing) band.push_back({x[j], j});
+  }
+  std::sort(band.begin(), band.end(), [](const Candidate& a, const Candidate& b) {
+    return worse(b, a);
+  });
+  for (const Candidate& candidate : band) {
+    running += p[candidate.index];
+    if (running >= target) return candidate;
+  }
+  return band.empty() ? Candidate{listed_values[last], listed_indices[last]} : band.back();
+}
+
+// Sets the columns of x past the nucleus' edge (worse than it, best first) to -inf: a select a
+// vector, the few lanes tied with the edge's value fixed one by one.
+void keep_nucleus(float* x, int64_t padded, Candidate edge) {
+  const Vec value = splat(edge.value);
+  for (int64_t j = 0; j < padded; j += kLanes) {
+    const Vec v = load(x + j);
+    store(x + j, v < value ? splat(-kInf) : v);
+    for (uint32_t tied = greater_mask(v, edge.value) ^ greater_mask(v, std::nextafter(edge.value, -kInf)); tied; tied &= tied - 1) {
+      const int64_t column = j + __builtin_ctz(tied);
+      if (column > edge.index) x[column] = -kInf;
+    }
+  }
+}
+
+struct Options {
+  float temperature;
+  int64_t topk;  // 0: no top-k
+  double topp;   // > 1: no top-p
+};
+
+template <typename T>
+void rows(const T* logits, const int64_t* banned, int64_t banned_count, const float* uniforms,
+          float* log_probs, int64_t* tokens, int64_t count, int64_t vocab, Options options) {
+  const int64_t padded = whole_vectors(vocab);
+  const bool nucleus_wanted = options.topp <= 1.0;
+  const int64_t listed =
+      options.topk ? options.topk : nucleus_wanted ? std::min(kNucleusList, vocab) : 0;
+  at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer(padded), sums(padded / kLanes), values(std::max<int64_t>(listed, 1));
+    std::vector<int64_t> indices(std::max<int64_t>(listed, 1));
+    std::vector<Candidate> band;
+    std::vector<float> probabilities, p(padded);
+    float* x = buffer.data();
+    for (int64_t i = begin; i < end; ++i) {
+      float row_max = load_row(logits + i * vocab, vocab, padded, x);
+      if (options.temperature != 1.0f) {  // a division, as the reference's logits / temperature
+        for (int64_t j = 0; j < vocab; ++j) x[j] /= options.temperature;
+        row_max /= options.temperature;
+      }
+      const float banned_total = ban(x, banned, banned_count, row_max);
+      // The draw's probabilities are relative to the best allowed column: a banned column far
+      // more probable (bos) must not make them underflow.
+      const float best = allowed_max(x, padded);
+      TopK top(values.data(), indices.data(), listed);
+      const float allowed =
+          best == -kInf ? 0.0f : exp_sum_and_top(x, vocab, padded, best, listed ? &top : nullptr);
+      const float lse = row_max + std::log(allowed * std::exp(best - row_max) + banned_total);
+      int64_t token;
+      if (best == -kInf) {  // no column can be drawn (all banned, or every logit -inf)
+        token = 0;
+      } else if (options.topk) {
+        probabilities.resize(options.topk);
+        const int64_t c = inverse_transform(
+            options.topk, [&](int64_t c) { return values[c]; }, best, uniforms[i],
+            probabilities.data());
+        token = indices[c];
+      } else if (nucleus_wanted) {  // the nucleus, drawn in column order
+        const Candidate edge = nucleus_edge(x, vocab, padded, top, values.data(), indices.data(),
+                                            best, allowed, options.topp, p.data(), band);
+        keep_nucleus(x, padded, edge);
+        token = inverse_transform_columns(x, vocab, padded, best, uniforms[i], sums.data());
+      } else {
+        token = inverse_transform_columns(x, vocab, padded, best, uniforms[i], sums.data());
+      }
+      tokens[i] = token;
+      const float value = to_float(logits[i * vocab + token]);
+      log_probs[i] = row_max == -kInf ? -kInf
+                                      : (options.temperature != 1.0f ? value / options.temperature
+                                                                     : value) - lse;
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> sample_token(const at::Tensor& logits_in,
+                                                const at::Tensor& uniforms_in,
+                                                const at::Tensor& banned_in, double temperature,
+                                                int64_t topk, double topp) {
+  check_cpu(logits_in, "logits");
+  check_cpu(uniforms_in, "uniforms");
+  check_cpu(banned_in, "banned");
+  TORCH_CHECK(logits_in.dim() == 2, "logits must be (rows, V), got ", logits_in.dim(), " dims");
+  const auto count = logits_in.size(0), vocab = logits_in.size(1);
+  TORCH_CHECK(vocab >= 1, "logits must have at least one column");
+  TORCH_CHECK(uniforms_in.dim() == 1 && uniforms_in.size(0) == count,
+              "uniforms must be (rows,) = (", count, ",)");
+  TORCH_CHECK(topk >= 0 && topk <= vocab, "topk must be in [0, ", vocab, "], got ", topk);
+  TORCH_CHECK(topp > 0.0, "topp must be positive, got ", topp);
+  TORCH_CHECK(temperature > 0.0, "temperature must be positive, got ", temperature);
+  TORCH_CHECK(banned_in.dim() == 1, "banned must be 1-D");
+  const auto logits = logits_in.contiguous();
+  const auto uniforms = uniforms_in.to(at::kFloat).contiguous();
+  const auto banned = banned_in.to(at::kLong).contiguous();
+  const auto* banned_ids = banned.data_ptr<int64_t>();
+  for (int64_t b = 0; b < banned.numel(); ++b) {
+    TORCH_CHECK(banned_ids[b] >= 0 && banned_ids[b] < vocab, "banned id ", banned_ids[b],
+                " is outside [0, ", vocab, ")");
+  }
+  auto log_probs = at::empty({count}, logits.options().dtype(at::kFloat));
+  auto tokens = at::empty({count}, logits.options().dtype(at::kLong));
+  const Options options{static_cast<float>(temperature), topk, topp};
+  dispatch_float(logits.scalar_type(), "sample_token", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    rows(logits.data_ptr<T>(), banned_ids, banned.numel(), uniforms.data_ptr<float>(),
+         log_probs.data_ptr<float>(), tokens.data_ptr<int64_t>(), count, vocab, options);
+  });
+  return {log_probs, tokens};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(fastnmt, m) {
+  m.def(
+      "sample_token_cpp(Tensor logits, Tensor uniforms, Tensor banned, float temperature, "
+      "int topk, float topp) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(fastnmt, CPU, m) { m.impl("sample_token_cpp", sample_token); }
+
+}  // namespace fastnmt
