@@ -16,7 +16,8 @@ import torch
 import fastnmt
 from fastnmt import train
 from fastnmt.attention import KVCache, MultiheadAttention
-from fastnmt.decoding.search import LengthPenalty, beam_search, greedy
+from fastnmt.decoding.next_token import Sampling
+from fastnmt.decoding.search import LengthPenalty, Rules, beam_search, greedy, sample
 from fastnmt.decoding.shortlist import Shortlist
 from fastnmt.decoding.static_search import StaticSearches
 from fastnmt.model import ModelConfig, Transformer
@@ -27,6 +28,7 @@ from fastnmt.ops import (
     feed_forward,
     linear_cross_entropy,
     log_softmax_topk,
+    sample_token,
 )
 from fastnmt.translator import Translator
 from tests.helpers import device_of, require_backend, tiny_checkpoint
@@ -129,6 +131,15 @@ def test_log_softmax_topk(device):
         log_softmax_topk(logits, 4, banned)
 
 
+@pytest.mark.parametrize("device", ["reference", "cpp"], indirect=True)  # it has no Triton kernel
+@pytest.mark.parametrize("restriction", [dict(), dict(topk=3), dict(topp=0.9)])
+def test_sample_token(device, restriction):
+    logits, banned = torch.randn(5, 50, device=device), torch.tensor([0, 1], device=device)
+    uniforms = torch.rand(5, device=device)
+    with implicit_tensors_elsewhere(device):
+        sample_token(logits, uniforms, banned, temperature=0.7, **restriction)
+
+
 def test_multihead_attention_with_a_kv_cache(device):
     mha = MultiheadAttention(32, 2, batch_first=True).to(device).eval()
     x, lengths = torch.randn(3, 6, 32, device=device), torch.tensor([6, 4, 1], device=device)
@@ -153,11 +164,13 @@ def _search_inputs():
     return src, torch.tensor([6, 4, 2]), torch.tensor([5, 6, 4])
 
 
-# log_softmax_topk has no Triton kernel: the reference serves it, as on a GPU
-REFERENCE_TOPK = dict(name="reference", ops=["log_softmax_topk"])
+# log_softmax_topk and sample_token have no Triton kernel: the reference serves them, as on a GPU
+REFERENCE_TOPK = dict(name="reference", ops=["log_softmax_topk", "sample_token"])
 
 
-@pytest.mark.parametrize("search", ["greedy", "beam", "shortlist", "no cache", "prefix"])
+@pytest.mark.parametrize(
+    "search", ["greedy", "beam", "shortlist", "no cache", "prefix", "top-p", "top-k with rules"]
+)
 def test_search(device, search):
     model = Transformer(SEARCH_MODEL).to(device).eval()
     src, lengths, max_lens = _search_inputs()  # host lengths are accepted
@@ -170,18 +183,23 @@ def test_search(device, search):
         ),
         "no cache": dict(beam=2, incremental=False),
         "prefix": dict(beam=2, prefix=[7]),
+        "top-p": dict(sampling=Sampling("topp", topp=0.8, samples=2)),
+        "top-k with rules": dict(sampling=Sampling("topk", topk=4), rules=Rules(None, 2)),
     }[search]
-    run = beam_search if "beam" in options else greedy
+    run = beam_search if "beam" in options else sample if "sampling" in options else greedy
     with fastnmt.backend(**REFERENCE_TOPK), implicit_tensors_elsewhere(device):
         found = run(model, src, lengths, max_lens, **options)
     assert len(found) == 3
 
 
-def test_static_search(device):
+@pytest.mark.parametrize("sampling", [None, Sampling("topp", topp=0.8, samples=2, seed=1)])
+def test_static_search(device, sampling):
     searches = StaticSearches(Transformer(SEARCH_MODEL).to(device).eval(), capture=False)
     inputs = _search_inputs()  # host tensors: the search copies them in
     with fastnmt.backend(**REFERENCE_TOPK), implicit_tensors_elsewhere(device):
-        found = searches.search(*inputs, beam=2, prefix=[7], penalty=LengthPenalty())
+        found = searches.search(
+            *inputs, beam=2, prefix=[7], penalty=LengthPenalty(), sampling=sampling
+        )
     assert len(found) == 3
 
 

@@ -71,7 +71,7 @@ def resolve_seed(sampling: Sampling | None) -> Sampling | None:
     """``sampling`` with a seed: its own, or one drawn from torch's generator."""
     if sampling is None or sampling.seed is not None:
         return sampling
-    seed = int(torch.randint(1 << 62, (), dtype=torch.int64))
+    seed = int(torch.randint(1 << 62, (), dtype=torch.int64, device="cpu"))
     return Sampling(**{**sampling.__dict__, "seed": seed})
 
 

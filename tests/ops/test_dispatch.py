@@ -117,6 +117,7 @@ def test_every_op_explains_itself():
         "feed_forward": ((x, torch.randn(16, 8), None, torch.randn(8, 16), None), {}),
         "linear_cross_entropy": ((x, torch.randn(11, 8), None, torch.tensor([1, 2, 3, 4])), {}),
         "log_softmax_topk": ((x, 3), {"banned": torch.tensor([0])}),
+        "sample_token": ((x, torch.rand(4)), {"topp": 0.5}),
     }
     assert set(calls) == set(dispatch.OPS)
     for name, (args, kwargs) in calls.items():
