@@ -6,11 +6,11 @@
 // the banned columns' exponentials are summed and the columns set to -inf there. One vectorised
 // pass over that buffer sums the other exponentials (the normaliser) and, for top-k and top-p,
 // keeps the best columns in a small sorted list. Top-p finds the nucleus' last column in that
-// list, or, for a row whose nucleus is wider, from a histogram of the row's probabilities by value
-// and a sort of the one bucket where the running probability crosses p; the columns past it are
-// set to -inf. The draw is an inverse transform over the candidates (the top k best first; the nucleus
-// and the whole row in column order), on whole vectors' sums over a row. No (rows x V) tensor is
-// written, and rows are split over threads.
+// list, or, for a row whose nucleus is wider, by narrowing a band of values where the running
+// probability crosses p (16 thresholds a vectorised pass) and sorting that band alone; the columns
+// past it are set to -inf. The draw is an inverse transform over the candidates (the top k best
+// first; the nucleus and the whole row in column order), on whole vectors' sums over a row. No
+// (rows x V) tensor is written, and rows are split over threads.
 #include "common.h"
 #include "row_softmax.h"
 #include "vec.h"
@@ -22,13 +22,15 @@
 namespace fastnmt {
 namespace {
 
-// How many best columns top-p lists in the normaliser's pass: a trained model's nucleus is almost
-// always among them.
-constexpr int64_t kNucleusList = 64;
-// A wider nucleus' buckets of value: kBucketsPerNat per nat below the best, the last one holding
-// everything past 32 nats (probabilities below 1e-14 of the best's).
-constexpr float kBucketsPerNat = 16.0f;
-constexpr int kBuckets = 513;
+// How many best columns top-p lists in the normaliser's pass: the nucleus of most of a trained
+// model's rows ends among them; a longer list costs every row more than the wider rows save.
+constexpr int64_t kNucleusList = 16;
+// A wider nucleus' edge: a band of values narrowed kLevels thresholds a pass (from the kWidestBand
+// nats below the best: probabilities down to 1e-14 of the best's) until it holds kBandColumns.
+constexpr int kLevels = 16;
+constexpr float kWidestBand = 32.0f;
+constexpr int64_t kBandColumns = 64;
+constexpr int kMaxPasses = 6;
 
 struct Candidate {
   float value;
@@ -105,12 +107,47 @@ int64_t inverse_transform_columns(const float* x, int64_t vocab, int64_t padded,
   return 0;
 }
 
+// The probability (p) of x's columns above each of kLevels thresholds, hi - step, hi - 2 step,
+// ..., in one pass over the padded whole vectors.
+std::array<double, kLevels> masses_above(const float* x, const float* p, int64_t padded, float hi,
+                                         float step) {
+  std::array<Vec, kLevels> sums{};
+  std::array<float, kLevels> thresholds;
+  for (int k = 0; k < kLevels; ++k) thresholds[k] = hi - step * static_cast<float>(k + 1);
+  for (int64_t j = 0; j < padded; j += kLanes) {
+    const Vec v = load(x + j), q = load(p + j);
+    for (int k = 0; k < kLevels; ++k) sums[k] += v > thresholds[k] ? q : Vec{};
+  }
+  std::array<double, kLevels> mass;
+  for (int k = 0; k < kLevels; ++k) mass[k] = horizontal_sum(sums[k]);
+  return mass;
+}
+
+// How many of x's columns lie in (lo, hi].
+int64_t count_between(const float* x, int64_t padded, float lo, float hi) {
+  int64_t count = 0;
+  for (int64_t j = 0; j < padded; j += kLanes) {
+    const Vec v = load(x + j);
+    count += __builtin_popcount(greater_mask(v, lo) & ~greater_mask(v, hi));
+  }
+  return count;
+}
+
+// The last of x's allowed columns, best first (the lowest value, the highest column among ties).
+Candidate worst(const float* x, int64_t vocab) {
+  Candidate found{kInf, 0};
+  for (int64_t j = 0; j < vocab; ++j) {
+    if (x[j] > -kInf && x[j] <= found.value) found = {x[j], j};
+  }
+  return found;
+}
+
 // The nucleus' last candidate, best first (ties to the lower column): the first whose running
 // probability, with all before it, reaches topp of the allowed probability; the probabilities are
 // exp(value - best) / allowed, best the largest value and allowed their sum. From the list when
-// the nucleus ends within it. Otherwise the probabilities are written to p and summed by
-// buckets of value (1/16 nat each, below best): only the columns of the bucket where the running
-// probability crosses topp are sorted.
+// the nucleus ends within it. Otherwise the probabilities are written to p and a band of values
+// where the running probability crosses topp is narrowed, 16 thresholds a vectorised pass, to a
+// few columns, which alone are sorted.
 Candidate nucleus_edge(const float* x, int64_t vocab, int64_t padded, const TopK& listed,
                        const float* listed_values, const int64_t* listed_indices, float best,
                        double allowed, double topp, float* p, std::vector<Candidate>& band) {
@@ -126,34 +163,36 @@ Candidate nucleus_edge(const float* x, int64_t vocab, int64_t padded, const TopK
     const Vec v = load(x + j);
     store(p + j, v > -kInf ? vector_exp(v - best) : Vec{});
   }
-  // The probabilities by bucket of value below best, in one pass; only the columns of the
-  // bucket where the running probability crosses the target are sorted.
-  std::array<double, kBuckets> mass{};
-  const auto bucket = [best](float value) {
-    return static_cast<int>(std::min((best - value) * kBucketsPerNat, kBuckets - 1.0f));
-  };
-  for (int64_t j = 0; j < vocab; ++j) {
-    if (x[j] > -kInf) mass[bucket(x[j])] += p[j];
+  // Narrow a band of values (lo, hi] holding the crossing, mass above hi < target <= mass above
+  // lo, kLevels thresholds a pass, until it holds a few columns (or one value: ties).
+  float hi = best, width = kWidestBand;
+  double mass_hi = 0.0;
+  for (int pass = 0; pass < kMaxPasses; ++pass) {
+    const float step = width / kLevels;
+    const auto mass = masses_above(x, p, padded, hi, step);
+    int k = 0;
+    while (k < kLevels && mass[k] < target) ++k;
+    if (k == kLevels) {  // rounding (p near 1) or a band past the widest: every allowed column
+      if (pass == 0) return worst(x, vocab);
+      k = kLevels - 1;
+    }
+    if (k > 0) mass_hi = mass[k - 1];
+    hi = hi - step * static_cast<float>(k), width = step;
+    if (count_between(x, padded, hi - width, hi) <= kBandColumns) break;
   }
-  // Where rounding keeps the running probability below the target (p near 1), the last bucket
-  // with a column: the nucleus is every allowed column.
-  running = 0.0;
-  int crossing = 0;
-  double before_crossing = 0.0;
-  for (int b = 0; b < kBuckets; ++b) {
-    if (mass[b] == 0.0) continue;
-    crossing = b, before_crossing = running;
-    running += mass[b];
-    if (running >= target) break;
-  }
-  running = before_crossing;
+  const float lo = hi - width;
   band.clear();
-  for (int64_t j = 0; j < vocab; ++j) {
-    if (x[j] > -kInf && bucket(x[j]) == crossing) band.push_back({x[j], j});
+  for (int64_t j = 0; j < padded; j += kLanes) {
+    const Vec v = load(x + j);
+    for (uint32_t lanes = greater_mask(v, lo) & ~greater_mask(v, hi); lanes; lanes &= lanes - 1) {
+      const int64_t column = j + __builtin_ctz(lanes);
+      band.push_back({x[column], column});
+    }
   }
   std::sort(band.begin(), band.end(), [](const Candidate& a, const Candidate& b) {
     return worse(b, a);
   });
+  running = mass_hi;
   for (const Candidate& candidate : band) {
     running += p[candidate.index];
     if (running >= target) return candidate;
@@ -165,10 +204,12 @@ Candidate nucleus_edge(const float* x, int64_t vocab, int64_t padded, const TopK
 // vector, the few lanes tied with the edge's value fixed one by one.
 void keep_nucleus(float* x, int64_t padded, Candidate edge) {
   const Vec value = splat(edge.value);
+  const float below = std::nextafter(edge.value, -kInf);
   for (int64_t j = 0; j < padded; j += kLanes) {
     const Vec v = load(x + j);
     store(x + j, v < value ? splat(-kInf) : v);
-    for (uint32_t tied = greater_mask(v, edge.value) ^ greater_mask(v, std::nextafter(edge.value, -kInf)); tied; tied &= tied - 1) {
+    uint32_t tied = greater_mask(v, below) & ~greater_mask(v, edge.value);
+    for (; tied; tied &= tied - 1) {
       const int64_t column = j + __builtin_ctz(tied);
       if (column > edge.index) x[column] = -kInf;
     }

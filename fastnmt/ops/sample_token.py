@@ -9,9 +9,9 @@ Math, for row i of z_i = logits_i / T (V,), the allowed columns A (all but ``ban
 row's uniform u_i in [0, 1):
 
     candidates  top-k: the k columns of A of largest z, best first (ties to the lower column);
-                top-p: the columns of A best first (the same order), cut after the smallest prefix
-                       whose probability, normalised over A, reaches p (the nucleus, Holtzman et
-                       al. 2020; the first is always kept);
+                top-p: the nucleus (Holtzman et al. 2020): A's columns best first (the same
+                       order) up to the first whose running probability, normalised over A,
+                       reaches p; drawn in column order (no row needs sorting);
                 neither: every column in column order, banned ones with probability 0.
     q_c         = exp(z_c - max_c z_c) over the candidates c
     token       = the first candidate whose running sum of q passes u_i * sum q (inverse
@@ -19,14 +19,15 @@ row's uniform u_i in [0, 1):
 
 A sentence's uniforms come from a counter-based hash (``fastnmt.decoding.next_token``), so the
 same uniforms draw the same tokens in any batch, on any backend (to rounding: a uniform within
-rounding of a boundary between two candidates may pick either), captured or not. A row whose allowed
-columns are all -inf draws an unspecified column, of log-probability -inf (NaN on the reference
-where every logit is -inf).
+rounding of a boundary between two candidates may pick either), captured or not. A row whose
+allowed columns are all -inf draws an unspecified column, of log-probability -inf (NaN on the
+reference where every logit is -inf).
 
 Backends: C++ (csrc/sample_token.cpp: one read of each row; the normaliser, a top-k list and the
-draw over a cached fp32 copy; top-p sorts nothing: it walks the best 64 and heaps the rest only
-for a row whose nucleus is wider) and the reference (torch: log_softmax, topk or a full sort,
-cumsum), which also runs on a GPU and inside CUDA graphs (no host sync).
+draw over a cached fp32 copy; top-p sorts no row: its nucleus ends within the best 16, or a band
+of values where it ends is narrowed, 16 thresholds a vectorised pass, to a few columns) and the
+reference (torch: log_softmax, a stable sort, cumsum), which also runs on a GPU and inside CUDA
+graphs (no host sync).
 """
 
 from __future__ import annotations
