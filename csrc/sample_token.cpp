@@ -258,12 +258,12 @@ void rows(const T* logits, const int64_t* banned, int64_t banned_count, const fl
             options.topk, [&](int64_t c) { return values[c]; }, best, uniforms[i],
             probabilities.data());
         token = indices[c];
-      } else if (nucleus_wanted) {  // the nucleus, drawn in column order
-        const Candidate edge = nucleus_edge(x, vocab, padded, top, values.data(), indices.data(),
-                                            best, allowed, options.topp, p.data(), band);
-        keep_nucleus(x, padded, edge);
-        token = inverse_transform_columns(x, vocab, padded, best, uniforms[i], sums.data());
-      } else {
+      } else {  // every column, or the nucleus, in column order
+        if (nucleus_wanted) {
+          keep_nucleus(x, padded,
+                       nucleus_edge(x, vocab, padded, top, values.data(), indices.data(), best,
+                                    allowed, options.topp, p.data(), band));
+        }
         token = inverse_transform_columns(x, vocab, padded, best, uniforms[i], sums.data());
       }
       tokens[i] = token;

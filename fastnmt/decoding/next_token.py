@@ -138,7 +138,10 @@ def candidates(
 
 
 def masked_log_probs(
-    logits: Sequence[torch.Tensor], banned: torch.Tensor, rules: Sequence[Rule], temperature=1.0
+    logits: Sequence[torch.Tensor],
+    banned: torch.Tensor,
+    rules: Sequence[Rule],
+    temperature: float = 1.0,
 ) -> torch.Tensor:
     """(N, V) log-probabilities (``full_log_probs``) with the banned ids and the rules' tokens
     -inf."""
