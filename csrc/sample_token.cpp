@@ -3,13 +3,15 @@
 // the math and the reference).
 //
 // Each row is read once into an fp32 buffer (divided by the temperature) while finding its max;
-// the banned columns' exponentials are summed and the columns set to -inf there. One vectorised
-// pass over that buffer sums the other exponentials (the normaliser) and, for top-k and top-p,
-// keeps the best columns in a small sorted list. Top-p finds the nucleus' last column in that
-// list, or, for a row whose nucleus is wider, by narrowing a band of values where the running
-// probability crosses p (16 thresholds a vectorised pass) and sorting that band alone; the columns
-// past it are set to -inf. The draw is an inverse transform over the candidates (the top k best
-// first; the nucleus and the whole row in column order), on whole vectors' sums over a row. No
+// the banned columns' exponentials are summed and the columns set to -inf there. Top-k and top-p
+// then take one vectorised pass over that buffer that sums the other exponentials (the
+// normaliser) and keeps the best columns in a small sorted list: top-k draws from the list; top-p
+// finds the nucleus' last column there and draws from those few columns put in column order. A
+// wider nucleus writes the row's probabilities and narrows a band of values where the running
+// probability crosses p (16 thresholds a vectorised pass), sorting that band alone. Drawing from
+// the whole row (or a wide nucleus) writes each column's probability and each vector's sum in the
+// normaliser's pass, so the inverse transform walks those sums, then the lanes of the one vector
+// where the running sum passes the target: one exponential per column in every case. No
 // (rows x V) tensor is written, and rows are split over threads.
 #include "common.h"
 #include "row_softmax.h"
@@ -75,36 +77,62 @@ int64_t inverse_transform(int64_t n, Value value, float top, float u, float* pro
   return last;
 }
 
-// inverse_transform over every column of x (padded with -inf) in column order: exponentials
-// summed a vector at a time, then only the vector where the running sum passes the target is
-// walked column by column.
-int64_t inverse_transform_columns(const float* x, int64_t vocab, int64_t padded, float top,
-                                  float u, float* sums) {
-  const int64_t vectors = padded / kLanes;
+// p = exp(x - top) for x's padded whole vectors (0 where x is -inf) and each vector's sum;
+// returns their total.
+double write_probabilities(const float* x, int64_t padded, float top, float* p, float* sums) {
   double total = 0.0;
-  for (int64_t b = 0; b < vectors; ++b) {
-    const Vec v = load(x + b * kLanes);
-    sums[b] = horizontal_sum(v > -kInf ? vector_exp(v - top) : Vec{});
-    total += sums[b];
+  for (int64_t j = 0; j < padded; j += kLanes) {
+    const Vec v = load(x + j);
+    const Vec q = v > -kInf ? vector_exp(v - top) : Vec{};
+    store(p + j, q);
+    sums[j / kLanes] = horizontal_sum(q);
+    total += sums[j / kLanes];
   }
+  return total;
+}
+
+// The inverse transform over probabilities p in column order (sums: each whole vector's, total
+// theirs): the first column whose running sum passes u times the total, found by walking the
+// vector sums and then the lanes of one vector; where rounding leaves the target past every
+// running sum, the last column that can be drawn.
+int64_t walk_columns(const float* p, const float* sums, int64_t padded, double total, float u) {
   const double target = static_cast<double>(u) * total;
   double running = 0.0;
-  for (int64_t b = 0; b < vectors; ++b) {
+  for (int64_t b = 0; b < padded / kLanes; ++b) {
     if (running + sums[b] > target) {
-      const float* block = x + b * kLanes;
-      const int64_t n = std::min(kLanes, vocab - b * kLanes);
-      const float rest = static_cast<float>((target - running) / sums[b]);
-      float probabilities[kLanes];
-      return b * kLanes +
-             inverse_transform(n, [&](int64_t l) { return block[l]; }, top, rest, probabilities);
+      double within = running;  // the lanes' own sum may round past the vector's
+      for (int64_t j = b * kLanes; j < (b + 1) * kLanes; ++j) {
+        within += p[j];
+        if (within > target && p[j] > 0.0f) return j;
+      }
     }
     running += sums[b];
   }
-  // Rounding: the last column that can be drawn.
-  for (int64_t j = vocab - 1; j > 0; --j) {
-    if (x[j] > -kInf) return j;
+  for (int64_t j = padded - 1; j > 0; --j) {
+    if (p[j] > 0.0f) return j;
   }
   return 0;
+}
+
+// The nucleus' columns among p (best first: above the edge's value, and those tied with it up to
+// its column) keep their probabilities, the others 0; sums and the returned total are the kept
+// ones'.
+double keep_nucleus(const float* x, float* p, float* sums, int64_t padded, Candidate edge) {
+  const float below = std::nextafter(edge.value, -kInf);
+  double total = 0.0;
+  for (int64_t j = 0; j < padded; j += kLanes) {
+    const Vec v = load(x + j);
+    Vec q = v < edge.value ? Vec{} : load(p + j);
+    uint32_t tied = greater_mask(v, below) & ~greater_mask(v, edge.value);
+    for (; tied; tied &= tied - 1) {
+      const int l = __builtin_ctz(tied);
+      if (j + l > edge.index) q[l] = 0.0f;
+    }
+    store(p + j, q);
+    sums[j / kLanes] = horizontal_sum(q);
+    total += sums[j / kLanes];
+  }
+  return total;
 }
 
 // The probability (p) of x's columns above each of kLevels thresholds, hi - step, hi - 2 step,
@@ -142,27 +170,31 @@ Candidate worst(const float* x, int64_t vocab) {
   return found;
 }
 
-// The nucleus' last candidate, best first (ties to the lower column): the first whose running
-// probability, with all before it, reaches topp of the allowed probability; the probabilities are
-// exp(value - best) / allowed, best the largest value and allowed their sum. From the list when
-// the nucleus ends within it. Otherwise the probabilities are written to p and a band of values
-// where the running probability crosses topp is narrowed, 16 thresholds a vectorised pass, to a
-// few columns, which alone are sorted.
-Candidate nucleus_edge(const float* x, int64_t vocab, int64_t padded, const TopK& listed,
-                       const float* listed_values, const int64_t* listed_indices, float best,
-                       double allowed, double topp, float* p, std::vector<Candidate>& band) {
+// Where the nucleus ends in the list of the best columns (best first, ties to the lower
+// column): the position of the first whose running probability, with all before it, reaches
+// topp of the allowed probability (exp(value - best) / allowed); the list's last when it holds
+// every allowed column; -1 when the nucleus is wider than the list.
+int64_t listed_edge(const TopK& listed, const float* listed_values, float best, double allowed,
+                    double topp) {
   const double target = topp * allowed;
   double running = 0.0;
   for (int64_t c = 0; c < listed.size(); ++c) {
     running += std::exp(listed_values[c] - best);
-    if (running >= target) return {listed_values[c], listed_indices[c]};
+    if (running >= target) return c;
   }
-  const int64_t last = listed.size() - 1;
-  if (listed.size() < listed.capacity()) return {listed_values[last], listed_indices[last]};
-  for (int64_t j = 0; j < padded; j += kLanes) {
-    const Vec v = load(x + j);
-    store(p + j, v > -kInf ? vector_exp(v - best) : Vec{});
-  }
+  return listed.size() < listed.capacity() ? listed.size() - 1 : -1;
+}
+
+// A nucleus wider than the list: its last candidate, best first (ties to the lower column). The
+// probabilities exp(value - best) are written to p and a band of values where the running
+// probability crosses topp of the allowed probability is narrowed, 16 thresholds a vectorised
+// pass, to a few columns, which alone are sorted.
+Candidate wide_nucleus_edge(const float* x, int64_t vocab, int64_t padded, float best,
+                            double allowed, double topp, Candidate listed_last, float* p,
+                            float* sums, std::vector<Candidate>& band) {
+  const double target = topp * allowed;
+  double running = 0.0;
+  write_probabilities(x, padded, best, p, sums);
   // Narrow a band of values (lo, hi] holding the crossing, mass above hi < target <= mass above
   // lo, kLevels thresholds a pass, until it holds a few columns (or one value: ties).
   float hi = best, width = kWidestBand;
@@ -197,23 +229,7 @@ Candidate nucleus_edge(const float* x, int64_t vocab, int64_t padded, const TopK
     running += p[candidate.index];
     if (running >= target) return candidate;
   }
-  return band.empty() ? Candidate{listed_values[last], listed_indices[last]} : band.back();
-}
-
-// Sets the columns of x past the nucleus' edge (worse than it, best first) to -inf: a select a
-// vector, the few lanes tied with the edge's value fixed one by one.
-void keep_nucleus(float* x, int64_t padded, Candidate edge) {
-  const Vec value = splat(edge.value);
-  const float below = std::nextafter(edge.value, -kInf);
-  for (int64_t j = 0; j < padded; j += kLanes) {
-    const Vec v = load(x + j);
-    store(x + j, v < value ? splat(-kInf) : v);
-    uint32_t tied = greater_mask(v, below) & ~greater_mask(v, edge.value);
-    for (; tied; tied &= tied - 1) {
-      const int64_t column = j + __builtin_ctz(tied);
-      if (column > edge.index) x[column] = -kInf;
-    }
-  }
+  return band.empty() ? listed_last : band.back();
 }
 
 struct Options {
@@ -221,6 +237,49 @@ struct Options {
   int64_t topk;  // 0: no top-k
   double topp;   // > 1: no top-p
 };
+
+// Whether a banned column holds the row's max (then the best allowed value is below it).
+bool max_banned(const float* x, const int64_t* banned, int64_t banned_count, float row_max) {
+  for (int64_t b = 0; b < banned_count; ++b) {
+    if (x[banned[b]] == row_max) return true;
+  }
+  return false;
+}
+
+// Per thread: a row's fp32 copy, its probabilities and vector sums, the list of best columns.
+struct Scratch {
+  Scratch(int64_t padded, int64_t listed)
+      : x(padded), p(padded), sums(padded / kLanes), values(std::max<int64_t>(listed, 1)),
+        indices(std::max<int64_t>(listed, 1)), probabilities(std::max<int64_t>(listed, 1)),
+        order(std::max<int64_t>(listed, 1)) {}
+  std::vector<float> x, p, sums, values;
+  std::vector<int64_t> indices;
+  std::vector<float> probabilities;
+  std::vector<int64_t> order;  // list positions in column order
+  std::vector<Candidate> band;
+};
+
+// The nucleus' draw in column order: from its listed columns when it ends in the list, else
+// from the row's probabilities with the columns past its edge zeroed.
+int64_t nucleus_token(Scratch& s, const TopK& top, int64_t vocab, int64_t padded, float best,
+                      double allowed, double topp, float u) {
+  const int64_t edge = listed_edge(top, s.values.data(), best, allowed, topp);
+  if (edge >= 0) {
+    for (int64_t c = 0; c <= edge; ++c) s.order[c] = c;
+    std::sort(s.order.begin(), s.order.begin() + edge + 1,
+              [&](int64_t a, int64_t b) { return s.indices[a] < s.indices[b]; });
+    const int64_t c = inverse_transform(
+        edge + 1, [&](int64_t c) { return s.values[s.order[c]]; }, best, u,
+        s.probabilities.data());
+    return s.indices[s.order[c]];
+  }
+  const int64_t last = top.size() - 1;
+  const Candidate listed_last{s.values[last], s.indices[last]};
+  const Candidate found = wide_nucleus_edge(s.x.data(), vocab, padded, best, allowed, topp,
+                                            listed_last, s.p.data(), s.sums.data(), s.band);
+  const double kept = keep_nucleus(s.x.data(), s.p.data(), s.sums.data(), padded, found);
+  return walk_columns(s.p.data(), s.sums.data(), padded, kept, u);
+}
 
 template <typename T>
 void rows(const T* logits, const int64_t* banned, int64_t banned_count, const float* uniforms,
@@ -230,42 +289,40 @@ void rows(const T* logits, const int64_t* banned, int64_t banned_count, const fl
   const int64_t listed =
       options.topk ? options.topk : nucleus_wanted ? std::min(kNucleusList, vocab) : 0;
   at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> buffer(padded), sums(padded / kLanes), values(std::max<int64_t>(listed, 1));
-    std::vector<int64_t> indices(std::max<int64_t>(listed, 1));
-    std::vector<Candidate> band;
-    std::vector<float> probabilities, p(padded);
-    float* x = buffer.data();
+    Scratch s(padded, listed);
+    float* x = s.x.data();
     for (int64_t i = begin; i < end; ++i) {
       float row_max = load_row(logits + i * vocab, vocab, padded, x);
       if (options.temperature != 1.0f) {  // a division, as the reference's logits / temperature
         for (int64_t j = 0; j < vocab; ++j) x[j] /= options.temperature;
         row_max /= options.temperature;
       }
+      const bool best_banned = max_banned(x, banned, banned_count, row_max);
       const float banned_total = ban(x, banned, banned_count, row_max);
       // The draw's probabilities are relative to the best allowed column: a banned column far
       // more probable (bos) must not make them underflow.
-      const float best = allowed_max(x, padded);
-      TopK top(values.data(), indices.data(), listed);
-      const float allowed =
-          best == -kInf ? 0.0f : exp_sum_and_top(x, vocab, padded, best, listed ? &top : nullptr);
-      const float lse = row_max + std::log(allowed * std::exp(best - row_max) + banned_total);
-      int64_t token;
-      if (best == -kInf) {  // no column can be drawn (all banned, or every logit -inf)
-        token = 0;
-      } else if (options.topk) {
-        probabilities.resize(options.topk);
-        const int64_t c = inverse_transform(
-            options.topk, [&](int64_t c) { return values[c]; }, best, uniforms[i],
-            probabilities.data());
-        token = indices[c];
-      } else {  // every column, or the nucleus, in column order
-        if (nucleus_wanted) {
-          keep_nucleus(x, padded,
-                       nucleus_edge(x, vocab, padded, top, values.data(), indices.data(), best,
-                                    allowed, options.topp, p.data(), band));
+      const float best = best_banned ? allowed_max(x, padded) : row_max;
+      TopK top(s.values.data(), s.indices.data(), listed);
+      double allowed = 0.0;
+      int64_t token = 0;
+      if (best == -kInf) {
+        // no column can be drawn (all banned, or every logit -inf): token 0
+      } else if (!listed) {  // every column, in column order
+        allowed = write_probabilities(x, padded, best, s.p.data(), s.sums.data());
+        token = walk_columns(s.p.data(), s.sums.data(), padded, allowed, uniforms[i]);
+      } else {
+        allowed = exp_sum_and_top(x, vocab, padded, best, &top);
+        if (options.topk) {
+          const int64_t c = inverse_transform(
+              options.topk, [&](int64_t c) { return s.values[c]; }, best, uniforms[i],
+              s.probabilities.data());
+          token = s.indices[c];
+        } else {
+          token = nucleus_token(s, top, vocab, padded, best, allowed, options.topp, uniforms[i]);
         }
-        token = inverse_transform_columns(x, vocab, padded, best, uniforms[i], sums.data());
       }
+      const float lse =
+          row_max + std::log(static_cast<float>(allowed) * std::exp(best - row_max) + banned_total);
       tokens[i] = token;
       const float value = to_float(logits[i * vocab + token]);
       log_probs[i] = row_max == -kInf ? -kInf

@@ -87,21 +87,32 @@ _MASK = 0xFFFFFFFF
 _MULTIPLIER = 0x45D9F3B  # below 2**31: products of 32-bit values stay within int64
 
 
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (a bijection with good avalanche) of int64 tensors."""
+def _mix(x):
+    """A 32-bit integer hash (a bijection with good avalanche) of int64 tensors, or of an int (the
+    same value: the products stay within int64)."""
     x = x & _MASK
     x = ((x >> 16) ^ x) * _MULTIPLIER & _MASK
     x = ((x >> 16) ^ x) * _MULTIPLIER & _MASK
     return (x >> 16) ^ x
 
 
+def stream_keys(seed: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """The part of ``uniforms`` that no step changes, (N,) int64: a search computes it once."""
+    x = _mix(_mix(seed) ^ (seed >> 32))
+    return _mix(x ^ _mix(streams) ^ (streams >> 32))
+
+
+def uniforms_at(keys: torch.Tensor, step: int | torch.Tensor) -> torch.Tensor:
+    """``uniforms`` from the streams' ``stream_keys`` (N,); an int step is hashed on the host
+    (a Python int: no tensor op)."""
+    x = _mix(keys + _mix(step))
+    return (x >> 8).float() * 2.0**-24
+
+
 def uniforms(seed: torch.Tensor, streams: torch.Tensor, step: int | torch.Tensor):
     """Uniform float32s in [0, 1) (N,), one per stream (N,) int64, a function of (seed, stream,
     step) only; ``seed`` an int64 tensor (1,) or (), ``step`` an int or an int64 device tensor."""
-    x = _mix(_mix(seed) ^ (seed >> 32))
-    x = _mix(x ^ _mix(streams) ^ (streams >> 32))
-    x = _mix(x + _mix(torch.as_tensor(step, device=streams.device)))
-    return (x >> 8).float() * 2.0**-24
+    return uniforms_at(stream_keys(seed, streams), step)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -34,7 +34,8 @@ from fastnmt.decoding.next_token import (
     drawn,
     force,
     resolve_seed,
-    uniforms,
+    stream_keys,
+    uniforms_at,
 )
 from fastnmt.model import Transformer, reorder_self_attention
 
@@ -391,10 +392,11 @@ def sample(
     prefixes = None if rules.prefixes is None else [p for p in rules.prefixes for _ in range(n)]
     rules = Rules(prefixes, rules.no_repeat_ngram)
     batch = _Batch(models, *expanded, incremental, eos, prefix, shortlist, rules)
-    row_streams, seed = row_streams.reshape(-1), torch.tensor(sampling.seed, device=src.device)
+    seed = torch.tensor(sampling.seed, device=src.device)
+    keys = stream_keys(seed, row_streams.reshape(-1))  # once: a step hashes only its number
 
     def draw(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        random = uniforms(seed, row_streams.index_select(0, batch.sentences), step)
+        random = uniforms_at(keys.index_select(0, batch.sentences), step)
         log_probs, tokens = batch.drawn(sampling, random)
         return log_probs[:, None], tokens[:, None]
 

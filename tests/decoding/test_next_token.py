@@ -13,10 +13,13 @@ from fastnmt.decoding.next_token import (
     drawn,
     force,
     full_log_probs,
+    stream_keys,
     uniforms,
+    uniforms_at,
 )
 from fastnmt.decoding.search import sample
 from fastnmt.model import ModelConfig, Transformer
+from tests.helpers import HostOps
 
 # pad, bos, eos and nine words: every category gets hundreds of draws.
 TWELVE = ModelConfig(
@@ -123,6 +126,19 @@ def test_uniforms_are_uniform_and_a_function_of_seed_stream_and_step():
     # neighbouring streams and steps are not correlated
     pairs = torch.stack([values, uniforms(seed, streams + 1, 3), uniforms(seed, streams, 4)])
     assert torch.corrcoef(pairs).sub(torch.eye(3)).abs().max() < 0.02
+
+
+def test_a_step_of_uniforms_from_stream_keys_hashes_only_the_step_number():
+    seed, streams = torch.tensor(2**40 + 5), torch.randint(0, 2**40, (1000,))
+    keys = stream_keys(seed, streams)
+    for step in (0, 7, 1023):
+        expected = uniforms(seed, streams, step)
+        assert torch.equal(uniforms_at(keys, step), expected)
+        assert torch.equal(uniforms_at(keys, torch.tensor(step)), expected)  # a device step
+    with HostOps() as host:
+        uniforms_at(keys, 7)
+    # the keys' hash and the int step's on the host: one add, one _mix, the float conversion
+    assert len(host.aten) <= 15, host.aten
 
 
 def test_bad_sampling_values_are_one_line_errors():
