@@ -7,7 +7,9 @@ not) and int8 GEMMs (``fastnmt.quantize``). Groups of their own: sampling agains
 scoring the pairs against beam-4 translation, and an ensemble of two against one model.
 Beside them, CTranslate2 (when installed) on the same model exported by ``fastnmt.export``:
 float32 and int8, batches of 32 sentences or of 6,000 tokens, 2 threads, the same beam, length
-penalty and bans (pad, bos); every row reports BLEU.
+penalty and bans (pad, bos); every row reports BLEU. The "interleaved ratios" group measures the
+targets' ratios (sampling against greedy, scoring against beam 4, beam 4 against CTranslate2's
+faster row) in FASTNMT_BENCH_ROUNDS rounds (3) that run every row in turn.
 
 A trained model gives realistic output lengths: set FASTNMT_BENCH_CHECKPOINT=DIR to translate all
 1,000 sentences with it. Without one, a randomly initialised ``tiny`` model (the same size)
@@ -20,8 +22,11 @@ longest source, so compare its target tokens/s there, and sentences/s on a train
 from __future__ import annotations
 
 import copy
+import functools
 import os
+import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -240,14 +245,15 @@ def ctranslate2_dirs(setup, tmp_path_factory) -> dict[str, Path]:
     return {q: export.export_ctranslate2(path, folder / q, q) for q in ("float32", "int8")}
 
 
-@pytest.mark.parametrize(("search", "compute_type", "batching"), CT2_ROWS, ids=str)
-def test_ctranslate2(benchmark, setup, ctranslate2_dirs, search, compute_type, batching):
+def _ctranslate2(setup, dirs, search, compute_type, batching) -> Callable[[], list]:
+    """A call that translates the setup's sentences with CTranslate2 (warmed up) and returns
+    the best hypothesis' pieces of each."""
     import ctranslate2
 
     translator, sentences, info = setup
     vocab = translator.vocab
     engine = ctranslate2.Translator(
-        str(ctranslate2_dirs[compute_type]), "cpu", compute_type=compute_type, intra_threads=2
+        str(dirs[compute_type]), "cpu", compute_type=compute_type, intra_threads=2
     )
     size, kind = batching.split()
     options = dict(
@@ -262,19 +268,27 @@ def test_ctranslate2(benchmark, setup, ctranslate2_dirs, search, compute_type, b
         options["max_decoding_length"] = max(len(ids) + 1 for ids in vocab.encode(sentences))
     tokens = export.to_pieces(vocab, sentences)
     engine.translate_batch(tokens[:64], **options)  # warm-up
+    return lambda: [r.hypotheses[0] for r in engine.translate_batch(tokens, **options)]
+
+
+@pytest.mark.parametrize(("search", "compute_type", "batching"), CT2_ROWS, ids=str)
+def test_ctranslate2(benchmark, setup, ctranslate2_dirs, search, compute_type, batching):
+    import ctranslate2
+
+    _, sentences, info = setup
+    translate = _ctranslate2(setup, ctranslate2_dirs, search, compute_type, batching)
     results = {}
 
     def run():
         started = time.perf_counter()
-        hypotheses = [r.hypotheses[0] for r in engine.translate_batch(tokens, **options)]
+        results["hypotheses"] = translate()
         results["seconds"] = time.perf_counter() - started
-        results["hypotheses"] = hypotheses
 
     benchmark.group = "translate"
     benchmark.pedantic(run, rounds=1, iterations=1)
     seconds, hypotheses = results["seconds"], results["hypotheses"]
     produced = sum(len(h) for h in hypotheses)
-    texts = export.from_pieces(vocab, hypotheses)
+    texts = export.from_pieces(setup[0].vocab, hypotheses)
     benchmark.extra_info.update(
         model=info["model"],
         engine=f"ctranslate2 {ctranslate2.__version__}",
@@ -287,3 +301,86 @@ def test_ctranslate2(benchmark, setup, ctranslate2_dirs, search, compute_type, b
         target_tokens_per_s=round(produced / seconds),
         bleu=round(metrics.bleu(texts, info["references"]).score, 2),
     )
+
+
+# The targets' ratios, each from one interleaved run: RATIO_ROUNDS rounds in which every row runs
+# once, in turn, each ratio taken within its round. A shared machine's speed drifts over minutes,
+# so rows timed minutes apart (the groups above) can differ by more than a target's margin.
+RATIO_ROUNDS = int(os.environ.get("FASTNMT_BENCH_ROUNDS", "3"))
+
+
+def _interleaved(benchmark, runs: dict[str, Callable[[], object]]) -> dict[str, list[float]]:
+    """Each run's seconds in every round (the runs warmed up by their makers)."""
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
+
+    def rounds():
+        for _ in range(RATIO_ROUNDS):
+            for name, run in runs.items():
+                started = time.perf_counter()
+                run()
+                seconds[name].append(time.perf_counter() - started)
+
+    benchmark.pedantic(rounds, rounds=1, iterations=1)
+    return seconds
+
+
+def _record_ratios(benchmark, seconds: dict[str, list[float]], sentences: int, baseline: str,
+                   goal: str) -> None:  # fmt: skip
+    """A row per run: its median sentences/s and the median over rounds of its speed relative
+    to ``baseline``'s in the same round."""
+    for name, times in seconds.items():
+        relative = statistics.median(b / t for b, t in zip(seconds[baseline], times, strict=True))
+        benchmark.extra_info[name] = {
+            "sentences_per_s": round(sentences / statistics.median(times), 1),
+            f"speed_vs_{baseline.replace(' ', '_')}": round(relative, 3),
+        }
+    benchmark.group = "interleaved ratios"
+    benchmark.extra_info.update(goal=goal, rounds=RATIO_ROUNDS)
+
+
+def test_ratio_sampling(benchmark, setup):
+    """Sampling's speed against greedy search's (the goal: at least 0.9x)."""
+    translator, sentences, info = setup
+    runs = {}
+    for name, sampling in SAMPLINGS.items():
+        options = {**_search_options(info, "greedy"), "sampling": sampling}
+        translator.translate(sentences[:64], **options)  # warm-up
+        runs[name] = functools.partial(translator.translate, sentences, **options)
+    seconds = _interleaved(benchmark, runs)
+    _record_ratios(benchmark, seconds, len(sentences), "greedy", "sampling >= 0.9x greedy")
+    benchmark.extra_info["model"] = info["model"]
+
+
+def test_ratio_scoring(benchmark, setup):
+    """Scoring the pairs against beam-4 translation of their sources (the goal: at least 5x)."""
+    translator, sentences, info = setup
+    references, options = info["references"], _search_options(info, "beam4")
+    translator.translate(sentences[:64], **options)  # warm-up
+    translator.score(sentences[:64], references[:64])
+    runs = {
+        "beam4": functools.partial(translator.translate, sentences, **options),
+        "score": functools.partial(translator.score, sentences, references),
+    }
+    seconds = _interleaved(benchmark, runs)
+    _record_ratios(benchmark, seconds, len(sentences), "beam4", "score >= 5x beam4")
+    benchmark.extra_info["model"] = info["model"]
+
+
+def test_ratio_ctranslate2(benchmark, setup, ctranslate2_dirs):
+    """Beam 4 at the Translator's defaults (precision auto) against CTranslate2's faster of
+    float32 and int8 in batches of 6,000 tokens, per round (the goal: at least 2x)."""
+    translator, sentences, info = setup
+    options = _search_options(info, "beam4")
+    translator.translate(sentences[:64], **options)  # warm-up
+    runs: dict[str, Callable[[], object]] = {
+        "fastnmt auto": functools.partial(translator.translate, sentences, **options)
+    }
+    for compute_type in ("float32", "int8"):
+        runs[f"ctranslate2 {compute_type}"] = _ctranslate2(
+            setup, ctranslate2_dirs, "beam4", compute_type, "6000 tokens"
+        )
+    seconds = _interleaved(benchmark, runs)
+    ct2 = zip(seconds["ctranslate2 float32"], seconds["ctranslate2 int8"], strict=True)
+    seconds["ctranslate2 best"] = [min(pair) for pair in ct2]
+    _record_ratios(benchmark, seconds, len(sentences), "ctranslate2 best", "fastnmt >= 2x")
+    benchmark.extra_info["model"] = info["model"]
