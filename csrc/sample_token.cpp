@@ -235,7 +235,7 @@ Candidate wide_nucleus_edge(const float* x, int64_t vocab, int64_t padded, float
 struct Options {
   float temperature;
   int64_t topk;  // 0: no top-k
-  double topp;   // > 1: no top-p
+  double topp;   // >= 1: no top-p (a nucleus of p = 1 is every allowed column)
 };
 
 // Whether a banned column holds the row's max (then the best allowed value is below it).
@@ -285,7 +285,7 @@ template <typename T>
 void rows(const T* logits, const int64_t* banned, int64_t banned_count, const float* uniforms,
           float* log_probs, int64_t* tokens, int64_t count, int64_t vocab, Options options) {
   const int64_t padded = whole_vectors(vocab);
-  const bool nucleus_wanted = options.topp <= 1.0;
+  const bool nucleus_wanted = options.topp < 1.0;
   const int64_t listed =
       options.topk ? options.topk : nucleus_wanted ? std::min(kNucleusList, vocab) : 0;
   at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {

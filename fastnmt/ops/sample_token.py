@@ -142,6 +142,8 @@ def _prepare(logits, uniforms, banned=None, temperature=1.0, topk=None, topp=Non
         raise ValueError("topk and topp are two ways to sample: give at most one of them")
     if topk is not None and topk >= logits.shape[1]:
         topk = None  # every column: the same distribution, drawn in column order
+    if topp == 1.0:
+        topp = None  # likewise; a cumulative sum's rounding must not drop the least probable
     options = dict(temperature=float(temperature), topk=topk, topp=topp)
     return logits.device, dict(logits=logits, uniforms=uniforms, banned=banned, **options)
 

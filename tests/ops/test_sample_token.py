@@ -119,6 +119,18 @@ def test_top_p_draws_inside_the_nucleus_and_flat_rows_reach_past_the_list(backen
     assert rank.max() > 500 and tokens.unique().numel() > 500
 
 
+@pytest.mark.parametrize("backend", ["cpp", "reference"])
+def test_a_nucleus_of_p_1_is_the_whole_row(backend):
+    """topp=1 draws exactly what unrestricted sampling draws: a cumulative sum that rounds to 1
+    before the last column must not drop the least probable tokens of flat rows."""
+    require_backend(backend)
+    logits, uniforms = torch.randn(300, 1000) * 0.1, torch.rand(300)
+    with fastnmt.backend(backend):
+        whole = sample_token(logits, uniforms, temperature=0.8)
+        nucleus = sample_token(logits, uniforms, temperature=0.8, topp=1.0)
+    assert torch.equal(nucleus[1], whole[1]) and torch.equal(nucleus[0], whole[0])
+
+
 def test_a_uniform_near_one_never_draws_an_impossible_token():
     """u * total can round to the total: the draw is then the last token that can be drawn,
     never a -inf one past it."""
