@@ -174,10 +174,15 @@ inline Vec vector_exp(Vec x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
+#if defined(__AVX512F__)
+  // p * 2^n in one instruction (n is integral and within the normal exponents: the same value)
+  return reinterpret_cast<Vec>(_mm512_scalef_ps(reinterpret_cast<__m512>(p), reinterpret_cast<__m512>(n)));
+#else
   const IntVec exponent = (__builtin_convertvector(n, IntVec) + 127) << 23;  // 2^n
   Vec two_n;
   __builtin_memcpy(&two_n, &exponent, sizeof two_n);
   return p * two_n;
+#endif
 }
 
 }  // namespace fastnmt
