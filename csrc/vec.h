@@ -176,7 +176,8 @@ inline Vec vector_exp(Vec x) {
   p = p * r * r + r + 1.0f;
 #if defined(__AVX512F__)
   // p * 2^n in one instruction (n is integral and within the normal exponents: the same value)
-  return reinterpret_cast<Vec>(_mm512_scalef_ps(reinterpret_cast<__m512>(p), reinterpret_cast<__m512>(n)));
+  const __m512 scaled = _mm512_scalef_ps(reinterpret_cast<__m512>(p), reinterpret_cast<__m512>(n));
+  return reinterpret_cast<Vec>(scaled);
 #else
   const IntVec exponent = (__builtin_convertvector(n, IntVec) + 127) << 23;  // 2^n
   Vec two_n;
