@@ -324,8 +324,7 @@ def _interleaved(benchmark, runs: dict[str, Callable[[], object]]) -> dict[str, 
     return seconds
 
 
-def _record_ratios(benchmark, seconds: dict[str, list[float]], sentences: int, baseline: str,
-                   goal: str) -> None:  # fmt: skip
+def _record_ratios(benchmark, seconds: dict, sentences: int, baseline: str, goal: str) -> None:
     """A row per run: its median sentences/s and the median over rounds of its speed relative
     to ``baseline``'s in the same round."""
     for name, times in seconds.items():
