@@ -308,7 +308,8 @@ def check_arguments(
     if not 1 <= nbest <= beam:
         raise ValueError(f"nbest must be between 1 and beam ({beam}), got {nbest}")
     check_no_repeat_ngram(rules.no_repeat_ngram)
-    shortest = torch.full(src.shape[:1], len(prefix) + 1, device=max_lens.device)
+    lengths = max_lens.cpu()  # one host copy: the check is on the host
+    shortest = torch.full(src.shape[:1], len(prefix) + 1, device=lengths.device)
     if rules.prefixes is not None:
         if len(rules.prefixes) != src.shape[0]:
             raise ValueError(
@@ -316,9 +317,9 @@ def check_arguments(
                 f"{len(rules.prefixes)}"
             )
         shortest += torch.tensor(
-            [len(p) for p in rules.prefixes], dtype=torch.int64, device=max_lens.device
+            [len(p) for p in rules.prefixes], dtype=torch.int64, device=lengths.device
         )
-    if max_lens.shape != src.shape[:1] or bool((max_lens.cpu() < shortest).any()):
+    if max_lens.shape != src.shape[:1] or bool((lengths < shortest).any()):
         raise ValueError(
             f"max_lens must be ({src.shape[0]},) lengths of at least the prefix and a token "
             f"({shortest.tolist()}), got {max_lens}"
