@@ -125,6 +125,33 @@ def multi30k_file(split: str, lang: str):
     return package_lookup(split, lang)
 
 
+def opcheck(op, args, **options) -> None:
+    """``torch.library.opcheck``, and a Python op's body traced with symbolic sizes.
+
+    On a GPU a Triton op is a ``triton_op`` whose body opcheck's dynamic-shape test traces (as
+    ``torch.compile(dynamic=True)`` does): every size the host code reads is a SymInt there. In
+    the interpreter the op is a ``custom_op`` that traces keep opaque, so the body is traced here,
+    each launch recorded instead of run (the interpreter cannot run data-less tensors)."""
+    torch.library.opcheck(op, args, **options)
+    from torch._library.custom_ops import OPDEFS
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fastnmt.ops.triton import common
+
+    definition = OPDEFS.get(op._schema.name)
+    if definition is None or not common.INTERPRETER:  # a C++ op, or the GPU (opcheck traced it)
+        return
+    launches = []
+
+    def record(launcher, device, grid, launch_args, launch_options):
+        launches.append(launcher.kernel)
+
+    with pytest.MonkeyPatch.context() as patch, torch.no_grad():  # the body runs below autograd
+        patch.setattr(common.Launcher, "__call__", record)
+        make_fx(definition._init_fn, tracing_mode="symbolic")(*args)
+    assert launches, f"{op} launched no kernel"
+
+
 def require_backend(name: str) -> None:
     """Fail (never skip) when the C++ extension a test needs is missing, unless the build was
     skipped on purpose with FASTNMT_SKIP_EXTENSION=1."""

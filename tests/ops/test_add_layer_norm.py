@@ -16,6 +16,7 @@ from tests.helpers import (
     HostOps,
     assert_error_within,
     device_of,
+    opcheck,
     require_backend,
 )
 
@@ -268,7 +269,7 @@ def test_fused_opcheck(fused, affine):
     seed = triton_common.dropout_seed(x.device)
     for dropout_p, seed_or_none in ((0.0, None), (0.2, seed)):
         args = (x, residual, weight, bias, 1e-5, dropout_p, False, seed_or_none)
-        torch.library.opcheck(getattr(torch.ops.fastnmt, f"add_layer_norm_{fused}").default, args)
+        opcheck(getattr(torch.ops.fastnmt, f"add_layer_norm_{fused}").default, args)
         forward = getattr(torch.ops.fastnmt, f"add_layer_norm_{fused}")
         y, h, mean, rstd = (t.detach() for t in forward(*args))
         backward_args = (
@@ -284,7 +285,7 @@ def test_fused_opcheck(fused, affine):
             affine,
         )
         backward = getattr(torch.ops.fastnmt, f"add_layer_norm_{fused}_backward")
-        torch.library.opcheck(backward.default, backward_args)
+        opcheck(backward.default, backward_args)
 
 
 def test_fused_traced_by_torch_compile(fused):

@@ -17,6 +17,7 @@ from tests.helpers import (
     assert_error_within,
     attention_oracle,
     device_of,
+    opcheck,
     python_calls,
     random_lengths,
     require_backend,
@@ -576,11 +577,11 @@ def test_opcheck_forward_and_backward_ops():
     padding = torch.rand(2, 7, device=TRITON_DEVICE) < 0.3
     seed = dropout_seed(q.device)
     forward = (q.requires_grad_(), k, v, lengths, padding, seed, True, 0.3, 0.25, None)
-    torch.library.opcheck(torch.ops.fastnmt.attention_forward.default, forward)
+    opcheck(torch.ops.fastnmt.attention_forward.default, forward)
     out, lse = torch.ops.fastnmt.attention_forward(*forward)
     backward = (torch.randn_like(out), torch.randn_like(lse), q.detach(), k, v, out.detach())
     backward += (lse.detach(), lengths, padding, seed, True, 0.3, 0.25)
-    torch.library.opcheck(torch.ops.fastnmt.attention_backward.default, backward)
+    opcheck(torch.ops.fastnmt.attention_backward.default, backward)
 
 
 # ---------------------------------------------------------------------------------------------

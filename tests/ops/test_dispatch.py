@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import fastnmt
 from fastnmt.ops import dispatch
-from tests.helpers import python_calls, require_backend
+from tests.helpers import TRITON_DEVICE, device_of, python_calls, require_backend
 
 
 def _toy_op(unsupported_by_cpp=()):
@@ -227,13 +227,16 @@ def test_forward_mode_ad_runs_on_the_reference_ops(fused):
     """The fused kernels have no jvp: a tangent would be dropped silently (the C++ ops did) or
     refused deep inside autograd. A call with one runs on the reference ops, tangent and all."""
     require_backend(fused)
-    x, tangent, weight = torch.randn(4, 16), torch.randn(4, 16), torch.rand(16)
+    device = device_of(fused)
+    x, tangent = torch.randn(4, 16, device=device), torch.randn(4, 16, device=device)
+    weight = torch.rand(16, device=device)
+    unforced = "cpp" if device.type == "cpu" else "triton"  # the fused backend of these tensors
     with fastnmt.backend(fused):
         fastnmt.ops.add_layer_norm(x, None, weight)  # a cached choice for this signature
     with forward_ad.dual_level():
         dual = forward_ad.make_dual(x, tangent)
-        reasons = fastnmt.explain("add_layer_norm", dual, None, weight)  # triton: CPU tensors
-        assert reasons["chosen"] == "reference" and "forward-mode AD" in reasons["cpp"][0]
+        reasons = fastnmt.explain("add_layer_norm", dual, None, weight)
+        assert reasons["chosen"] == "reference" and "forward-mode AD" in reasons[unforced][0]
         y, _ = fastnmt.ops.add_layer_norm(dual, None, weight)
         refused = pytest.raises(fastnmt.BackendUnavailableError, match="x carries a forward-mode")
         with fastnmt.backend(fused), refused:
@@ -256,16 +259,16 @@ def test_an_op_without_an_inference_implementation_runs_its_eager_one(extension_
 TRAINED_OPS = ("attention", "add_layer_norm", "feed_forward", "linear_cross_entropy")
 
 
-def _op_steps():
+def _op_steps(device="cpu"):
     """Forward + backward of each op with gradients on tiny tensors (only host work), as
     ``out.sum().backward()``: the way the issue and benchmarks/ops/bench_dispatch.py count them."""
-    grad = dict(requires_grad=True)
+    grad = dict(requires_grad=True, device=device)
     q, k, v = (torch.randn(2, 2, 4, 8, **grad) for _ in range(3))
-    lengths = torch.tensor([4, 3])
+    lengths = torch.tensor([4, 3], device=device)
     x, residual, weight, bias = (torch.randn(*s, **grad) for s in ((4, 16), (4, 16), (16,), (16,)))
     w1, b1, w2, b2 = (torch.randn(*s, **grad) for s in ((32, 16), (32,), (16, 32), (16,)))
     hidden, embedding = torch.randn(8, 16, **grad), torch.randn(50, 16, **grad)
-    target = torch.randint(0, 50, (8,))
+    target = torch.randint(0, 50, (8,), device=device)
     ops = fastnmt.ops
     return {
         "attention": lambda: ops.attention(q, k, v, key_lengths=lengths),
@@ -289,7 +292,7 @@ def test_an_op_call_with_its_backward_takes_few_python_calls(name):
 @pytest.mark.parametrize("name", TRAINED_OPS)
 def test_triton_calls_without_grad_launch_without_an_autograd_function(name):
     """Decoding and validation: the launchers straight away, the same outputs as with autograd."""
-    forward = _op_steps()[name]
+    forward = _op_steps(TRITON_DEVICE)[name]
     op = dispatch.OPS[name]
     with fastnmt.backend("triton"):
         recorded = forward()

@@ -18,6 +18,7 @@ from tests.helpers import (
     HostOps,
     assert_error_within,
     device_of,
+    opcheck,
     require_backend,
 )
 
@@ -337,7 +338,7 @@ def test_triton_opcheck(triton_backend, triton_device, fused_gemm):
     seed = triton_common.dropout_seed(x.device)
     for activation, dropout_p, seed_or_none in _opcheck_cases(seed):
         args = (*inputs, activation, dropout_p, seed_or_none, fused_gemm)
-        torch.library.opcheck(torch.ops.fastnmt.feed_forward_triton.default, args)
+        opcheck(torch.ops.fastnmt.feed_forward_triton.default, args)
         y, z, a = (t.detach() for t in torch.ops.fastnmt.feed_forward_triton(*args))
         backward_args = (
             torch.randn_like(y),
@@ -351,7 +352,7 @@ def test_triton_opcheck(triton_backend, triton_device, fused_gemm):
             dropout_p,
             fused_gemm,
         )
-        torch.library.opcheck(torch.ops.fastnmt.feed_forward_triton_backward.default, backward_args)
+        opcheck(torch.ops.fastnmt.feed_forward_triton_backward.default, backward_args)
 
 
 @pytest.mark.parametrize("fused_gemm", [True, False])
@@ -511,10 +512,10 @@ def test_cpp_opcheck(cpp_backend):
     seed = triton_common.dropout_seed(x.device)
     for activation, dropout_p, seed_or_none in _opcheck_cases(seed):
         args = (*inputs, activation, dropout_p, seed_or_none)
-        torch.library.opcheck(torch.ops.fastnmt.feed_forward_cpp.default, args)
+        opcheck(torch.ops.fastnmt.feed_forward_cpp.default, args)
         y, z, a = (t.detach() for t in torch.ops.fastnmt.feed_forward_cpp(*args))
         backward_args = (torch.randn_like(y), x, w1, w2, z, a, seed_or_none, activation, dropout_p)
-        torch.library.opcheck(torch.ops.fastnmt.feed_forward_cpp_backward.default, backward_args)
+        opcheck(torch.ops.fastnmt.feed_forward_cpp_backward.default, backward_args)
 
 
 def test_cpp_under_autocast_and_independent_of_thread_count(cpp_backend):

@@ -16,6 +16,7 @@ from tests.helpers import (
     HostOps,
     assert_error_within,
     device_of,
+    opcheck,
     require_backend,
 )
 
@@ -303,9 +304,9 @@ def test_fused_opcheck(fused):
     hidden, weight, bias, target = _inputs(20, 8, 37, device=device_of(fused))
     op = getattr(torch.ops.fastnmt, f"linear_cross_entropy_{fused}").default
     for mean in (False, True):
-        torch.library.opcheck(op, (hidden, weight, bias, target, 0.1, IGNORE, mean, True, None))
+        opcheck(op, (hidden, weight, bias, target, 0.1, IGNORE, mean, True, None))
     frozen = (hidden.detach(), weight.detach(), None, target, 0.0, IGNORE, True, False, None)
-    torch.library.opcheck(op, frozen)
+    opcheck(op, frozen)
 
 
 def test_fused_traced_by_torch_compile(fused):

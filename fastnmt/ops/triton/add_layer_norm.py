@@ -183,7 +183,11 @@ _INTERPRETER_TILE = 65536  # the interpreter's cost grows with the number of pro
 def _tile(rows: int, width: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for a (rows, width) problem: whole rows, as many as fit
     the tile (the GPU's, or in the interpreter outside ``gpu_tiles()`` its own)."""
-    return _chosen_tile(rows, width, triton_common.use_gpu_tiles())
+    try:
+        return _chosen_tile(rows, width, triton_common.use_gpu_tiles())
+    except TypeError:  # symbolic sizes, unhashable: a trace with dynamic shapes
+        hinted = (triton_common.size_hint(rows), triton_common.static_size(width))
+        return _chosen_tile(*hinted, triton_common.use_gpu_tiles())
 
 
 @functools.lru_cache(maxsize=4096)  # per call signature, as the dispatcher's decisions

@@ -26,6 +26,8 @@ from fastnmt.ops.triton.common import (
     new_output,
     new_output_like,
     power_of_2_at_least,
+    size_hint,
+    static_size,
     upcast_in_interpreter,
     use_gpu_tiles,
 )
@@ -76,7 +78,11 @@ def _length_buckets(lq: int, lk: int) -> list[str]:
 def launch_config(kernel: str, lq: int, lk: int, head_dim: int) -> LaunchConfig:
     """Block sizes of ``kernel`` ("forward", "dkdv", "dq" or "delta") for lengths lq, lk and the
     larger of the q/k and v head dims."""
-    return _chosen_config(kernel, lq, lk, head_dim, use_gpu_tiles())
+    try:
+        return _chosen_config(kernel, lq, lk, head_dim, use_gpu_tiles())
+    except TypeError:  # symbolic sizes, unhashable: a trace with dynamic shapes
+        hinted = (size_hint(lq), size_hint(lk), static_size(head_dim))
+        return _chosen_config(kernel, *hinted, use_gpu_tiles())
 
 
 @functools.lru_cache(maxsize=4096)  # per call signature, as the dispatcher's decisions
@@ -167,6 +173,8 @@ def _launch_forward(
 ):
     batch, heads, lq, head_dim = q.shape
     lk, value_dim = k.shape[2], v.shape[3]
+    if head_dim.__class__ is not int:  # a trace with dynamic shapes: blocks need fixed dims
+        head_dim, value_dim = static_size(head_dim), static_size(value_dim)
     out = _new_attention_output(
         (batch, heads, lq, value_dim), kernel_output_dtype(q.dtype), q.device
     )
@@ -195,6 +203,8 @@ def _launch_delta(out, grad_out, grad_lse):
     """delta_i = dO_i . O_i in fp32, minus the gradient g_i reaching lse_i (when the caller used
     the LSE): d lse_i / d S_ij = P_ij adds P_ij g_i to dS_ij = P_ij (dP_ij - delta_i)."""
     batch, heads, lq, value_dim = out.shape
+    if value_dim.__class__ is not int:  # a trace with dynamic shapes: blocks need fixed dims
+        value_dim = static_size(value_dim)
     delta = new_output((batch, heads, lq), torch.float32, out.device)
     config = launch_config("delta", lq, lq, value_dim)
     _DELTA(
@@ -212,6 +222,8 @@ def _launch_backward(
 ):  # fmt: skip
     batch, heads, lq, head_dim = q.shape
     lk, value_dim = k.shape[2], v.shape[3]
+    if head_dim.__class__ is not int:  # a trace with dynamic shapes: blocks need fixed dims
+        head_dim, value_dim = static_size(head_dim), static_size(value_dim)
     delta = _launch_delta(out, grad_out, grad_lse)
     grad_dtype = kernel_output_dtype(q.dtype)
     # Dense in each input's dimension order (torch.empty_like, as SDPA's): the gradient of

@@ -173,6 +173,27 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# Sizes under a trace with dynamic shapes (torch.compile, opcheck) are SymInts, which the cached
+# launch choices cannot hash and bit operations cannot take: the two ways to make them ints.
+def size_hint(n) -> int:
+    """``n``, or a symbolic size's example value: for choices of speed alone (how many rows a
+    block takes), which therefore add no guard and keep the size dynamic."""
+    if n.__class__ is int:
+        return n
+    hint = n.node.hint  # None for a size known only at run time (data-dependent)
+    return static_size(n) if hint is None else int(hint)
+
+
+def static_size(n) -> int:
+    """``n``, or a symbolic size specialized (a guard on its value): for sizes a block must
+    cover (a row's width, a head dim), which a traced graph cannot leave open."""
+    if n.__class__ is int:
+        return n
+    from torch.fx.experimental.symbolic_shapes import guard_int  # loaded by any trace
+
+    return guard_int(n)
+
+
 def power_of_2_at_least(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
