@@ -124,13 +124,14 @@ def layer_norm_cases() -> list[CompileCase]:
     the widest row (MAX_WIDTH); the sums of dweight and dbias over the backward's programs."""
     forward = ("X", "R", "W", "B", "Y", "H", "MEAN", "RSTD")
     backward = ("DY", "DH_OUT", "H", "W", "MEAN", "RSTD", "DX", "DH", "DW_PARTIAL", "DB_PARTIAL")
+    block_p, block = norm_triton._SUM_TILE
     sums = CompileCase(
         norm_triton._sum_partials_kernel,
         dict.fromkeys(("DW_PARTIAL", "DB_PARTIAL", "DW", "DB"), "*fp32")
         | {"programs": "i32", "N": "i32"}
-        | dict.fromkeys(("HAS_WEIGHT", "HAS_BIAS", "BLOCK"), "constexpr"),
-        {"HAS_WEIGHT": True, "HAS_BIAS": True, "BLOCK": norm_triton._SUM_BLOCK},
-        label=f"BLOCK {norm_triton._SUM_BLOCK}",
+        | dict.fromkeys(("HAS_WEIGHT", "HAS_BIAS", "BLOCK_P", "BLOCK"), "constexpr"),
+        {"HAS_WEIGHT": True, "HAS_BIAS": True, "BLOCK_P": block_p, "BLOCK": block},
+        label=f"{block_p}x{block}",
     )
     return [sums] + [
         case

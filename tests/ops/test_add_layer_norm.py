@@ -369,6 +369,21 @@ def test_triton_forward_and_backward_launch_three_kernels(triton_device, dtype, 
         assert [op for op in host.aten if op not in _NO_LAUNCH] == ["fill_"] * poisoned, host.aten
 
 
+@pytest.mark.parametrize("parameters", [("weight", "bias"), ("weight",), ("bias",)])
+def test_triton_sums_the_backward_partials(triton_device, parameters):
+    """dweight and dbias add the backward programs' partial rows: more rows than a step of the
+    sums' kernel loads (a GPU has four programs per SM), a width off its column tile."""
+    programs = 2 * triton_module._SUM_TILE[0] + 45
+    partials = {name: torch.randn(programs, 100, device=triton_device) for name in parameters}
+    sums = triton_module._sum_partials(partials.get("weight"), partials.get("bias"))
+    for name, got in zip(("weight", "bias"), sums, strict=True):
+        if name not in partials:
+            assert got is None
+            continue
+        expected = partials[name].double().sum(0)
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_triton_inference_launches_the_forward_and_keeps_no_statistics(triton_device):
     """Without a backward to come (decoding): one launch, y and h allocated, no mean and rstd."""
     x, residual, weight, bias = _inputs(9, 100, torch.float32, device=triton_device)

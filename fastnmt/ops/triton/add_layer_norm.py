@@ -154,21 +154,24 @@ def _sum_partials_kernel(
     N,  # row width
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    BLOCK_P: tl.constexpr,  # partial rows a step loads: few steps, not one load after another
     BLOCK: tl.constexpr,  # columns per program
 ):
-    column = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    inside = column < N
-    dweight = tl.zeros((BLOCK,), tl.float32)
-    dbias = tl.zeros((BLOCK,), tl.float32)
-    for program in range(0, programs):  # in order: the same sums at every call
+    column = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)[None, :]  # (1, BLOCK)
+    dweight = tl.zeros((BLOCK_P, BLOCK), tl.float32)
+    dbias = tl.zeros((BLOCK_P, BLOCK), tl.float32)
+    for first in range(0, programs, BLOCK_P):  # a fixed order: the same sums at every call
+        program = first + tl.arange(0, BLOCK_P)[:, None]  # (BLOCK_P, 1)
+        inside = (program < programs) & (column < N)
         if HAS_WEIGHT:
             dweight += tl.load(DW_PARTIAL + program * N + column, mask=inside, other=0.0)
         if HAS_BIAS:
             dbias += tl.load(DB_PARTIAL + program * N + column, mask=inside, other=0.0)
+    column = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     if HAS_WEIGHT:
-        tl.store(DW + column, dweight, mask=inside)
+        tl.store(DW + column, tl.sum(dweight, axis=0), mask=column < N)
     if HAS_BIAS:
-        tl.store(DB + column, dbias, mask=inside)
+        tl.store(DB + column, tl.sum(dbias, axis=0), mask=column < N)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,7 +326,9 @@ def _launch_backward(dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_res
     return dx, dh, dweight, dbias
 
 
-_SUM_BLOCK = 1024  # columns a program of the partial sums' kernel covers
+# The partial sums' tiles: (rows, columns) a program loads at a time, 16 values per thread and
+# tensor in 4 warps; a program per 32 columns (16 programs for a width of 512).
+_SUM_TILE = (128, 32)
 
 
 def _sum_partials(dweight_partial, dbias_partial):
@@ -340,12 +345,14 @@ def _sum_partials(dweight_partial, dbias_partial):
     )
     _SUM_PARTIALS(
         partial.device,
-        (triton_common.cdiv(width, _SUM_BLOCK), 1, 1),
+        (triton_common.cdiv(width, _SUM_TILE[1]), 1, 1),
         (dweight_partial, dbias_partial, dweight, dbias, programs, width),
         triton_common.launch_options(
             HAS_WEIGHT=dweight_partial is not None,
             HAS_BIAS=dbias_partial is not None,
-            BLOCK=_SUM_BLOCK,
+            BLOCK_P=_SUM_TILE[0],
+            BLOCK=_SUM_TILE[1],
+            num_warps=4,
         ),
     )
     return dweight, dbias
