@@ -166,6 +166,7 @@ class Translator:
     """A model (or an ensemble of models sharing a vocabulary) and its vocabulary ready to
     translate and to score.
 
+    device: where the batches go; None: the (first) model's, which the searches require.
     dtype: the weights' dtype for translating (bf16 is several times faster than fp32 on CPUs
     with AMX); a model in another dtype is translated by a converted copy, so weights are not cast
     again at every op as autocast would. None: the model's own. max_tokens bounds a batch's padded
@@ -184,7 +185,7 @@ class Translator:
         model: Transformer | Sequence[Transformer],
         vocab: Vocabulary,
         *,
-        device: torch.device | str = "cpu",
+        device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         max_tokens: int = 6000,
         max_sentences: int = 256,
@@ -206,7 +207,7 @@ class Translator:
         self.models = [_in_dtype(m, dtype) for m in models]
         self.model, self.vocab = self.models[0], vocab
         self.target_prefix: list[int] = list(getattr(vocab, "target_prefix", []))
-        self.device = torch.device(device)
+        self.device = self.model.embedding.weight.device if device is None else torch.device(device)
         self.max_tokens, self.max_sentences = max_tokens, max_sentences
         if isinstance(shortlist, (str, Path)):
             shortlist = Shortlist.load(shortlist, vocab)

@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+# A CPU machine's view on any machine: torch sees no GPU (the refusals' tests).
+WITHOUT_CUDA = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
 
 
 def test_gpu_bench_smoke_writes_a_table_with_every_benchmark():
@@ -37,7 +39,7 @@ def test_gpu_bench_selects_groups_and_refuses_a_cpu_without_smoke():
     assert "SDPA bool mask" in only.stdout and "training step" not in only.stdout
     full = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "gpu_bench.py")],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        capture_output=True, text=True, timeout=600, cwd=ROOT, env=WITHOUT_CUDA,
     )  # fmt: skip
     assert full.returncode == 2 and "no CUDA device" in full.stderr
 
@@ -217,6 +219,6 @@ def test_a_cut_gpu_check_stage_keeps_every_row_it_reached(tmp_path):
 def test_gpu_check_refuses_a_cpu_without_smoke(tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "gpu_check.py"), "kernels", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env=WITHOUT_CUDA,
     )  # fmt: skip
     assert result.returncode == 2 and "no CUDA device" in result.stderr

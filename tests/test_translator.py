@@ -1,5 +1,6 @@
 """Translator: loading, batching and order, empty lines, n-best, truncation, attention."""
 
+import copy
 import json
 import warnings
 
@@ -153,6 +154,14 @@ def test_attention_is_a_distribution_and_the_same_on_both_paths(translator):
     assert translator.translate_full(texts)[0].attention is None  # only on request
 
 
+def test_a_translator_takes_its_model_s_device_unless_told(translator):
+    """The searches refuse batches off the model's device: a model moved to a GPU (here: meta)
+    translates there without ``device=``."""
+    model = copy.deepcopy(translator.model).to("meta")
+    assert Translator(model, translator.vocab, static=False).device.type == "meta"
+    assert Translator(model, translator.vocab, device="cpu", static=False).device.type == "cpu"
+
+
 @pytest.mark.parametrize(
     ("capability", "expected"), [((7, 5), torch.float16), ((8, 0), torch.bfloat16)]
 )
@@ -171,6 +180,8 @@ def test_auto_inference_precision_on_gpus_is_their_half_precision(monkeypatch):
 
 # Sampling, prefixes, repeated n-grams, ensembles, scoring. -----------------------------------
 
+TRITON_OPS = ("attention", "add_layer_norm", "feed_forward", "linear_cross_entropy")
+
 
 def _candidate_texts(translations) -> list[list[str]]:
     return [[c.text for c in t.candidates] for t in translations]
@@ -186,7 +197,9 @@ def test_a_seed_samples_the_same_on_every_backend_batch_size_and_search(translat
     try:
         fused = "triton" if translator.device.type == "cuda" else "cpp"
         for backend in (fused, "reference"):
-            with fastnmt.backend(backend):
+            # log_softmax_topk and sample_token have no Triton kernel: forced, triton runs the rest
+            ops = TRITON_OPS if backend == "triton" else None
+            with fastnmt.backend(backend, ops=ops):
                 for searcher in (translator, static):
                     got = searcher.translate_full(SENTENCES, **options)
                     assert _candidate_texts(got) == expected, (backend, searcher.static)
@@ -258,7 +271,7 @@ def test_a_pair_s_score_is_minus_the_trainer_s_summed_loss_without_smoothing(tra
     model, vocab = translator.model, translator.vocab
     for source, target, score in zip(SENTENCES, TARGETS, scores, strict=True):
         src, tgt = vocab.encode([source])[0], vocab.encode([target])[0]
-        batch = make_batch([src], [tgt], [0], pad_id=0, bos_id=1, eos_id=2)
+        batch = make_batch([src], [tgt], [0], pad_id=0, bos_id=1, eos_id=2).to(translator.device)
         with torch.no_grad():
             states = model(batch.src, batch.src_lengths, batch.tgt_in)
             loss, _, _ = label_smoothed_loss(model, states, batch.tgt_out, batch.tgt_positions, 0.0)

@@ -353,7 +353,7 @@ def test_a_given_dropout_seed_keys_the_fused_dropout_mask(fused, op):
     run = _dropout_call(op, device_of(fused))
     first, second = triton_common.dropout_seeds(2, device_of(fused))
     masks = [run(first) != 0]
-    torch.rand(1000)  # the generator moves on
+    torch.rand(1000, device=device_of(fused))  # the generator (of the op's device) moves on
     masks += [run(first) != 0, run(second) != 0]
     assert 0.4 < masks[0].float().mean().item() < 0.6
     assert torch.equal(masks[0], masks[1]) and not torch.equal(masks[0], masks[2])
