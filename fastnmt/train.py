@@ -157,12 +157,20 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--max-epochs", type=int, default=0, help="0 = no limit")
     budget.add_argument("--max-steps", type=int, default=0, help="0 = no limit")
     budget.add_argument("--max-time", type=parse_duration, default=None, help="e.g. 25m")
-    budget.add_argument("--patience", type=int, default=0, help="epochs without BLEU gain; 0 = off")
+    budget.add_argument(
+        "--patience", type=int, default=0, help="validations without BLEU gain; 0 = off"
+    )
     out = p.add_argument_group("output")
     out.add_argument("--output-dir", default="runs/multi30k-en-de", help="checkpoints and logs")
     out.add_argument("--resume", action="store_true", help="require a checkpoint to continue")
     out.add_argument("--save-interval", type=int, default=0, help="also save every N steps")
     out.add_argument("--keep-last", type=int, default=2, help="step checkpoints to keep")
+    out.add_argument(
+        "--valid-interval",
+        type=int,
+        default=1,
+        help="validate and save every N epochs, and when training stops (0: only then)",
+    )
     out.add_argument("--log-interval", type=int, default=50, help="steps between log lines")
     out.add_argument("--no-progress", action="store_true", help="no progress bar on a terminal")
     out.add_argument(
@@ -190,6 +198,8 @@ def check_arguments(args) -> None:
         raise UsageError("own training data needs --valid (or --valid-tsv) for validation")
     if args.data_workers < 0:
         raise UsageError(f"--data-workers must be >= 0, got {args.data_workers}")
+    if args.valid_interval < 0:
+        raise UsageError(f"--valid-interval must be >= 0, got {args.valid_interval}")
     if args.shape_buckets < 0:
         raise UsageError(f"--shape-buckets must be >= 0, got {args.shape_buckets}")
     if args.tensorboard:

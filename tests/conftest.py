@@ -21,6 +21,30 @@ if _SHARED_MULTI30K.is_dir():
     os.environ.setdefault("FASTNMT_DATA_DIR", str(_SHARED_MULTI30K))
 
 
+# $FASTNMT_FAILURES_FILE: each failing test's id and the tail of its traceback, appended the
+# moment it fails (tools/gpu-check: a run its time limit cuts keeps them). With pytest-xdist the
+# controller writes them, from the reports the workers send it.
+FAILURES_FILE = "FASTNMT_FAILURES_FILE"
+FAILURE_LINES = 40
+_xdist_worker = False
+
+
+def pytest_configure(config):
+    global _xdist_worker
+    _xdist_worker = hasattr(config, "workerinput")
+
+
+def pytest_runtest_logreport(report):
+    path = os.environ.get(FAILURES_FILE)
+    if not path or _xdist_worker or not report.failed:
+        return
+    kind = "FAILED" if report.when == "call" else f"ERROR at {report.when}"
+    tail = "".join(line + "\n" for line in report.longreprtext.splitlines()[-FAILURE_LINES:])
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(f"{kind} {report.nodeid}\n\n```\n{tail}```\n\n")
+        f.flush()
+
+
 @pytest.fixture(autouse=True)
 def _seeded_and_auto_backend(monkeypatch):
     """Fresh seeded randomness per test, and no backend forced from the environment (which

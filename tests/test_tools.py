@@ -9,6 +9,7 @@ import time
 import weakref
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -172,13 +173,16 @@ def _table_rows(report: str, title: str) -> list[list[str]]:
 
 def test_gpu_check_smoke_runs_the_whole_plan(tmp_path):
     """``tools/gpu-check --smoke``: every stage of the rows call, each exiting 0, each table
-    with its rows, every first check passing, three training runs and four decoding rows."""
-    env = {**os.environ, "GPU_CHECK_BUDGET": "1200"}
+    with its rows, every first check passing, three training runs (each with its validation
+    BLEU) and four decoding rows; the output folder holds only the report and the stages' logs
+    (the runs and their data are in the work folder)."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = {**os.environ, "GPU_CHECK_BUDGET": "1200", "GPU_CHECK_WORK": str(work)}
     result = subprocess.run(
-        ["bash", str(ROOT / "tools" / "gpu-check"), "--smoke", str(tmp_path)],
+        ["bash", str(ROOT / "tools" / "gpu-check"), "--smoke", str(out)],
         capture_output=True, text=True, timeout=1500, cwd=ROOT, env=env,
     )  # fmt: skip
-    report = (tmp_path / "gpu-check.md").read_text()
+    report = (out / "gpu-check.md").read_text()
     assert result.returncode == 0, report
     for stage, title in STAGE_TABLES.items():
         assert f"- {stage}: exit 0 in " in report, stage
@@ -188,11 +192,15 @@ def test_gpu_check_smoke_runs_the_whole_plan(tmp_path):
     training = _table_rows(report, STAGE_TABLES["train"])
     assert [row[0] for row in training] == ["torch", "auto", "reference"]
     assert all(int(row[1]) == 4 and row[-1].startswith("0 ") for row in training), training
+    assert all(0 <= float(row[5]) <= 100 for row in training), training  # validation BLEU
     decoding = _table_rows(report, STAGE_TABLES["decode"])
     assert [(row[0], row[1]) for row in decoding] == [
         ("static", "4"), ("dynamic", "4"), ("static", "1"), ("dynamic", "1")
     ]  # fmt: skip
     assert all(float(row[2].replace(",", "")) > 0 for row in decoding), decoding
+    logs = [f"{stage}.log" for stage in STAGE_TABLES]
+    assert sorted(p.name for p in out.iterdir()) == sorted(["gpu-check.md", *logs])
+    assert (work / "train-auto" / "checkpoint_best").exists() and (work / "prepared").is_dir()
 
 
 def test_a_cut_gpu_check_stage_keeps_every_row_it_reached(tmp_path):
@@ -222,3 +230,60 @@ def test_gpu_check_refuses_a_cpu_without_smoke(tmp_path):
         capture_output=True, text=True, timeout=300, cwd=ROOT, env=WITHOUT_CUDA,
     )  # fmt: skip
     assert result.returncode == 2 and "no CUDA device" in result.stderr
+
+
+FAILING_TESTS = (
+    """
+import pytest
+
+
+@pytest.fixture
+def broken():
+    raise RuntimeError("the fixture broke")
+
+
+def test_passes():
+    pass
+
+
+def test_errors(broken):
+    pass
+
+
+def test_fails():
+    values = list(range(3))
+"""
+    + "    values.append(len(values))\n" * 60
+    + """    assert values[-1] == -1, "the last value"
+"""
+)
+
+
+@pytest.mark.parametrize("workers", [None, 2], ids=["plain", "xdist"])
+def test_failures_file_gets_each_failure_and_its_tracebacks_tail(tmp_path, workers):
+    """$FASTNMT_FAILURES_FILE (tests/conftest.py): a line naming each failed or errored test,
+    then the last 40 lines of its traceback; passing tests write nothing. With pytest-xdist, the
+    controller writes each once."""
+    if workers and importlib.util.find_spec("xdist") is None:
+        pytest.skip("pytest-xdist is not installed")
+    (tmp_path / "test_tiny.py").write_text(FAILING_TESTS)
+    failures = tmp_path / "failures.md"
+    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "FASTNMT_FAILURES_FILE": str(failures), "PYTHONPATH": path}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+               "tests.conftest", "--rootdir", str(tmp_path), "test_tiny.py"]  # fmt: skip
+    if workers:
+        command += ["-n", str(workers)]
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    text = failures.read_text()
+    headers = [line for line in text.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    assert sorted(headers) == [
+        "ERROR at setup test_tiny.py::test_errors", "FAILED test_tiny.py::test_fails"
+    ]  # fmt: skip
+    errored, failed = (text.split(header, 1)[1].split("```")[1] for header in sorted(headers))
+    assert "RuntimeError: the fixture broke" in errored
+    lines = failed.strip("\n").splitlines()
+    assert len(lines) == 40 and "AssertionError: the last value" in failed, failed

@@ -1,5 +1,6 @@
 """python -m fastnmt.train on small slices of Multi30k: outputs, exact resume, DDP, bad input."""
 
+import json
 import os
 import random
 import shutil
@@ -75,6 +76,19 @@ def test_average_of_the_last_checkpoints_is_kept_only_when_it_validates_better(c
     assert (tmp_path / "checkpoint_average").exists() == kept
     best = (tmp_path / "checkpoint_best").resolve().name
     assert (best == "checkpoint_average") == kept
+
+
+def test_valid_interval_validates_every_n_epochs_and_when_training_stops(corpus, tmp_path):
+    """``--valid-interval 2`` over 3 epochs: after the second, then at the end (the third)."""
+    arguments = _arguments(
+        corpus, tmp_path, "--max-epochs", "3", "--valid-interval", "2", "--keep-last", "5"
+    )
+    arguments += ["--average-last", "1"]
+    result = _run(arguments)
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+    assert [r["epoch"] for r in records if r["event"] == "valid"] == [2, 3]
+    assert len(checkpoint.step_checkpoints(tmp_path)) == 2  # one saved per validation
 
 
 RESUME_RUN = ("--max-steps", "8", "--save-interval", "4", "--max-tokens", "250")
@@ -289,6 +303,8 @@ class TestBadInput:
         assert "invalid choice" in self._error(_arguments(corpus, tmp_path, "--preset", "huge"))
         message = self._error(_arguments(corpus, tmp_path, "--dropout", "1.5"))
         assert "--dropout must be in [0, 1)" in message
+        message = self._error(_arguments(corpus, tmp_path, "--valid-interval", "-1"))
+        assert "--valid-interval must be >= 0" in message
         assert "--precision fp16 needs a GPU" in self._error(
             _arguments(corpus, tmp_path, "--precision", "fp16")
         )

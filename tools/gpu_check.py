@@ -1,10 +1,12 @@
 """The GPU check's measurements, one stage per process, each row written as it is measured.
 
-    python tools/gpu_check.py STAGE --out DIR [--smoke] [--seconds S]
+    python tools/gpu_check.py STAGE --out DIR [--work DIR] [--smoke] [--seconds S]
 
 ``tools/gpu-check`` runs the stages in priority order inside one device call, each under its own
 time limit, and appends their rows to DIR/gpu-check.md: every row is flushed to the file the
-moment it is measured, so a stage cut short (or a whole call) keeps every row it reached.
+moment it is measured, so a stage cut short (or a whole call) keeps every row it reached. What the
+stages make besides (training runs, prepared data, corpora) goes to ``--work`` (default: OUT.work
+beside OUT), so that OUT holds only the report and the logs.
 
 - ``firsts``: the code that never ran on a GPU, each check a PASS/FAIL row: every op forward +
   backward in fp16 and bf16 through the Launcher's direct path (a call's second run bitwise
@@ -17,9 +19,11 @@ moment it is measured, so a stage cut short (or a whole call) keeps every row it
   512, FFN 2048, vocabulary 32k), L 64/128/32/256, bf16 then fp16.
 - ``eager``: the same calls eager (what a user sees: do_bench's wall time), and each op's host
   µs per forward + backward call on tiny tensors.
-- ``train``: ``python -m fastnmt.train`` on Multi30k for ``--seconds`` each: auto (CUDA graphs),
-  ``--backend reference`` and ``--backend torch`` (PyTorch's built-ins); target tokens/s (median
-  of the logged windows) and the most memory reserved (the graph pool included).
+- ``train``: ``python -m fastnmt.train`` on Multi30k for ``--seconds`` each: ``--backend torch``
+  (PyTorch's built-ins), auto (CUDA graphs), then ``--backend reference``; target tokens/s
+  (median of the logged windows), the most memory reserved (the graph pool included) and the
+  greedy validation BLEU of the one validation, when the run stops (no checkpoint averaging, no
+  test translation: each run lasts its seconds plus startup and that validation).
 - ``decode``: test2016 with the auto run's checkpoint, beam 4 and greedy, static against dynamic
   search (sentences/s as ``fastnmt.evaluate`` prints them).
 - ``hf``: the Hugging Face Marian-base step of 64 and 256 pairs, ``apply_fastnmt`` against SDPA,
@@ -37,6 +41,8 @@ import functools
 import json
 import os
 import re
+import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -51,6 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the tests' oracle and tools/, from a checkout
 
 import fastnmt  # noqa: E402
+from fastnmt.data.multi30k import multi30k_file  # noqa: E402
 from fastnmt.decoding.search import LengthPenalty, beam_search  # noqa: E402
 from fastnmt.decoding.static_search import StaticSearches, graph_reasons  # noqa: E402
 from fastnmt.model import Transformer, preset  # noqa: E402
@@ -400,55 +407,75 @@ def eager(args, device, report: Report) -> None:
 # ---------------------------------------------------------------------------------------------
 
 TRAIN_RUNS = {"auto": (), "reference": ("--backend", "reference"), "torch": ("--backend", "torch")}
+TRAIN_ORDER = ("torch", "auto", "reference")  # the baseline, then the row that matters most
 
 
 def _train_command(args, device, name: str) -> list[str]:
-    output = args.out / f"train-{name}"
+    """A run that does only what its row needs: one validation, when it stops (its BLEU), no
+    checkpoint averaging, no test translation (own data without ``--test``)."""
     command = [sys.executable, "-m", "fastnmt.train", "--device", str(device), "--output-dir",
-               str(output), "--prepared-dir", str(args.out / "prepared"), "--no-progress",
-               "--log-interval", "20", *TRAIN_RUNS[name]]  # fmt: skip
+               str(args.work / f"train-{name}"), "--prepared-dir", str(args.work / "prepared"),
+               "--no-progress", "--valid-interval", "0", "--average-last", "1",
+               *TRAIN_RUNS[name]]  # fmt: skip
     if args.smoke:  # a small model on the tests' corpus
         corpus = _smoke_corpus(args)
         return [*command, "--train", str(corpus / "train"), "--valid", str(corpus / "val"),
-                          "--test", str(corpus / "val"), "--vocab-size", "300", "--d-model",
-                          "32", "--heads", "2", "--d-ff", "64", "--encoder-layers", "1",
-                          "--decoder-layers", "1", "--max-tokens", "400", "--max-steps", "4",
-                          "--log-interval", "1", "--beam", "1"]  # fmt: skip
-    return [*command, "--max-time", f"{args.seconds:g}s"]
+                          "--vocab-size", "300", "--d-model", "32", "--heads", "2", "--d-ff",
+                          "64", "--encoder-layers", "1", "--decoder-layers", "1", "--max-tokens",
+                          "400", "--max-steps", "4", "--log-interval", "1"]  # fmt: skip
+    multi30k = _multi30k_dir()
+    return [*command, "--train", str(multi30k / "train"), "--valid", str(multi30k / "val"),
+                      "--log-interval", "20", "--max-time", f"{args.seconds:g}s"]  # fmt: skip
+
+
+def _multi30k_dir() -> Path:
+    """Multi30k's folder ($FASTNMT_DATA_DIR, else the download cache), its en-de training and
+    validation files present: the runs read them as own data, which needs no test set."""
+    files = [multi30k_file(split, lang) for split in ("train", "val") for lang in ("en", "de")]
+    return files[0].parent
 
 
 def _smoke_corpus(args) -> Path:
-    folder = args.out / "corpus"
+    folder = args.work / "corpus"
     return folder if (folder / "val.de").exists() else small_corpus(folder)
 
 
-def train_summary(output: Path) -> tuple[int, float, float | None]:
-    """(steps, target tokens/s: median of the logged windows, most MiB reserved) of a run."""
+def train_summary(output: Path) -> tuple[int, float, float | None, float | None]:
+    """(steps, target tokens/s: median of the logged windows, most MiB reserved, the last
+    validation's BLEU) of a run."""
     path = output / "metrics.jsonl"
     records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     windows = [r for r in records if r["event"] == "train"]
     steps = max((r.get("step", 0) for r in windows), default=0)
     speed = statistics.median(r["tgt_tokens_per_s"] for r in windows) if windows else 0.0
     reserved = [r["memory_reserved_mib"] for r in windows if "memory_reserved_mib" in r]
-    return steps, speed, max(reserved) if reserved else None
+    bleu = [r["bleu"] for r in records if r["event"] == "valid" and "bleu" in r]
+    return steps, speed, max(reserved) if reserved else None, bleu[-1] if bleu else None
 
 
 def train(args, device, report: Report) -> None:
+    """The runs in turn, each row written as its run ends; a run's output goes to this stage's
+    (train.log), and a run that overstays its time by far is ended, so the next still runs."""
     row = report.table(
         f"python -m fastnmt.train, {'4 steps' if args.smoke else f'{args.seconds:g} s'} each",
-        "backend", "steps", "target tok/s", "vs torch", "MiB reserved", "exit",
+        "backend", "steps", "target tok/s", "vs torch", "MiB reserved", "valid BLEU", "exit",
     )  # fmt: skip
     speeds = {}
-    for name in ("torch", "auto", "reference"):  # the baseline first: every ratio has it
-        log = args.out / f"train-{name}.log"
-        with log.open("w") as out:
-            status = subprocess.run(
-                _train_command(args, device, name), stdout=out, stderr=out
-            ).returncode
-        steps, speeds[name], reserved = train_summary(args.out / f"train-{name}")
+    for name in TRAIN_ORDER:
+        output = args.work / f"train-{name}"
+        shutil.rmtree(output, ignore_errors=True)  # a fresh run, never a resumed one
+        command = _train_command(args, device, name)
+        print(f"\n=== train {name}: {shlex.join(command)}", flush=True)
+        limit = None if args.smoke else args.seconds + 150
+        try:
+            status = subprocess.run(command, stderr=subprocess.STDOUT, timeout=limit).returncode
+        except subprocess.TimeoutExpired:
+            status = f"timeout {limit:g} s"
+        steps, speeds[name], reserved, bleu = train_summary(output)
         ratio = f"{speeds[name] / speeds['torch']:.2f}x" if speeds.get("torch") else ""
         mib = "" if reserved is None else f"{reserved:,.0f}"
-        row(name, steps, f"{speeds[name]:,.0f}", ratio, mib, f"{status} (log: {log.name})")
+        score = "" if bleu is None else f"{bleu:.2f}"
+        row(name, steps, f"{speeds[name]:,.0f}", ratio, mib, score, f"{status} (log: train.log)")
 
 
 _SPEED = re.compile(r"\(([\d,.]+) sent/s\)")
@@ -458,7 +485,7 @@ def decode(args, device, report: Report) -> None:
     row = report.table(
         "test2016 with the auto run's checkpoint", "search", "beam", "sent/s", "exit"
     )
-    checkpoint = args.out / "train-auto"
+    checkpoint = args.work / "train-auto"
     extra = (
         ["--test", str(_smoke_corpus(args) / "val")]
         if args.smoke
@@ -521,6 +548,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("stage", choices=list(STAGES))
     parser.add_argument("--out", type=Path, required=True, help="the report's folder")
+    parser.add_argument(
+        "--work",
+        type=Path,
+        help="training runs, prepared data, corpora: kept out of --out, whose files a device "
+        "call brings back (default: OUT.work beside it; train and decode must agree)",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes: check the plan")
     parser.add_argument("--seconds", type=float, default=90.0, help="each training run's time")
     args = parser.parse_args(argv)
@@ -529,6 +562,8 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no CUDA device (use --smoke to check the plan on a CPU)", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
+    args.work = args.work or args.out.with_name(args.out.name + ".work")
+    args.work.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     STAGES[args.stage](args, device, Report(args.out / "gpu-check.md"))
     return 0

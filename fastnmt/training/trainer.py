@@ -526,13 +526,20 @@ class Trainer:
             stopped = self.train_epoch()
             if progress.batch_in_epoch >= len(self.batches):  # the epoch is complete
                 progress.epoch, progress.batch_in_epoch = progress.epoch + 1, 0
-            if progress.step > validated_at:
+            last = stopped or (args.max_epochs and progress.epoch > args.max_epochs)
+            if progress.step > validated_at and (last or self.validation_due()):
                 stopped = self.end_of_epoch() or stopped
                 validated_at = progress.step
             if stopped:
                 break
         if self.args.check_replicas:
             self.check_replicas()
+
+    def validation_due(self) -> bool:
+        """Whether the epoch just completed is one ``--valid-interval`` validates after (the last
+        one, when training stops, always is)."""
+        interval = self.args.valid_interval
+        return bool(interval) and (self.progress.epoch - 1) % interval == 0
 
     def check_replicas(self) -> None:
         """Verify that DDP kept every rank's parameters identical (elementwise min == max)."""
