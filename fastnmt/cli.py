@@ -12,6 +12,7 @@ from fastnmt.checkpoint import CheckpointError
 from fastnmt.data import DataError
 from fastnmt.decoding.next_token import SAMPLING_METHODS, Sampling
 from fastnmt.devices import configure_process, resolve_device
+from fastnmt.ops import dispatch
 from fastnmt.precision import AUTO_HELP, choose_precision
 from fastnmt.translator import PRECISIONS, Translator
 
@@ -42,6 +43,14 @@ def run_command(run_args, parser: argparse.ArgumentParser, argv: list[str] | Non
         return 130
     except BrokenPipeError:  # e.g. piped into head: the reader has all it wants
         return 0
+
+
+def forced_backend(name: str):
+    """``--backend``'s block: ``auto`` lets every op choose, another backend is forced onto the
+    ops that have it (``dispatch.ops_with``) while the others choose, so that ``--backend
+    triton`` runs the model's ops on Triton and the decoding ops on their own best backend."""
+    ops = None if name == "auto" else dispatch.ops_with(name)
+    return fastnmt.backend(name, ops=ops)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:

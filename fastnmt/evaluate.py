@@ -16,11 +16,11 @@ from pathlib import Path
 
 import sacrebleu
 
-import fastnmt
 from fastnmt import checkpoint, metrics
 from fastnmt.cli import (
     UsageError,
     add_search_arguments,
+    forced_backend,
     load_translator,
     run_command,
     search_options,
@@ -95,7 +95,7 @@ def evaluate(args) -> int:
     corpus = load_corpus(args)
     translator = load_translator(args, **search_translator_options(args))
     started = time.perf_counter()
-    with fastnmt.backend(args.backend):
+    with forced_backend(args.backend):
         hypotheses = translator.translate(corpus.src, **options)
     seconds = time.perf_counter() - started
     if args.output:

@@ -13,11 +13,11 @@ import argparse
 import sys
 import time
 
-import fastnmt
 from fastnmt.cli import (
     UsageError,
     add_length_penalty_arguments,
     add_model_arguments,
+    forced_backend,
     load_translator,
     run_command,
 )
@@ -42,7 +42,7 @@ def run(args) -> int:
     pairs = read_parallel(args.source, args.target)  # one-line error when the counts differ
     translator = load_translator(args)
     started = time.perf_counter()
-    with fastnmt.backend(args.backend):
+    with forced_backend(args.backend):
         scores = translator.score(pairs.src, pairs.tgt, lenpen=args.lenpen, alpha=args.alpha)
     seconds = time.perf_counter() - started
     lines = "".join(f"{s.log_prob:.4f}\t{s.per_token:.4f}\t{s.normalised:.4f}\n" for s in scores)

@@ -29,7 +29,7 @@ from tqdm import tqdm
 import fastnmt
 from fastnmt import checkpoint, preprocess
 from fastnmt.checkpoint import CheckpointError
-from fastnmt.cli import UsageError, report_error
+from fastnmt.cli import UsageError, forced_backend, report_error
 from fastnmt.data import (
     DataError,
     Vocabulary,
@@ -416,7 +416,7 @@ def prepare(args) -> Trainer:
 
 
 def train(args) -> int:
-    with fastnmt.backend(args.backend):
+    with forced_backend(args.backend):
         return prepare(args).run()
 
 

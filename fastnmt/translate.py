@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
-import fastnmt
 from fastnmt import metrics
 from fastnmt.cli import (
     UsageError,
     add_search_arguments,
+    forced_backend,
     load_translator,
     run_command,
     search_options,
@@ -196,7 +196,7 @@ class Session:
 
         missing = [t for t in translations.values() if t.attention is None]
         if missing:
-            with fastnmt.backend(self.args.backend):
+            with forced_backend(self.args.backend):
                 self.translator.add_attention(missing)
         for number, translation in translations.items():
             plot_attention(
@@ -241,7 +241,7 @@ def run(args) -> int:
     source = Input()
     session = Session(translator, args, options, output, prefixes)
     try:
-        with fastnmt.backend(args.backend), warnings.catch_warnings():
+        with forced_backend(args.backend), warnings.catch_warnings():
             warnings.showwarning = _show_warning
             if interactive:
                 _interactive(session, source)

@@ -9,6 +9,8 @@ import sys
 import pytest
 
 from fastnmt import translate
+from fastnmt.cli import forced_backend
+from fastnmt.ops import dispatch
 from tests.helpers import tiny_checkpoint
 
 SUMMARY = re.compile(
@@ -215,3 +217,14 @@ def test_checkpoints_with_different_vocabularies_are_a_one_line_error(
     code, out, err = _main(monkeypatch, capsys, b"A man.", "--checkpoint", checkpoint_dir, other)
     assert code == 2 and out == "" and err.count("\n") == 1
     assert "has another vocabulary than" in err
+
+
+def test_backend_is_forced_onto_the_ops_that_have_it():
+    """``--backend triton``: the model's ops on Triton, the decoding ops (no Triton kernels)
+    choosing their own, where forcing every op would refuse the first decoding step."""
+    with forced_backend("triton"):
+        assert dispatch.forced_backend("attention") == "triton"
+        assert dispatch.forced_backend("log_softmax_topk") is None
+        assert dispatch.forced_backend("sample_token") is None
+    with forced_backend("cpp"):
+        assert {dispatch.forced_backend(op) for op in dispatch.OPS} == {"cpp"}

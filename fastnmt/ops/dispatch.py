@@ -92,6 +92,12 @@ def backend(name: str, ops: Iterable[str] | None = None) -> Iterator[None]:
         _forced.reset(token)
 
 
+def ops_with(name: str) -> frozenset[str]:
+    """The ops that have a ``name`` backend, the ones a command's ``--backend name`` forces: an
+    op without one (no Triton kernel of ``log_softmax_topk``) keeps choosing among its own."""
+    return frozenset(op for op, definition in OPS.items() if name in definition._implementations)
+
+
 # torch.compile cannot trace a ContextVar; the forced backend is a constant of the compiled graph.
 @torch.compiler.assume_constant_result
 def forced_backend(op_name: str) -> str | None:
