@@ -157,6 +157,7 @@ STAGE_TABLES = {
     "train": "### python -m fastnmt.train",
     "decode": "### test2016 with the auto run's checkpoint",
     "hf": "### Hugging Face Marian-base step",
+    "configs": "### Attention launch configurations",
 }
 
 
@@ -198,6 +199,10 @@ def test_gpu_check_smoke_runs_the_whole_plan(tmp_path):
         ("static", "4"), ("dynamic", "4"), ("static", "1"), ("dynamic", "1")
     ]  # fmt: skip
     assert all(float(row[2].replace(",", "")) > 0 for row in decoding), decoding
+    configs = _table_rows(report, STAGE_TABLES["configs"])
+    kernels = {kernel for _, kernel, config, *_ in configs if config.endswith("(chosen)")}
+    assert kernels == {"forward", "dkdv", "dq"}, configs
+    assert all(row[4].endswith("x") for row in configs), configs  # each one timed
     logs = [f"{stage}.log" for stage in STAGE_TABLES]
     assert sorted(p.name for p in out.iterdir()) == sorted(["gpu-check.md", *logs])
     assert (work / "train-auto" / "checkpoint_best").exists() and (work / "prepared").is_dir()

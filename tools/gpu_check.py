@@ -28,6 +28,9 @@ beside OUT), so that OUT holds only the report and the logs.
   search (sentences/s as ``fastnmt.evaluate`` prints them).
 - ``hf``: the Hugging Face Marian-base step of 64 and 256 pairs, ``apply_fastnmt`` against SDPA,
   time and memory.
+- ``configs``: attention forward + backward at the two longest lengths with each candidate
+  launch configuration of one kernel (``CONFIG_CANDIDATES``), the others as chosen: time per
+  graph replay against the chosen configuration's, and the largest difference from its results.
 
 ``--smoke`` runs a stage at tiny shapes on whatever device there is (CPU: calls timed instead of
 graph replays), to check the plan itself (tests/test_tools.py).
@@ -62,6 +65,7 @@ from fastnmt.decoding.search import LengthPenalty, beam_search  # noqa: E402
 from fastnmt.decoding.static_search import StaticSearches, graph_reasons  # noqa: E402
 from fastnmt.model import Transformer, preset  # noqa: E402
 from fastnmt.ops import add_layer_norm, attention, feed_forward, linear_cross_entropy  # noqa: E402
+from fastnmt.ops.triton import attention as attention_triton  # noqa: E402
 from fastnmt.ops.triton.common import dropout_seeds  # noqa: E402
 from tests.helpers import error_check, small_corpus  # noqa: E402
 
@@ -521,6 +525,67 @@ def hf(args, device, report: Report) -> None:
             row(batch, variant, f"{measured.ms:.2f}", reserved())
 
 
+# configs: attention's launch configurations, one kernel at a time, on the GPU.
+# ---------------------------------------------------------------------------------------------
+
+# (block_m, block_n, num_warps, num_stages) to try for each kernel at head dim 64, beside the
+# one launch_config() picks: FlashAttention-2's tiles and their neighbours.
+CONFIG_CANDIDATES = {
+    "forward": [(64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3)],
+    "dkdv": [(64, 64, 8, 2), (32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 4, 2), (64, 32, 4, 2)],
+    "dq": [(128, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 8, 2)],
+}
+
+
+@contextlib.contextmanager
+def _forced_config(kernel: str, config) -> Iterator[None]:
+    """attention's ``kernel`` launched with ``config``, the other kernels as chosen."""
+    module = attention_triton
+    chosen = module.launch_config
+
+    def launch_config(name, lq, lk, head_dim):
+        return config if name == kernel else chosen(name, lq, lk, head_dim)
+
+    module.launch_config = launch_config
+    try:
+        yield
+    finally:
+        module.launch_config = chosen
+
+
+def configs(args, device, report: Report) -> None:
+    """Forward + backward of attention (bf16, the kernels stage's shapes) with each candidate
+    configuration of one kernel, the others as chosen: ms per CUDA-graph replay, the speedup
+    over the chosen configuration and the largest difference from its outputs and gradients."""
+    row = report.table(
+        "Attention launch configurations (bf16, forward + backward, CUDA graph)",
+        "L", "kernel", "config", "ms", "vs chosen", "max |diff|",
+    )  # fmt: skip
+    shape = _shapes(args.smoke)
+    for length in shape["lengths"][-2:]:  # the longest two: the rows furthest from the goal
+        inputs, forward, _ = _pairs(shape, length, BF16, device)["attention"]
+        step = _step(forward, inputs)
+        base_ms, base = graph_ms(step, device), _fwd_bwd(forward, inputs)
+        head_dim = shape["head_dim"]
+        for kernel, candidates in CONFIG_CANDIDATES.items():
+            now = attention_triton.launch_config(kernel, length, length, head_dim)
+            row(length, kernel, f"{now.label} (chosen)", f"{base_ms:.3f}", "1.00x", "0")
+            for values in candidates:
+                config = attention_triton.LaunchConfig(*values)
+                if config == now:
+                    continue
+                try:
+                    with _forced_config(kernel, config):
+                        ms, got = graph_ms(step, device), _fwd_bwd(forward, inputs)
+                except Exception as error:  # a config that does not compile or fit
+                    row(length, kernel, config.label, type(error).__name__, "", str(error)[:60])
+                    continue
+                pairs = zip(got, base, strict=True)
+                diff = max((g.float() - b.float()).abs().max().item() for g, b in pairs)
+                speedup = f"{base_ms / ms:.2f}x"
+                row(length, kernel, config.label, f"{ms:.3f}", speedup, f"{diff:.2e}")
+
+
 @contextlib.contextmanager
 def _reserved(device) -> Iterator[Callable[[], str]]:
     """The most memory the caching allocator reserved inside, in MiB (CUDA)."""
@@ -541,6 +606,7 @@ STAGES = {
     "train": train,
     "decode": decode,
     "hf": hf,
+    "configs": configs,
 }
 
 
