@@ -291,7 +291,7 @@ def _per_token_cpp(hidden, weight, bias, target, label_smoothing, ignore_index):
     dtype = _autocast_dtype(hidden.device) or hidden.dtype
     h, w = hidden.to(dtype), weight.to(dtype)
     b = None if bias is None else bias.to(dtype)
-    step = chunk_rows(max(w.shape[0], 1))
+    step = chunk_rows(max(w.shape[0], 1), gpu=False)  # a CPU's: logits that stay in its caches
     rows = [h.new_zeros((0, 3), dtype=torch.float32)]  # per token: loss, nll, correct
     for start in range(0, h.shape[0], step):
         logits = F.linear(h[start : start + step], w, b)

@@ -438,6 +438,24 @@ def _triton_launches(tokens: int, vocab: int, dtype=torch.float32) -> list[str]:
     return host.launches + [op for op in host.aten if op not in _NO_LAUNCH | cpu_only]
 
 
+def test_per_token_losses_on_the_cpp_kernel_chunk_by_the_cpu_budget(monkeypatch):
+    """Scoring on a CPU: chunks of a CPU's size (logits that stay in its caches) also where the
+    Triton launchers would pick a GPU's (a CPU-only process: no interpreter, GPU tiles)."""
+    require_backend("cpp")
+    monkeypatch.setattr(triton_module, "_CHUNK_ELEMENTS", 1)  # 16 tokens a chunk
+    rows = torch.ops.fastnmt.cross_entropy_rows_cpp
+    chunks = []
+    monkeypatch.setattr(
+        torch.ops.fastnmt,
+        "cross_entropy_rows_cpp",
+        lambda z, *a: chunks.append(len(z)) or rows(z, *a),
+    )
+    hidden, weight, bias, target = _inputs(40, 24, 300, torch.float32, bias=True)
+    with gpu_tiles(), torch.no_grad(), fastnmt.backend("cpp"):
+        linear_cross_entropy(hidden, weight, bias, target, reduction="none")
+    assert chunks == [16, 16, 8]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_launches_are_few_and_do_not_grow_with_the_vocabulary(dtype):
     """On a GPU a call's wall time is its launches (the host-path issue counted 348 at 4,096
@@ -446,8 +464,7 @@ def test_triton_launches_are_few_and_do_not_grow_with_the_vocabulary(dtype):
     statistics into the loss, the backward's scaling kernel, and in half precision the cast of
     dw's GEMM to fp32; no zero-filled buffer or gradient, the same count for 17 words as for
     3,000."""
-    with gpu_tiles():
-        assert triton_module.chunk_rows(32000) >= 4096
+    assert triton_module.chunk_rows(32000, gpu=True) >= 4096
     launches = _triton_launches(40, 17, dtype)
     assert launches == _triton_launches(40, 3000, dtype) == _triton_launches(300, 3000, dtype)
     assert sorted(launches[:3]) == sorted(_KERNELS), launches

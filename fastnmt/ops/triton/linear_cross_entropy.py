@@ -145,9 +145,10 @@ _GPU_BLOCK_V = 4096  # 16 values per thread with 8 warps
 _INTERPRETER_BLOCK_V = 1 << 16  # the interpreter's cost grows with the number of blocks
 
 
-def chunk_rows(vocab: int) -> int:
-    """Tokens per chunk: about _CHUNK_ELEMENTS (_GPU_CHUNK_ELEMENTS) logits, a multiple of 16."""
-    budget = _GPU_CHUNK_ELEMENTS if triton_common.use_gpu_tiles() else _CHUNK_ELEMENTS
+def chunk_rows(vocab: int, gpu: bool) -> int:
+    """Tokens per chunk: about _GPU_CHUNK_ELEMENTS logits on a GPU (``gpu``), _CHUNK_ELEMENTS on
+    a CPU, a multiple of 16."""
+    budget = _GPU_CHUNK_ELEMENTS if gpu else _CHUNK_ELEMENTS
     return max(16, budget // vocab // 16 * 16)
 
 
@@ -233,7 +234,7 @@ def _chunked(
     # Every row of dh is written by one chunk's GEMM; dw and db: fp32 sums over chunks.
     dh = torch.empty(h.shape if compute_grad else (0,), dtype=compute_dtype, device=h.device)
     dw = db = None
-    step = chunk_rows(vocab)
+    step = chunk_rows(vocab, triton_common.use_gpu_tiles())
     for start in range(0, tokens, step):
         rows = slice(start, start + step)
         h_chunk = h[rows]
