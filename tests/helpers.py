@@ -10,9 +10,12 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from torch._library.custom_ops import OPDEFS
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 import fastnmt
+from fastnmt.ops.triton import common as triton_common
 
 # Where Triton kernels run in the tests: compiled on a CUDA GPU when there is one, else in the
 # Triton interpreter on CPU tensors (tests/conftest.py sets TRITON_INTERPRET=1 first).
@@ -133,13 +136,8 @@ def opcheck(op, args, **options) -> None:
     the interpreter the op is a ``custom_op`` that traces keep opaque, so the body is traced here,
     each launch recorded instead of run (the interpreter cannot run data-less tensors)."""
     torch.library.opcheck(op, args, **options)
-    from torch._library.custom_ops import OPDEFS
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    from fastnmt.ops.triton import common
-
     definition = OPDEFS.get(op._schema.name)
-    if definition is None or not common.INTERPRETER:  # a C++ op, or the GPU (opcheck traced it)
+    if definition is None or not triton_common.INTERPRETER:  # C++, or the GPU (opcheck traced it)
         return
     launches = []
 
@@ -147,7 +145,7 @@ def opcheck(op, args, **options) -> None:
         launches.append(launcher.kernel)
 
     with pytest.MonkeyPatch.context() as patch, torch.no_grad():  # the body runs below autograd
-        patch.setattr(common.Launcher, "__call__", record)
+        patch.setattr(triton_common.Launcher, "__call__", record)
         make_fx(definition._init_fn, tracing_mode="symbolic")(*args)
     assert launches, f"{op} launched no kernel"
 

@@ -71,6 +71,7 @@ from tests.helpers import error_check, small_corpus  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tools"))
 import gpu_bench  # noqa: E402  (tools/, beside this script)
+from attention_sweep import forced_configs  # noqa: E402
 
 BF16, FP16 = torch.bfloat16, torch.float16
 
@@ -537,22 +538,6 @@ CONFIG_CANDIDATES = {
 }
 
 
-@contextlib.contextmanager
-def _forced_config(kernel: str, config) -> Iterator[None]:
-    """attention's ``kernel`` launched with ``config``, the other kernels as chosen."""
-    module = attention_triton
-    chosen = module.launch_config
-
-    def launch_config(name, lq, lk, head_dim):
-        return config if name == kernel else chosen(name, lq, lk, head_dim)
-
-    module.launch_config = launch_config
-    try:
-        yield
-    finally:
-        module.launch_config = chosen
-
-
 def configs(args, device, report: Report) -> None:
     """Forward + backward of attention (bf16, the kernels stage's shapes) with each candidate
     configuration of one kernel, the others as chosen: ms per CUDA-graph replay, the speedup
@@ -575,7 +560,7 @@ def configs(args, device, report: Report) -> None:
                 if config == now:
                     continue
                 try:
-                    with _forced_config(kernel, config):
+                    with forced_configs({kernel: config}):
                         ms, got = graph_ms(step, device), _fwd_bwd(forward, inputs)
                 except Exception as error:  # a config that does not compile or fit
                     row(length, kernel, config.label, type(error).__name__, "", str(error)[:60])
