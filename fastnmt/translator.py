@@ -37,6 +37,7 @@ from fastnmt.decoding.static_search import StaticSearches, graph_reasons
 from fastnmt.devices import resolve_device
 from fastnmt.model import AttentionRecord, ModelConfig, Transformer
 from fastnmt.ops import linear_cross_entropy
+from fastnmt.ops.linear_cross_entropy import per_token_losses
 from fastnmt.precision import fastest_dtype as fastest_dtype  # importable from here too
 from fastnmt.precision import fastest_precision
 from fastnmt.quantize import bf16_packing_supported, int8_supported, pack_bf16, quantize_int8
@@ -109,12 +110,16 @@ def _target_log_probs(model: Transformer, batch, *, per_token: bool) -> torch.Te
     """Teacher-forced log-probabilities of a batch's targets: per target token (tokens,), or
     summed per sentence (B,): the nll of the fused loss without label smoothing, as the trainer
     computes it, per token (never the tokens x vocabulary log-probabilities on the C++
-    kernels)."""
+    kernels); a packed model's logits come from its packed output layer, as in its searches."""
     states = model(batch.src, batch.src_lengths, batch.tgt_in)
     states = states.reshape(-1, states.shape[-1]).index_select(0, batch.tgt_positions)
     targets = batch.tgt_out.reshape(-1).index_select(0, batch.tgt_positions)
     weight, bias, pad = model.embedding.weight, model.output_bias, model.cfg.pad_id
-    log_probs = -linear_cross_entropy(states, weight, bias, targets, 0.0, pad, "none").loss
+    if model.packed_output is not None:  # the search's GEMM, its weight packed once
+        vocab = model.cfg.vocab_size
+        log_probs = -per_token_losses(states, model.packed_output, vocab, targets, 0.0, pad)[0]
+    else:
+        log_probs = -linear_cross_entropy(states, weight, bias, targets, 0.0, pad, "none").loss
     if per_token:
         return log_probs
     sentences = torch.arange(len(batch.tgt_lengths), device=log_probs.device)

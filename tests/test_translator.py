@@ -290,6 +290,23 @@ def test_a_pair_s_score_is_minus_the_trainer_s_summed_loss_without_smoothing(tra
         translator.score(SENTENCES, TARGETS[:5])
 
 
+def test_a_packed_model_scores_through_its_packed_output_layer(translator, monkeypatch):
+    """A model with a packed output layer (fastnmt.quantize) scores with the GEMM its searches
+    use, whose weight oneDNN reordered once, not with F.linear on the embedding (which reorders
+    the weight at every chunk); the scores are the same."""
+    expected = [s.log_prob for s in translator.score(SENTENCES, TARGETS)]
+    model, rows = translator.model, []
+
+    def packed_output(states):
+        rows.append(len(states))
+        return torch.nn.functional.linear(states, model.embedding.weight, model.output_bias)
+
+    monkeypatch.setattr(model, "packed_output", packed_output)
+    scores = [s.log_prob for s in translator.score(SENTENCES, TARGETS)]
+    assert sum(rows) == sum(len(translator.vocab.encode([t])[0]) + 1 for t in TARGETS)
+    assert scores == pytest.approx(expected, abs=1e-5)
+
+
 def test_the_search_s_log_probability_is_the_pair_s_score(checkpoint_dir, translator):
     [found] = translator.translate_full([SENTENCES[0]], beam=1, max_len_b=5)
     candidate = found.candidates[0]

@@ -62,6 +62,7 @@ included), the C++ driver in csrc/linear_cross_entropy.cpp.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -90,7 +91,13 @@ def linear_cross_entropy_reference(
     hidden, weight, bias, target, label_smoothing, ignore_index, reduction
 ):
     hidden, target = _flat(hidden, target)
-    logits = F.linear(hidden, weight, bias)  # (N, V)
+    return _cross_entropy_reference(
+        F.linear(hidden, weight, bias), target, label_smoothing, ignore_index, reduction
+    )
+
+
+def _cross_entropy_reference(logits, target, label_smoothing, ignore_index, reduction):
+    """The reference's loss and statistics of (N, V) logits."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp64 stays fp64
     log_probs = F.log_softmax(logits, dim=-1)
     counted = target != ignore_index
@@ -284,17 +291,33 @@ def _running(fused_op):
 
 
 def _per_token_cpp(hidden, weight, bias, target, label_smoothing, ignore_index):
-    """reduction='none' without gradients: each chunk's logits (one GEMM, in the dtype the
-    fused op computes them in) turned into losses by the C++ row kernel, as the fused op's
-    forward does; no (N, V) tensor beyond a chunk's."""
+    """reduction='none' without gradients: ``per_token_losses`` of ``F.linear``'s logits, in the
+    dtype the fused op computes them in."""
     hidden, target = _flat(hidden, target)
     dtype = _autocast_dtype(hidden.device) or hidden.dtype
     h, w = hidden.to(dtype), weight.to(dtype)
     b = None if bias is None else bias.to(dtype)
-    step = chunk_rows(max(w.shape[0], 1), gpu=False)  # a CPU's: logits that stay in its caches
-    rows = [h.new_zeros((0, 3), dtype=torch.float32)]  # per token: loss, nll, correct
-    for start in range(0, h.shape[0], step):
-        logits = F.linear(h[start : start + step], w, b)
+    linear = functools.partial(F.linear, weight=w, bias=b)
+    return per_token_losses(h, linear, w.shape[0], target, label_smoothing, ignore_index)
+
+
+@torch.no_grad()
+def per_token_losses(
+    hidden, output_layer, vocab_size, target, label_smoothing=0.0, ignore_index=-100
+):
+    """Each token's loss (N,) of the logits ``output_layer(hidden)`` (N, E) -> (N, V), without
+    gradients, chunk by chunk as the fused op's forward does (no (N, V) tensor beyond a chunk's;
+    the C++ row kernel turns a chunk's logits into losses while they are in a CPU's caches), and
+    the statistics ``linear_cross_entropy`` returns (nll, correct, tokens). ``output_layer`` is
+    any GEMM, such as ``fastnmt.quantize``'s packed ones, whose weight oneDNN reordered once
+    (``F.linear`` on a CPU reorders it at every call: half a 1,024-row chunk's time)."""
+    if not extension_available():
+        logits = output_layer(hidden)
+        return _cross_entropy_reference(logits, target, label_smoothing, ignore_index, "none")
+    step = chunk_rows(max(vocab_size, 1), gpu=False)  # a CPU's: logits that stay in its caches
+    rows = [hidden.new_zeros((0, 3), dtype=torch.float32)]  # per token: loss, nll, correct
+    for start in range(0, hidden.shape[0], step):
+        logits = output_layer(hidden[start : start + step])
         chunk = target[start : start + step]
         rows.append(
             torch.ops.fastnmt.cross_entropy_rows_cpp(

@@ -2,6 +2,7 @@
 backends (Triton compiled on a GPU or in the interpreter, C++) against a float64 oracle with
 FlashAttention's rule."""
 
+import functools
 import sys
 
 import pytest
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 
 import fastnmt
 from fastnmt.ops import linear_cross_entropy
+from fastnmt.ops.linear_cross_entropy import per_token_losses
 from fastnmt.ops.triton.common import gpu_tiles
 from tests.helpers import (
     TRITON_DEVICE,
@@ -21,6 +23,7 @@ from tests.helpers import (
 )
 
 triton_module = sys.modules["fastnmt.ops.triton.linear_cross_entropy"]
+lce_module = sys.modules["fastnmt.ops.linear_cross_entropy"]
 IGNORE = -100
 
 
@@ -454,6 +457,22 @@ def test_per_token_losses_on_the_cpp_kernel_chunk_by_the_cpu_budget(monkeypatch)
     with gpu_tiles(), torch.no_grad(), fastnmt.backend("cpp"):
         linear_cross_entropy(hidden, weight, bias, target, reduction="none")
     assert chunks == [16, 16, 8]
+
+
+def test_per_token_losses_of_any_output_layer_without_the_extension(monkeypatch):
+    """``per_token_losses`` of a callable output layer: the C++ kernels' losses and statistics,
+    and the reference's where the extension is missing."""
+    hidden, weight, bias, target = _inputs(40, 24, 300, torch.float32, bias=True, ignored=(3,))
+    layer = functools.partial(F.linear, weight=weight, bias=bias)
+    with torch.no_grad(), fastnmt.backend("reference"):
+        plain = linear_cross_entropy(hidden, weight, bias, target, 0.1, IGNORE, "none")
+    results = [per_token_losses(hidden, layer, 300, target, 0.1, IGNORE)]
+    monkeypatch.setattr(lce_module, "extension_available", lambda: False)
+    results.append(per_token_losses(hidden, layer, 300, target, 0.1, IGNORE))
+    for losses, statistics in results:
+        torch.testing.assert_close(losses, plain.loss, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(statistics[1:], torch.stack([plain.correct, plain.tokens]))
+        torch.testing.assert_close(statistics[0], plain.nll, rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
