@@ -13,8 +13,6 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-# A CPU machine's view on any machine: torch sees no GPU (the refusals' tests).
-WITHOUT_CUDA = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
 
 
 def test_gpu_bench_smoke_writes_a_table_with_every_benchmark():
@@ -31,41 +29,6 @@ def test_gpu_bench_smoke_writes_a_table_with_every_benchmark():
         assert row in table, row
 
 
-def test_gpu_bench_selects_groups_and_refuses_a_cpu_without_smoke():
-    only = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "gpu_bench.py"), "--smoke", "--only", "attention"],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
-    )  # fmt: skip
-    assert only.returncode == 0, only.stderr
-    assert "SDPA bool mask" in only.stdout and "training step" not in only.stdout
-    full = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "gpu_bench.py")],
-        capture_output=True, text=True, timeout=600, cwd=ROOT, env=WITHOUT_CUDA,
-    )  # fmt: skip
-    assert full.returncode == 2 and "no CUDA device" in full.stderr
-
-
-def test_gpu_bench_kernels_lists_each_eager_steps_costliest_kernels():
-    """``--kernels N``: per eager step (here each training backend), N rows by time, no table."""
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "gpu_bench.py"), "--smoke", "--only", "training",
-         "--kernels", "3"],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    sections = result.stdout.split("### ")[1:]
-    assert [s.splitlines()[0] for s in sections] == [
-        f"training step tiny (4 x 6 tokens), eager: fastnmt ops ({backend})"
-        for backend in ("auto", "reference")
-    ]
-    for section in sections:
-        rows = [line for line in section.splitlines() if line.startswith("| `")]
-        assert len(rows) == 3, section
-        times = [float(row.split(" | ")[2]) for row in rows]
-        assert times == sorted(times, reverse=True) and times[-1] > 0, section
-    assert "| implementation |" not in result.stdout
-
-
 def _tool(name: str):
     spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
@@ -78,23 +41,55 @@ def _gpu_bench():
     return _tool("gpu_bench")
 
 
-def test_attention_sweep_runs_its_variants_and_saves_the_base_case(tmp_path):
+# The tools' checks below call their main in this process: a subprocess apiece would mostly
+# import torch again (test_gpu_bench_smoke_writes_a_table_with_every_benchmark and
+# test_gpu_check_smoke_runs_the_whole_plan run them as scripts).
+
+
+def _without_cuda(monkeypatch) -> None:
+    """A CPU machine's view on any machine: torch sees no GPU (the refusals' tests)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def test_gpu_bench_selects_groups_and_refuses_a_cpu_without_smoke(monkeypatch, capsys):
+    bench = _gpu_bench()
+    assert bench.main(["--smoke", "--only", "attention"]) == 0
+    table = capsys.readouterr().out
+    assert "SDPA bool mask" in table and "training step" not in table
+    _without_cuda(monkeypatch)
+    assert bench.main([]) == 2 and "no CUDA device" in capsys.readouterr().err
+
+
+def test_gpu_bench_kernels_lists_each_eager_steps_costliest_kernels(capsys):
+    """``--kernels N``: per eager step (here each training backend), N rows by time, no table."""
+    assert _gpu_bench().main(["--smoke", "--only", "training", "--kernels", "3"]) == 0
+    out = capsys.readouterr().out
+    sections = out.split("### ")[1:]
+    assert [s.splitlines()[0] for s in sections] == [
+        f"training step tiny (4 x 6 tokens), eager: fastnmt ops ({backend})"
+        for backend in ("auto", "reference")
+    ]
+    for section in sections:
+        rows = [line for line in section.splitlines() if line.startswith("| `")]
+        assert len(rows) == 3, section
+        times = [float(row.split(" | ")[2]) for row in rows]
+        assert times == sorted(times, reverse=True) and times[-1] > 0, section
+    assert "| implementation |" not in out
+
+
+def test_attention_sweep_runs_its_variants_and_saves_the_base_case(tmp_path, capsys):
     """Every variant in the interpreter, which passes them all (each forced config included);
     on a GPU the first two (the base case compiled; the verdict is test_attention's)."""
     sweep = _tool("attention_sweep")
     first = 2 if torch.cuda.is_available() else len(sweep.variants())
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "attention_sweep.py"), str(tmp_path), "--first",
-         str(first)],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
+    assert sweep.main([str(tmp_path), "--first", str(first)]) == 0
+    lines = capsys.readouterr().out.splitlines()
     for name, _, _ in sweep.variants()[:first]:
         for mask in ("full", "causal"):
-            line = next(x for x in result.stdout.splitlines() if x.startswith(f"{name}, {mask} "))
+            line = next(x for x in lines if x.startswith(f"{name}, {mask} "))
             assert all(f"{t} " in line for t in ("out", "dq", "dk", "dv")), line
             assert torch.cuda.is_available() or "!" not in line, line
-    assert result.stdout.splitlines()[-1].endswith(" variant runs over the bound")
+    assert lines[-1].endswith(" variant runs over the bound")
     saved = torch.load(tmp_path / "attention-case.pt")
     assert saved["causal"]["causal"] and not saved["full"]["causal"]
     case = saved["full"]
@@ -229,12 +224,12 @@ def test_a_cut_gpu_check_stage_keeps_every_row_it_reached(tmp_path):
     assert len(rows) >= 2 and rows[0][0] == "attention, key lengths" and rows[0][2] == "PASS"
 
 
-def test_gpu_check_refuses_a_cpu_without_smoke(tmp_path):
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "gpu_check.py"), "kernels", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300, cwd=ROOT, env=WITHOUT_CUDA,
-    )  # fmt: skip
-    assert result.returncode == 2 and "no CUDA device" in result.stderr
+def test_gpu_check_refuses_a_cpu_without_smoke(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "path", list(sys.path))  # gpu_check puts the checkout's folders first
+    check = _tool("gpu_check")
+    _without_cuda(monkeypatch)
+    assert check.main(["kernels", "--out", str(tmp_path)]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
 
 
 FAILING_TESTS = (

@@ -161,10 +161,10 @@ def test_sigkill_at_random_moments_of_saves_loses_nothing(corpus, tmp_path, stra
 @pytest.fixture(scope="module")
 def single_process(corpus, tmp_path_factory) -> dict[str, torch.Tensor]:
     """Weights after 3 updates of one process on two batches each (no dropout): what two DDP
-    processes on one batch each must reach."""
+    processes on one batch each must reach (in this process: the DDP runs are the commands
+    under test)."""
     output = tmp_path_factory.mktemp("single")
-    result = _run(_arguments(corpus, output, *NO_DROPOUT, "--update-freq", "2"))
-    assert result.returncode == 0, result.stderr
+    assert train.main(_arguments(corpus, output, *NO_DROPOUT, "--update-freq", "2")) == 0
     return _weights(output)
 
 
@@ -347,11 +347,11 @@ class TestBadInput:
 
 
 def test_resuming_a_finished_run_trains_no_further(corpus, tmp_path):
+    """Both runs through ``main`` in this process: the checkpoint is what is tested here."""
     arguments = _arguments(corpus, tmp_path, "--max-steps", "3")
-    assert _run(arguments).returncode == 0
+    assert train.main(arguments) == 0
     before = _weights(tmp_path)
-    result = _run(arguments)
-    assert result.returncode == 0, result.stderr
+    assert train.main(arguments) == 0
     after = _weights(tmp_path)
     assert all(torch.equal(before[k], after[k]) for k in before)
 

@@ -51,7 +51,7 @@ import fastnmt
 from fastnmt.cuda_graphs import Program
 from fastnmt.decoding.search import LengthPenalty, beam_search, greedy
 from fastnmt.decoding.static_search import StaticSearches, graph_reasons
-from fastnmt.model import Transformer, preset
+from fastnmt.model import ModelConfig, Transformer, preset
 from fastnmt.ops import add_layer_norm, attention, feed_forward, linear_cross_entropy
 from fastnmt.ops.feed_forward import feed_forward_triton
 from fastnmt.training.graph_updates import capture
@@ -73,12 +73,14 @@ class Sizes:
     decode_batch: int  # sentences of a decoding batch (of train_length source tokens)
     hf_batches: tuple[int, ...]  # sentence pairs of a Hugging Face step (of train_length tokens)
     hf_tiny: bool  # the Hugging Face model at width 16 (marian_base's tiny)
+    presets_tiny: bool  # the presets at width 32, 1+1 layers, 100 words (model_config)
 
 
 FULL = Sizes(
-    64, 8, 64, (32, 64, 128), 8192, 512, 32000, 512, 32, ("tiny", "base"), 256, (64, 256), False
-)
-SMOKE = Sizes(2, 2, 16, (8,), 64, 32, 100, 4, 6, ("tiny",), 3, (2,), True)
+    64, 8, 64, (32, 64, 128), 8192, 512, 32000, 512, 32, ("tiny", "base"), 256, (64, 256), False,
+    False,
+)  # fmt: skip
+SMOKE = Sizes(2, 2, 16, (8,), 64, 32, 100, 4, 6, ("tiny",), 3, (2,), True, True)
 
 
 class Row(NamedTuple):
@@ -213,13 +215,25 @@ def per_token_rows(sizes: Sizes, dtype, device) -> list[Row]:
 TRAINING_MODES = ("eager", "CUDA graph", "torch.compile")
 
 
+def model_config(name: str, sizes: Sizes) -> ModelConfig:
+    """The ``name`` preset; with ``sizes.presets_tiny`` shrunk, as the smoke run's model: a CPU
+    compiles (``--compile``) and runs the full tiny preset's 3+3 layers many times slower, and
+    the smoke run checks the script, not the model."""
+    cfg = preset(name)
+    if not sizes.presets_tiny:
+        return cfg
+    return dataclasses.replace(
+        cfg, vocab_size=100, d_model=32, heads=2, d_ff=64, encoder_layers=1, decoder_layers=1
+    )
+
+
 def training_step(
     name: str, sizes: Sizes, dtype, device, mode: str, dropout: float | None = None
 ) -> Callable[[], None]:
     """One Adam update of a fresh ``name`` preset model (its dropout, or ``dropout``) on a
     random padded batch, run as ``mode`` (one of TRAINING_MODES) on the backend in force when it
     is built. The step's ``model`` attribute is its model."""
-    cfg = preset(name)
+    cfg = model_config(name, sizes)
     if dropout is not None:
         cfg = dataclasses.replace(
             cfg, dropout=dropout, attention_dropout=dropout, activation_dropout=dropout
@@ -352,7 +366,7 @@ def memory_snapshot(fn: Callable[[], object], path: Path) -> None:
 
 @torch.inference_mode()
 def decoding_rows(sizes: Sizes, dtype, device) -> list[Row]:
-    cfg = preset("tiny")
+    cfg = model_config("tiny", sizes)
     model = Transformer(cfg).to(device, dtype).eval()
     batch, length = sizes.decode_batch, sizes.train_length
     src = torch.randint(3, cfg.vocab_size, (batch, length))

@@ -33,7 +33,8 @@ beside OUT), so that OUT holds only the report and the logs.
   graph replay against the chosen configuration's, and the largest difference from its results.
 
 ``--smoke`` runs a stage at tiny shapes on whatever device there is (CPU: calls timed instead of
-graph replays), to check the plan itself (tests/test_tools.py).
+graph replays), to check the plan itself (tests/test_tools.py); its ``python -m`` commands run
+their module's ``main`` in the stage's process.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib
+import io
 import json
 import os
 import re
@@ -415,6 +418,27 @@ TRAIN_RUNS = {"auto": (), "reference": ("--backend", "reference"), "torch": ("--
 TRAIN_ORDER = ("torch", "auto", "reference")  # the baseline, then the row that matters most
 
 
+def run_command(command: list[str], smoke: bool, capture: bool, timeout=None):
+    """``command`` (``python -m MODULE ...``) as a process; with ``smoke``, its module's ``main``
+    in this one (outputs captured as a process's would be): a tiny run takes a CPU less time
+    than a process's start, mostly torch's import, and the smoke run checks the commands and
+    what is read from them, which stay the same."""
+    if not smoke:
+        output = subprocess.PIPE if capture else None
+        stderr = subprocess.PIPE if capture else subprocess.STDOUT
+        return subprocess.run(command, stdout=output, stderr=stderr, text=True, timeout=timeout)
+    assert command[1] == "-m", command
+    main = importlib.import_module(command[2]).main
+    out, err = (io.StringIO(), io.StringIO()) if capture else (sys.stdout, sys.stderr)
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = main(command[3:])
+        except SystemExit as exit_:  # argparse's errors
+            status = exit_.code
+    texts = (out.getvalue(), err.getvalue()) if capture else (None, None)
+    return subprocess.CompletedProcess(command, status, *texts)
+
+
 def _train_command(args, device, name: str) -> list[str]:
     """A run that does only what its row needs: one validation, when it stops (its BLEU), no
     checkpoint averaging, no test translation (own data without ``--test``)."""
@@ -473,7 +497,7 @@ def train(args, device, report: Report) -> None:
         print(f"\n=== train {name}: {shlex.join(command)}", flush=True)
         limit = None if args.smoke else args.seconds + 150
         try:
-            status = subprocess.run(command, stderr=subprocess.STDOUT, timeout=limit).returncode
+            status = run_command(command, args.smoke, capture=False, timeout=limit).returncode
         except subprocess.TimeoutExpired:
             status = f"timeout {limit:g} s"
         steps, speeds[name], reserved, bleu = train_summary(output)
@@ -500,7 +524,7 @@ def decode(args, device, report: Report) -> None:
         command = [sys.executable, "-m", "fastnmt.evaluate", "--checkpoint", str(checkpoint),
                    "--device", str(device), "--beam", str(beam), "--static-search", search,
                    *extra]  # fmt: skip
-        result = subprocess.run(command, capture_output=True, text=True)
+        result = run_command(command, args.smoke, capture=True)
         found = _SPEED.search(result.stdout)
         speed = found.group(1) if found else (result.stderr.strip().splitlines() or ["?"])[-1][:80]
         row("static" if search == "on" else "dynamic", beam, speed, result.returncode)

@@ -98,8 +98,17 @@ def ops_with(name: str) -> frozenset[str]:
     return frozenset(op for op, definition in OPS.items() if name in definition._implementations)
 
 
+def assume_constant_result(fn: Callable) -> Callable:
+    """``torch.compiler.assume_constant_result`` without its ``import torch._dynamo``, over a
+    second of the start of every process that imports fastnmt (most never compile): the mark is
+    the attribute dynamo reads when it traces ``fn``, the one torch's decorator sets
+    (tests/ops/test_dispatch.py compares them)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 # torch.compile cannot trace a ContextVar; the forced backend is a constant of the compiled graph.
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def forced_backend(op_name: str) -> str | None:
     """The backend forced for op ``op_name`` by ``backend()`` or ``FASTNMT_BACKEND``, or None
     when choosing freely."""

@@ -84,7 +84,7 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 # The path is a constant of a compiled graph.
-@torch.compiler.assume_constant_result
+@dispatch.assume_constant_result
 def fused_gemm_requested() -> bool:
     """Whether ``FASTNMT_FFN_FUSED_GEMM=1`` (``fastnmt.ops.settings``, read at import) asks for
     the fused-GEMM path on every call."""

@@ -1,5 +1,8 @@
 """Backend choice, forcing and explanations; the cached choice of a call seen before."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.autograd.forward_ad as forward_ad
@@ -376,3 +379,28 @@ def test_the_torch_backend_gives_reasons_for_what_sdpa_cannot_do():
     forced = fastnmt.backend("torch")
     with forced, pytest.raises(fastnmt.BackendUnavailableError, match="returns no log-sum-exp"):
         fastnmt.ops.attention(q, q, q, return_lse=True)
+
+
+def test_the_constant_mark_is_the_one_torchs_decorator_sets():
+    """A compiled graph keeps the forced backend as a constant: the mark is torch.compiler's."""
+
+    def ours():
+        pass
+
+    def torchs():
+        pass
+
+    dispatch.assume_constant_result(ours)
+    torch.compiler.assume_constant_result(torchs)
+    assert vars(ours) == vars(torchs) != {}
+
+
+def test_the_commands_import_without_dynamo():
+    """Importing torch._dynamo takes over a second: no process should pay it before it
+    compiles (the tests start dozens)."""
+    code = (
+        "import sys, fastnmt.train, fastnmt.evaluate, fastnmt.translate, fastnmt.serve; "
+        "print([name for name in sys.modules if name.startswith('torch._dynamo')])"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout == "[]\n", result.stderr

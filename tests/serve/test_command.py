@@ -5,6 +5,7 @@ builds from options or $FASTNMT_SERVE_ARGS for any ASGI server."""
 import concurrent.futures
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -15,28 +16,41 @@ from tests.serve.helpers import ServerProcess, free_port, httpx
 from tests.test_translator import SENTENCES
 
 
-def test_bad_arguments_and_checkpoints_exit_2(tmp_path, checkpoint_dir):
-    command = [sys.executable, "-m", "fastnmt.serve"]
+def _main_error(capsys, *arguments) -> str:
+    """``fastnmt.serve``'s main in this process: exit 2 and the last line of its error, which
+    has no traceback."""
+    from fastnmt.serve import main
 
-    def run(*arguments):
-        options = ["--port", str(free_port()), *map(str, arguments)]
-        return subprocess.run([*command, *options], capture_output=True, text=True, timeout=120)
+    try:
+        code = main(["--port", str(free_port()), "--no-access-log", *map(str, arguments)])
+    except SystemExit as exit_:  # argparse's own errors
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    return err.splitlines()[-1]
 
-    bad = run("--checkpoint", "x", "--max-queue", "0")
-    assert bad.returncode == 2 and "--max-queue must be positive" in bad.stderr
-    negative = run("--checkpoint", "x", "--shutdown-timeout", "-1")
-    assert negative.returncode == 2 and "--shutdown-timeout must be >= 0" in negative.stderr
-    for workers in (1, 2):
-        missing = run("--checkpoint", tmp_path / "none", "--workers", workers)
-        assert missing.returncode == 2, missing.stderr
-        assert missing.stderr.splitlines()[-1].startswith("error: ")
-        assert "Traceback" not in missing.stderr
-    too_long = run("--checkpoint", checkpoint_dir, "--max-input-tokens", 100_000)
-    assert too_long.returncode == 2
-    assert (
-        "--max-input-tokens 100000 is more than the model's maximum source length"
-        in (too_long.stderr.splitlines()[-1])
+
+def test_bad_arguments_and_checkpoints_exit_2(tmp_path, checkpoint_dir, capsys):
+    """The command's errors in this process (a subprocess apiece would mostly import torch),
+    and one bad checkpoint through ``python -m fastnmt.serve`` itself."""
+    message = _main_error(capsys, "--checkpoint", "x", "--max-queue", "0")
+    assert "--max-queue must be positive" in message
+    message = _main_error(capsys, "--checkpoint", "x", "--shutdown-timeout", "-1")
+    assert "--shutdown-timeout must be >= 0" in message
+    missing = tmp_path / "none"
+    assert _main_error(capsys, "--checkpoint", missing, "--workers", 2).startswith("error: ")
+    command = [sys.executable, "-m", "fastnmt.serve", "--port", str(free_port())]
+    one = subprocess.run(
+        [*command, "--checkpoint", str(missing)], capture_output=True, text=True, timeout=120
     )
+    assert one.returncode == 2, one.stderr
+    assert one.stderr.splitlines()[-1].startswith("error: ") and "Traceback" not in one.stderr
+    terminate = signal.getsignal(signal.SIGTERM)  # main ignores SIGTERM while it serves
+    try:
+        message = _main_error(capsys, "--checkpoint", checkpoint_dir, "--max-input-tokens", 100_000)
+    finally:
+        signal.signal(signal.SIGTERM, terminate)
+    assert "--max-input-tokens 100000 is more than the model's maximum source length" in message
 
 
 def test_workers_share_the_port_and_their_metrics_each_with_its_threads(checkpoint_dir, offline):
