@@ -114,11 +114,12 @@ def _target_log_probs(model: Transformer, batch, *, per_token: bool) -> torch.Te
     states = model(batch.src, batch.src_lengths, batch.tgt_in)
     states = states.reshape(-1, states.shape[-1]).index_select(0, batch.tgt_positions)
     targets = batch.tgt_out.reshape(-1).index_select(0, batch.tgt_positions)
-    weight, bias, pad = model.embedding.weight, model.output_bias, model.cfg.pad_id
+    pad = model.cfg.pad_id
     if model.packed_output is not None:  # the search's GEMM, its weight packed once
         vocab = model.cfg.vocab_size
         log_probs = -per_token_losses(states, model.packed_output, vocab, targets, 0.0, pad)[0]
     else:
+        weight, bias = model.embedding.weight, model.output_bias
         log_probs = -linear_cross_entropy(states, weight, bias, targets, 0.0, pad, "none").loss
     if per_token:
         return log_probs
