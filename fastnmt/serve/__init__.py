@@ -15,7 +15,8 @@ The decoder is fastest on large batches, so every request's sentences join one q
 ``Batcher`` takes them out in batches of up to ``--max-tokens`` (padded source tokens times the
 beam) of one setting, waiting at most ``--max-wait-ms`` after the oldest one arrived for more. A
 batch runs on the model's one thread (``ModelThread``), off the event loop, and each request is
-answered when its last sentence is done. Bodies are parsed and tokenized on another thread.
+answered when its last sentence is done. Bodies over 4 KiB are parsed and tokenized on another
+thread.
 
 Modules: ``api`` (the request and response models, the limits, a request's checks, the error
 format), ``batcher`` (the queue, its batches and the model's thread), ``metrics``, ``app`` (the

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import gc
 import logging
 import time
 import uuid
@@ -37,6 +38,11 @@ from fastnmt.serve.metrics import Metrics
 from fastnmt.translator import Translation, Translator
 
 ACCESS_LOG = logging.getLogger("fastnmt.serve.access")
+# Bodies up to this size are parsed and tokenized on the event loop (a sentence: 20 us; 4 KiB:
+# about 1 ms), larger ones on the parser threads, so that a big body never stalls the loop. A
+# small body's hand-off to a thread and back costs more than its parse: under load each hand-off
+# waits for the interpreter lock.
+INLINE_PARSE_BYTES = 4 * 1024
 
 
 class Server:
@@ -78,6 +84,10 @@ class Server:
         try:
             translator = self.load()
             check_limits(self.limits, translator)
+            # What the imports and the model made lives as long as the process: out of the
+            # collector's sight, a full collection scans only what requests made since (a few
+            # ms, against 200 ms with the event loop and the model stalled).
+            gc.freeze()
             self.translator = translator
             self.metrics.ready.set(1)
         except Exception as error:  # reported by main, which exits 2
@@ -135,7 +145,8 @@ class Server:
         self.batcher.fail_waiting(Rejected(503, self.failure))
 
     def _app(self) -> FastAPI:
-        app = FastAPI(
+        app = _TranslationApp(
+            Observed(self._translate_asgi, self.metrics),
             title="fastnmt",
             summary="Translation with batching across concurrent requests",
             lifespan=self._lifespan,
@@ -156,6 +167,16 @@ class Server:
         app.exception_handler(Exception)(self._unexpected_error)
         app.add_middleware(Observed, metrics=self.metrics)
         return app
+
+    async def _translate_asgi(self, scope, receive, send) -> None:
+        """POST /translate as a plain ASGI app (``_TranslationApp``'s shortcut), with the route's
+        error handling: what ``translate`` does not answer is a 500 in the error format."""
+        request = Request(scope, receive)
+        try:
+            response = await self.translate(request)
+        except Exception as error:
+            response = await self._unexpected_error(request, error)
+        await response(scope, receive, send)
 
     async def _http_error(self, request: Request, error: HTTPException) -> JSONResponse:
         """Starlette's own errors (404, 405) in the error format."""
@@ -222,10 +243,11 @@ class Server:
         max_input = self.limits.max_input_tokens or translator.max_source_tokens
         max_output = self.limits.max_output_tokens or translator.model.cfg.max_positions
         loop = asyncio.get_running_loop()
-        query = await loop.run_in_executor(
-            self.parser, parse_query, body, self.limits, translator.vocab.encode, max_input,
-            max_output,
-        )  # fmt: skip
+        parse = (body, self.limits, translator.vocab.encode, max_input, max_output)
+        if len(body) <= INLINE_PARSE_BYTES:
+            query = parse_query(*parse)
+        else:
+            query = await loop.run_in_executor(self.parser, parse_query, *parse)
         self.requests += 1
         alone = query.alone or not self.batching
         key = (query.options,) + ((self.requests,) if alone else ())
@@ -314,6 +336,23 @@ def _request_id(scope) -> bytes:
         if name == b"x-request-id" and 0 < len(value) <= 128 and all(32 < c < 127 for c in value):
             return value
     return uuid.uuid4().hex.encode()
+
+
+class _TranslationApp(FastAPI):
+    """The FastAPI app, whose POST /translate requests skip FastAPI's and Starlette's layers
+    (middleware, routing, dependency solving: about 150 us a request, against 25 us for the route
+    itself) and go straight to ``translate``, the route the OpenAPI schema describes. Under load
+    the event loop answers a batch's requests and takes in their clients' next ones while the
+    model waits, so each request's time on the loop is time the model is idle."""
+
+    def __init__(self, translate, **options):
+        super().__init__(**options)
+        self.translate = translate  # an ASGI app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] == "/translate" and scope["method"] == "POST":
+            return await self.translate(scope, receive, send)
+        return await super().__call__(scope, receive, send)
 
 
 class Observed:

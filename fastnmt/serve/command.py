@@ -53,11 +53,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     processes.add_argument("--no-access-log", action="store_true", help="no line per request")
     batching = p.add_argument_group("batching")
     batching.add_argument(
-        "--max-tokens", type=int, default=6000,
+        "--max-tokens", type=int, default=16000,
         help="a batch's source tokens, padded to its longest sentence, times the beam",
     )  # fmt: skip
     batching.add_argument(
-        "--max-wait-ms", type=float, default=10.0, help="a sentence waits for more this long"
+        "--max-wait-ms", type=float, default=50.0, help="a sentence waits for more this long"
     )
     batching.add_argument("--no-batching", action="store_true", help="each request alone")
     limits = p.add_argument_group("limits")

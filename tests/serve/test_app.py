@@ -1,13 +1,18 @@
 """The app, as a real process on 127.0.0.1 with a real HTTP client: answers equal offline
 translations in one shape, concurrent requests share batches, the probes, metrics and request
 ids, a full queue is 429, a client that goes away leaves the queue, a request past its deadline
-is 504, and SIGTERM answers what was accepted (within --shutdown-timeout) and exits 0."""
+is 504, and SIGTERM answers what was accepted (within --shutdown-timeout) and exits 0. In the
+app's process: POST /translate's shortcut past the framework, where a body is parsed, and the
+collector's view of the loaded model."""
 
+import asyncio
 import concurrent.futures
+import gc
 import json
 import random
 import signal
 import socket
+import threading
 import time
 
 import pytest
@@ -187,3 +192,103 @@ def test_a_request_past_its_deadline_is_504_and_sigterm_waits_at_most_the_shutdo
             assert response.headers["retry-after"] == "1"
     finally:
         stuck.stop()
+
+
+def _in_process_server(checkpoint_dir):
+    """The app of ``python -m fastnmt.serve`` without its lifespan: no batcher, no model."""
+    from fastnmt.serve import build_server, parse_args
+
+    return build_server(parse_args(["--checkpoint", str(checkpoint_dir), "--no-access-log"]))
+
+
+def _requests(app, *requests: tuple[str, str, bytes]) -> list[httpx.Response]:
+    async def send_all():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+            return [
+                await client.request(method, path, content=body, headers=JSON_TYPE)
+                for method, path, body in requests
+            ]
+
+    return asyncio.run(send_all())
+
+
+JSON_TYPE = {"Content-Type": "application/json"}
+
+
+def test_translate_skips_the_framework_and_keeps_request_ids_metrics_and_errors(
+    checkpoint_dir, monkeypatch
+):
+    """POST /translate goes from the app straight to its route (FastAPI's layers cost more than
+    the route, on the event loop the model waits for); it keeps the request id, the metrics and
+    the one error format, a failure in the route is the format's 500, and every other request
+    goes through FastAPI."""
+    from fastapi import FastAPI
+
+    server = _in_process_server(checkpoint_dir)
+    through_fastapi = []
+    original = FastAPI.__call__
+
+    async def counted(self, scope, receive, send):
+        through_fastapi.append((scope.get("method"), scope.get("path")))
+        await original(self, scope, receive, send)
+
+    monkeypatch.setattr(FastAPI, "__call__", counted)
+    body = json.dumps({"text": "Dogs."}).encode()
+    loading, wrong_method = _requests(
+        server.app, ("POST", "/translate", body), ("GET", "/translate", b"")
+    )
+    assert through_fastapi == [("GET", "/translate")]
+    assert loading.status_code == 503 and loading.headers["Retry-After"] == "1"
+    assert loading.json() == {"error": "the model is loading, retry later", "field": None}
+    assert len(loading.headers["X-Request-ID"]) == 32
+    assert wrong_method.status_code == 405 and set(wrong_method.json()) == {"error", "field"}
+    exposition = server.metrics.exposition().decode()
+    assert 'fastnmt_responses_total{code="503",handler="/translate"} 1.0' in exposition
+
+    async def fails(request):
+        raise RuntimeError("a fault")
+
+    monkeypatch.setattr(server, "translate", fails)
+    (failed,) = _requests(server.app, ("POST", "/translate", body))
+    assert failed.status_code == 500
+    assert failed.json() == {"error": "internal error: a fault", "field": None}
+
+
+def test_small_bodies_are_parsed_on_the_event_loop_large_ones_off_it(
+    checkpoint_dir, offline, monkeypatch
+):
+    """A small body's parse takes less than a hand-off to a thread; one past INLINE_PARSE_BYTES
+    is parsed on the parser threads, so that it never stalls the event loop."""
+    from fastnmt.serve import app as app_module
+
+    server = _in_process_server(checkpoint_dir)
+    server.translator = offline
+    threads = []
+    parse = app_module.parse_query
+
+    def recorded(*args):
+        threads.append(threading.current_thread().name)
+        return parse(*args)
+
+    monkeypatch.setattr(app_module, "parse_query", recorded)
+    small = json.dumps({"text": "Dogs.", "beam": 0}).encode()
+    large = json.dumps({"text": "Dogs." * 1000, "beam": 0}).encode()
+    assert len(small) <= app_module.INLINE_PARSE_BYTES < len(large)
+    answers = _requests(server.app, ("POST", "/translate", small), ("POST", "/translate", large))
+    assert [a.status_code for a in answers] == [422, 422]
+    assert threads[0] == threading.current_thread().name  # the event loop's
+    assert threads[1].startswith("fastnmt-parse")
+
+
+def test_the_loaded_model_is_out_of_the_collectors_sight(checkpoint_dir):
+    """Once loaded, what the imports and the model made is frozen: a full collection (200 ms
+    with a model's process, the event loop stalled) scans only what came since."""
+    server = _in_process_server(checkpoint_dir)
+    server.threads = None  # this process's thread count stays as it is
+    gc.unfreeze()
+    try:
+        server._load()
+        assert server.translator is not None and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
