@@ -14,6 +14,11 @@ FASTNMT_BENCH_SENTENCES of them when set), beam 4:
   with two threads against two processes with one each;
 - ``8 clients x 32``: 8 concurrent clients sending 32 sentences a request.
 
+The "interleaved ratios" group measures the first target on its own: in FASTNMT_BENCH_ROUNDS
+rounds (3), the in-process batches of 64 on one thread, the 64-client server, then the in-process
+batches again, each round's ratio against its two in-process runs (a shared machine's speed drifts
+over the minutes between the rows above).
+
 ``extra_info`` holds each row's numbers and, under ``targets``, the ratios docs/serving.md
 states targets for: the 64-client row against the in-process one-thread batches (>= 0.9)
 and against the unbatched server (>= 5), its p99 over p50 (<= 3), and two workers of one
@@ -42,6 +47,7 @@ from tests.serve.helpers import ServerProcess
 
 # A slow row (two threads on a contended machine) is measured, not cut off by 504s.
 LIMITS = ("--max-sentences", 64, "--request-timeout", 3600)
+RATIO_ROUNDS = int(os.environ.get("FASTNMT_BENCH_ROUNDS", "3"))  # as bench_translate's ratios
 
 
 @pytest.fixture(scope="module")
@@ -159,3 +165,35 @@ def test_serve_under_load(benchmark, setup):
     benchmark.extra_info.update(rows, targets=targets)
     for name, row in [*rows.items(), ("targets", targets)]:
         print(name, {k: round(v, 2) for k, v in row.items()})
+
+
+def test_ratio_in_process(benchmark, setup):
+    """64 single-sentence clients against the same sentences in batches of 64 in one process on
+    one thread, each round's ratio against its in-process runs before and after (the goal: at
+    least 0.9x)."""
+    path, sentences = setup
+    singles = [[s] for s in sentences]
+    translator = Translator.from_checkpoint(path)
+    translator.translate(sentences[:8], beam=4)
+    served, in_process = [], []
+
+    def rounds() -> None:
+        for _ in range(RATIO_ROUNDS):
+            before = _in_process(translator, sentences, 64, 1)["sent_per_s"]
+            served.append(_serve(path, sentences, singles, 64)["sent_per_s"])
+            after = _in_process(translator, sentences, 64, 1)["sent_per_s"]
+            in_process.append((before + after) / 2)
+
+    benchmark.pedantic(rounds, rounds=1, iterations=1)
+    ratios = [s / p for s, p in zip(served, in_process, strict=True)]
+    benchmark.group = "interleaved ratios"
+    benchmark.extra_info.update(
+        {"64 clients x 1": {"sent_per_s": round(statistics.median(served), 1)},
+         "in process, batches of 64, 1 threads": {
+             "sent_per_s": round(statistics.median(in_process), 1)},
+         "ratios": [round(r, 3) for r in ratios],
+         "vs_in_process_1_thread": round(statistics.median(ratios), 3),
+         "goal": "64 clients x 1 >= 0.9x in process, batches of 64, 1 thread",
+         "rounds": RATIO_ROUNDS},
+    )  # fmt: skip
+    print("64 clients x 1 / in process, per round:", benchmark.extra_info["ratios"])
