@@ -19,7 +19,7 @@ import pytest
 
 from fastnmt.client import ServerError
 from fastnmt.decoding.next_token import Sampling
-from tests.serve.helpers import SERVE_EXTRA, ServerProcess, as_answered
+from tests.serve.helpers import JSON, SERVE_EXTRA, ServerProcess, as_answered
 from tests.test_translator import SENTENCES
 
 httpx = pytest.importorskip("httpx", reason=SERVE_EXTRA)
@@ -206,14 +206,11 @@ def _requests(app, *requests: tuple[str, str, bytes]) -> list[httpx.Response]:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
             return [
-                await client.request(method, path, content=body, headers=JSON_TYPE)
+                await client.request(method, path, content=body, headers=JSON)
                 for method, path, body in requests
             ]
 
     return asyncio.run(send_all())
-
-
-JSON_TYPE = {"Content-Type": "application/json"}
 
 
 def test_translate_skips_the_framework_and_keeps_request_ids_metrics_and_errors(
