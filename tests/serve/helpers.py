@@ -44,8 +44,12 @@ class ServerProcess:
         self._stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 (read after the process ends)
         self.process = subprocess.Popen(command, stderr=self._stderr, text=True)
         self.client = Client(self.url, timeout=60)
+        # /ready answers for whichever worker takes the connection: wait for every worker, or
+        # a request may reach one still loading (503).
+        options = list(map(str, options))
+        workers = int(options[options.index("--workers") + 1]) if "--workers" in options else 1
         deadline = time.monotonic() + 120
-        while not self.client.ready():
+        while not (self.client.ready() and (workers == 1 or self.workers_ready() == workers)):
             assert self.process.poll() is None, self.stderr()
             assert time.monotonic() < deadline, "the server did not get ready"
             time.sleep(0.1)
@@ -64,6 +68,12 @@ class ServerProcess:
             if line.startswith(name + " ") or line.startswith(name + "{"):
                 return float(line.rsplit(" ", 1)[1])
         return 0.0
+
+    def workers_ready(self) -> int:
+        """How many workers /metrics shows loaded (``fastnmt_ready``, one series per pid)."""
+        scrape = httpx.get(f"{self.url}/metrics").text.splitlines()
+        ready = [line for line in scrape if line.startswith("fastnmt_ready{") and 'pid="' in line]
+        return sum(line.endswith(" 1.0") for line in ready)
 
     def rss_mb(self) -> float:
         status = Path(f"/proc/{self.process.pid}/status").read_text()

@@ -8,11 +8,10 @@ import random
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from tests.serve.helpers import ServerProcess, free_port, httpx
+from tests.serve.helpers import ServerProcess, free_port
 from tests.test_translator import SENTENCES
 
 
@@ -62,15 +61,7 @@ def test_workers_share_the_port_and_their_metrics_each_with_its_threads(checkpoi
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(lambda t: pair.client.translate([t], beam=2)[0], texts * 2))
         assert answers == offline.translate(texts * 2, beam=2)
-        deadline = time.monotonic() + 60  # the second worker may still be loading
-        while time.monotonic() < deadline:
-            scrape = httpx.get(f"{pair.url}/metrics").text.splitlines()
-            ready = [line for line in scrape if line.startswith("fastnmt_ready{")]
-            loaded = len(ready) == 2 and all(line.endswith(" 1.0") for line in ready)
-            if loaded and pair.metric("fastnmt_sentences_total") == 2 * len(texts):
-                break
-            time.sleep(0.1)
-        assert len(ready) == 2 and all('pid="' in line and line.endswith(" 1.0") for line in ready)
+        assert pair.workers_ready() == 2
         assert pair.metric("fastnmt_sentences_total") == 2 * len(texts)
     finally:
         assert pair.stop() == 0
