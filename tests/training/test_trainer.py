@@ -97,6 +97,15 @@ def _interrupt_after(owner, name: str, at_step: int, run) -> None:
     setattr(owner, name, interrupted)
 
 
+@pytest.fixture
+def ctrl_c_raises():
+    """Python's own SIGINT handler, as in a terminal: a process started in the background (``&``)
+    inherits SIGINT ignored, and Ctrl-C then never reaches Python at all."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize(
     ("where", "saved_step"),
     [
@@ -105,7 +114,7 @@ def _interrupt_after(owner, name: str, at_step: int, run) -> None:
     ],
 )
 def test_ctrl_c_in_an_update_neither_replays_nor_drops_a_batch(
-    corpus, tmp_path, uninterrupted, where, saved_step
+    corpus, tmp_path, uninterrupted, where, saved_step, ctrl_c_raises
 ):
     run = _prepare(corpus, tmp_path, *STEPS)
     owner = run.scaler if where.startswith("scaler") else run
@@ -119,7 +128,7 @@ def test_ctrl_c_in_an_update_neither_replays_nor_drops_a_batch(
         assert torch.equal(resumed[name], expected), name
 
 
-def test_interrupts_deferred_delivers_ctrl_c_after_the_block():
+def test_interrupts_deferred_delivers_ctrl_c_after_the_block(ctrl_c_raises):
     done = []
     with pytest.raises(KeyboardInterrupt), trainer.interrupts_deferred():
         os.kill(os.getpid(), signal.SIGINT)
