@@ -70,7 +70,7 @@ import torch.nn.functional as F
 
 from fastnmt.ops import checks, dispatch, registration
 from fastnmt.ops.extension import extension_available
-from fastnmt.ops.triton.linear_cross_entropy import _chunked, _scale_gradients, chunk_rows
+from fastnmt.ops.triton.linear_cross_entropy import _chunked, _scale_gradients
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -301,13 +301,25 @@ def _per_token_cpp(hidden, weight, bias, target, label_smoothing, ignore_index):
     return per_token_losses(h, linear, w.shape[0], target, label_smoothing, ignore_index)
 
 
+# Scoring's chunks on a CPU: about 2M logits (4 MB in bf16), which stay in a core's caches from
+# the GEMM that writes them to the row kernel that reads them, and at least 256 tokens, below
+# which a chunk's GEMM reads the whole output layer for little work. Whole multiples of 64 rows,
+# which packed GEMMs run unpadded.
+_SCORING_CHUNK_ELEMENTS = 1 << 21
+_SCORING_MIN_ROWS = 256
+
+
+def _scoring_chunk_rows(vocab_size: int) -> int:
+    return max(_SCORING_MIN_ROWS, _SCORING_CHUNK_ELEMENTS // max(vocab_size, 1) // 64 * 64)
+
+
 @torch.no_grad()
 def per_token_losses(
     hidden, output_layer, vocab_size, target, label_smoothing=0.0, ignore_index=-100
 ):
     """Each token's loss (N,) of the logits ``output_layer(hidden)`` (N, E) -> (N, V), without
-    gradients, chunk by chunk as the fused op's forward does (no (N, V) tensor beyond a chunk's;
-    the C++ row kernel turns a chunk's logits into losses while they are in a CPU's caches), and
+    gradients, chunk by chunk (no (N, V) tensor beyond a chunk's; the C++ row kernel turns a
+    chunk's logits into losses while they are in a CPU's caches), and
     the statistics ``linear_cross_entropy`` returns (nll, correct, tokens). ``output_layer`` is
     any GEMM, such as ``fastnmt.quantize``'s packed ones, whose weight oneDNN reordered once
     (``F.linear`` on a CPU reorders it at every call: about a sixth of a 1,000-row chunk's time
@@ -315,7 +327,7 @@ def per_token_losses(
     if not extension_available():
         logits = output_layer(hidden)
         return _cross_entropy_reference(logits, target, label_smoothing, ignore_index, "none")
-    step = chunk_rows(max(vocab_size, 1), gpu=False)  # a CPU's: logits that stay in its caches
+    step = _scoring_chunk_rows(vocab_size)
     rows = [hidden.new_zeros((0, 3), dtype=torch.float32)]  # per token: loss, nll, correct
     for start in range(0, hidden.shape[0], step):
         logits = output_layer(hidden[start : start + step])

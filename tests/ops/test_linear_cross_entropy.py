@@ -443,9 +443,14 @@ def _triton_launches(tokens: int, vocab: int, dtype=torch.float32) -> list[str]:
 
 def test_per_token_losses_on_the_cpp_kernel_chunk_by_the_cpu_budget(monkeypatch):
     """Scoring on a CPU: chunks of a CPU's size (logits that stay in its caches) also where the
-    Triton launchers would pick a GPU's (a CPU-only process: no interpreter, GPU tiles)."""
+    Triton launchers would pick a GPU's (a CPU-only process: no interpreter, GPU tiles); 256
+    tokens at 8,000 words, more over fewer words, never fewer for a larger vocabulary."""
+    assert lce_module._scoring_chunk_rows(8000) == 256
+    assert lce_module._scoring_chunk_rows(300) == 6976
+    assert lce_module._scoring_chunk_rows(256_000) == 256
     require_backend("cpp")
-    monkeypatch.setattr(triton_module, "_CHUNK_ELEMENTS", 1)  # 16 tokens a chunk
+    monkeypatch.setattr(lce_module, "_SCORING_CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr(lce_module, "_SCORING_MIN_ROWS", 16)  # 16 tokens a chunk
     rows = torch.ops.fastnmt.cross_entropy_rows_cpp
     chunks = []
     monkeypatch.setattr(
