@@ -319,11 +319,10 @@ def per_token_losses(
 ):
     """Each token's loss (N,) of the logits ``output_layer(hidden)`` (N, E) -> (N, V), without
     gradients, chunk by chunk (no (N, V) tensor beyond a chunk's; the C++ row kernel turns a
-    chunk's logits into losses while they are in a CPU's caches), and
-    the statistics ``linear_cross_entropy`` returns (nll, correct, tokens). ``output_layer`` is
-    any GEMM, such as ``fastnmt.quantize``'s packed ones, whose weight oneDNN reordered once
-    (``F.linear`` on a CPU reorders it at every call: about a sixth of a 1,000-row chunk's time
-    on an AMX CPU)."""
+    chunk's logits into losses while they are in a CPU's caches), and the statistics
+    ``linear_cross_entropy`` returns (nll, correct, tokens). ``output_layer`` is any GEMM, such
+    as ``fastnmt.quantize``'s packed ones, whose weight oneDNN reordered once (``F.linear`` on a
+    CPU reorders it at every call: about a sixth of a 1,000-row chunk's time on an AMX CPU)."""
     if not extension_available():
         logits = output_layer(hidden)
         return _cross_entropy_reference(logits, target, label_smoothing, ignore_index, "none")

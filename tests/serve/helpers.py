@@ -48,8 +48,9 @@ class ServerProcess:
         # a request may reach one still loading (503).
         options = list(map(str, options))
         workers = int(options[options.index("--workers") + 1]) if "--workers" in options else 1
+        loaded = [1.0] * workers
         deadline = time.monotonic() + 120
-        while not (self.client.ready() and (workers == 1 or self.workers_ready() == workers)):
+        while not (self.client.ready() and (workers == 1 or self.ready_series() == loaded)):
             assert self.process.poll() is None, self.stderr()
             assert time.monotonic() < deadline, "the server did not get ready"
             time.sleep(0.1)
@@ -69,11 +70,11 @@ class ServerProcess:
                 return float(line.rsplit(" ", 1)[1])
         return 0.0
 
-    def workers_ready(self) -> int:
-        """How many workers /metrics shows loaded (``fastnmt_ready``, one series per pid)."""
+    def ready_series(self) -> list[float]:
+        """``fastnmt_ready`` of each worker in /metrics (one series per pid label; 1: loaded)."""
         scrape = httpx.get(f"{self.url}/metrics").text.splitlines()
-        ready = [line for line in scrape if line.startswith("fastnmt_ready{") and 'pid="' in line]
-        return sum(line.endswith(" 1.0") for line in ready)
+        series = [line for line in scrape if line.startswith("fastnmt_ready{")]
+        return [float(line.rsplit(" ", 1)[1]) for line in series if 'pid="' in line]
 
     def rss_mb(self) -> float:
         status = Path(f"/proc/{self.process.pid}/status").read_text()
