@@ -48,7 +48,7 @@ class ServerProcess:
         # a request may reach one still loading (503).
         options = list(map(str, options))
         workers = int(options[options.index("--workers") + 1]) if "--workers" in options else 1
-        loaded = [1.0] * workers
+        loaded = [(True, 1.0)] * workers
         deadline = time.monotonic() + 120
         while not (self.client.ready() and (workers == 1 or self.ready_series() == loaded)):
             assert self.process.poll() is None, self.stderr()
@@ -70,11 +70,12 @@ class ServerProcess:
                 return float(line.rsplit(" ", 1)[1])
         return 0.0
 
-    def ready_series(self) -> list[float]:
-        """``fastnmt_ready`` of each worker in /metrics (one series per pid label; 1: loaded)."""
+    def ready_series(self) -> list[tuple[bool, float]]:
+        """Each ``fastnmt_ready`` series in /metrics: whether it has a pid label (one per
+        worker) and its value (1: loaded)."""
         scrape = httpx.get(f"{self.url}/metrics").text.splitlines()
         series = [line for line in scrape if line.startswith("fastnmt_ready{")]
-        return [float(line.rsplit(" ", 1)[1]) for line in series if 'pid="' in line]
+        return [('pid="' in line, float(line.rsplit(" ", 1)[1])) for line in series]
 
     def rss_mb(self) -> float:
         status = Path(f"/proc/{self.process.pid}/status").read_text()

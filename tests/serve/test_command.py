@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.serve.helpers import ServerProcess, free_port, httpx
+from tests.serve.helpers import ServerProcess, free_port
 from tests.test_translator import SENTENCES
 
 
@@ -61,9 +61,7 @@ def test_workers_share_the_port_and_their_metrics_each_with_its_threads(checkpoi
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(lambda t: pair.client.translate([t], beam=2)[0], texts * 2))
         assert answers == offline.translate(texts * 2, beam=2)
-        scrape = httpx.get(f"{pair.url}/metrics").text.splitlines()
-        ready = [line for line in scrape if line.startswith("fastnmt_ready{")]
-        assert len(ready) == 2 and all('pid="' in line and line.endswith(" 1.0") for line in ready)
+        assert pair.ready_series() == [(True, 1.0), (True, 1.0)]  # each worker's, loaded
         assert pair.metric("fastnmt_sentences_total") == 2 * len(texts)
     finally:
         assert pair.stop() == 0
