@@ -103,7 +103,9 @@ def test_cross_attention_weights_are_torch_s_to_fp32_rounding(fused, scale):
     forward = dict(key_padding_mask=padding, average_attn_weights=False)
     out_theirs, weights_theirs = theirs(query, memory, memory, **forward)
     out_ours, weights_ours = ours(query, memory, memory, **forward)
-    torch.testing.assert_close(out_ours, out_theirs, atol=1e-6, rtol=1e-6)
+    # On a GPU the attention sums in another order than torch's (Triton's tiles against cuBLAS's)
+    # and the out-projection mixes that over E features: a few float32 ulps at scale 3.
+    torch.testing.assert_close(out_ours, out_theirs, atol=4e-6, rtol=1e-5)
     eps = torch.finfo(torch.float32).eps
     torch.testing.assert_close(weights_ours, weights_theirs, atol=2 * eps, rtol=0)
 

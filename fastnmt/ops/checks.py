@@ -74,10 +74,19 @@ def positive(name: str, value) -> float:
     return float(value)
 
 
+# Device type -> whether it has autocast. A dict read, not a call of
+# torch.amp.is_autocast_available, on the common devices: torch.compile of torch 2.11 cannot trace
+# that call (a graph break, an error under fullgraph=True).
+_AUTOCAST_AVAILABLE = {kind: torch.amp.is_autocast_available(kind) for kind in ("cpu", "cuda")}
+
+
 def autocasting(device: torch.device) -> bool:
     """Under autocast, activations and weights may legitimately differ in dtype. Devices without
     autocast (meta: shape-only runs of a model) never autocast; asking them raises."""
-    return torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type)
+    available = _AUTOCAST_AVAILABLE.get(device.type)
+    if available is None:
+        available = _AUTOCAST_AVAILABLE[device.type] = torch.amp.is_autocast_available(device.type)
+    return available and torch.is_autocast_enabled(device.type)
 
 
 def values_checked() -> bool:

@@ -1,5 +1,6 @@
 """Backend choice, forcing and explanations; the cached choice of a call seen before."""
 
+import importlib.util
 import subprocess
 import sys
 
@@ -397,10 +398,28 @@ def test_the_constant_mark_is_the_one_torchs_decorator_sets():
 
 def test_the_commands_import_without_dynamo():
     """Importing torch._dynamo takes over a second: no process should pay it before it
-    compiles (the tests start dozens)."""
+    compiles (the tests start dozens). The server's module needs its extra (fastapi)."""
+    commands = ["fastnmt.train", "fastnmt.evaluate", "fastnmt.translate"]
+    commands += ["fastnmt.serve"] * (importlib.util.find_spec("fastapi") is not None)
     code = (
-        "import sys, fastnmt.train, fastnmt.evaluate, fastnmt.translate, fastnmt.serve; "
+        f"import sys, {', '.join(commands)}; "
         "print([name for name in sys.modules if name.startswith('torch._dynamo')])"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout == "[]\n", result.stderr
+
+
+def test_autocasting_asks_torch_about_cpu_and_cuda_only_at_import(monkeypatch):
+    """torch.compile of torch 2.11 cannot trace torch.amp.is_autocast_available: the ops' checks
+    read a dict for the common devices, and ask (once) only about others (meta: never)."""
+    from fastnmt.ops import checks
+
+    asked = []
+    monkeypatch.setattr(checks, "_AUTOCAST_AVAILABLE", dict(checks._AUTOCAST_AVAILABLE))
+    monkeypatch.setattr(torch.amp, "is_autocast_available", lambda kind: asked.append(kind) or 0)
+    with torch.autocast("cpu", torch.bfloat16):
+        assert checks.autocasting(torch.device("cpu"))
+    assert not checks.autocasting(torch.device("cuda"))
+    for _ in range(2):
+        assert not checks.autocasting(torch.device("meta"))
+    assert asked == ["meta"]
