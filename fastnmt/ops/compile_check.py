@@ -4,7 +4,9 @@ For each case of ``fastnmt.ops.compile_cases`` (kernel, signature, block config)
 cubin for sm_80 (A100) and sm_90 (H100), fp16 and bf16, reads registers and
 spilled bytes from the cubin with the wheel's ``cuobjdump``, and fails a case that spills
 (stack or local memory > 0), exceeds the chip's shared memory, or, for sm_90 matmul kernels, has no
-``wgmma`` instruction. Each compiles with the options every launch states
+``wgmma`` instruction or transposes a dot product's result in registers (``tt.trans`` of an
+``#mma`` tensor: triton 3.4 to 3.7.0 miscompile it on Hopper, fla-org/flash-linear-attention#640,
+which gave a wrong attention dK there). Each compiles with the options every launch states
 (``triton_common.COMPILE_OPTIONS``). Prints a table; exits 1 when a case fails.
 
 Must run in a process without TRITON_INTERPRET (compiling for a GPU fails under the interpreter).
@@ -24,6 +26,7 @@ from fastnmt.ops.compile_cases import CompileCase
 from fastnmt.ops.triton import common as triton_common
 
 TARGETS = {80: 163 * 1024, 90: 227 * 1024}  # compute capability -> shared memory per block
+MMA_TRANSPOSE = re.compile(r"= tt\.trans .*: tensor<[^>]*#mma[^>]*> ->")
 DTYPES = ("fp16", "bf16")
 
 
@@ -101,6 +104,8 @@ def compile_one(index: int, capability: int) -> CompileResult:
         result.problems.append(f"needs {result.shared} B shared memory > {TARGETS[capability]}")
     if capability == 90 and case.needs_wgmma and not result.wgmma:
         result.problems.append("no wgmma on sm_90")
+    if capability == 90 and MMA_TRANSPOSE.search(compiled.asm["ttgir"]):
+        result.problems.append("tl.trans of a dot's result in registers (Hopper miscompiles it)")
     return result
 
 

@@ -326,6 +326,12 @@ def _with_grads(function, inputs, grad_out, *args, **kwargs):
     return out.detach(), lse, grads
 
 
+def _oracle_with_grads(inputs, grad_out, *args, **kwargs):
+    """``_with_grads`` of the oracle from float64 leaves: gradients not rounded to the inputs'
+    dtype (a sum that lands on a rounding tie would otherwise read as an ulp of error)."""
+    return _with_grads(_oracle, [x.double() for x in inputs], grad_out, *args, **kwargs)
+
+
 def _keep_mask_writer(backend):
     """(seed, shape, dropout_p) -> the bool keep mask that ``backend``'s kernels draw."""
     if backend == "triton":
@@ -358,8 +364,8 @@ def _check_case(
     run = functools.partial(_forced, backend)
     out, lse, grads = _with_grads(run, (q, k, v), grad_out, dropout_p, causal, **masks)
     keep = _kernel_keep_mask(backend, generator_seed, device, (batch, heads, lq, lk), dropout_p)
-    expected, expected_lse, expected_grads = _with_grads(
-        _oracle, (q, k, v), grad_out, keep, dropout_p, causal=causal, **masks
+    expected, expected_lse, expected_grads = _oracle_with_grads(
+        (q, k, v), grad_out, keep, dropout_p, causal=causal, **masks
     )
     _, _, plain_grads = _with_grads(
         _plain_torch, (q, k, v), grad_out, keep, dropout_p, causal=causal, **masks
@@ -409,12 +415,12 @@ def test_triton_strided_inputs_and_output_gradient():
     grad_out = torch.randn(2, 9, 2, 48, device=TRITON_DEVICE).transpose(1, 2)
     lengths = torch.tensor([9, 4], device=TRITON_DEVICE)
     out, _, grads = _with_grads(_triton, (q, k, v), grad_out, 0.0, key_lengths=lengths)
-    expected, _, expected_grads = _with_grads(
-        _oracle, (q, k, v), grad_out, None, 0.0, key_lengths=lengths
+    expected, _, expected_grads = _oracle_with_grads(
+        (q, k, v), grad_out, None, 0.0, key_lengths=lengths
     )
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
     for grad, expected_grad in zip(grads, expected_grads, strict=True):
-        torch.testing.assert_close(grad, expected_grad, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(grad.double(), expected_grad, atol=1e-5, rtol=1e-5)
 
 
 def test_triton_probabilities_from_lse():
@@ -663,12 +669,11 @@ def test_triton_gpu_tiling_matches_float64_oracle(case, causal, monkeypatch):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_triton_gpu_tiling_bf16_with_an_odd_value_dim(causal):
-    """A case an H100 failed under launch configs with key blocks twice as wide (grads 0.25-0.40
-    off where 0.017 is allowed): bf16, D 112, Dv 65, lengths (full, none, one key), 45 queries
-    over 70 keys. The interpreter (bf16 upcast) passes it, and so did a float32
-    emulation of the kernels' bf16 roundings (P and dS rounded before their dots, delta from the
-    bf16 output: at most 0.35 of the bound over 20 draws), so their arithmetic is not the cause;
-    the assertion names the gradient that fails there."""
+    """bf16, D 112, Dv 65, lengths (full, none, one key), 45 queries over 70 keys: a dK/dV kernel
+    that transposes dS in registers (tl.trans of a dot's result, which triton 3.4 to 3.7.0
+    miscompile on Hopper) gets dK wrong here on an H100 (0.40 off where 0.017 is allowed) while
+    dQ and dV stay right. The kernel's tiles have the keys along their rows instead, and
+    compile_check rejects any kernel that transposes a dot's result."""
     with gpu_tiles():
         _check_triton_case(3, 1, 45, 70, 112, causal, "lengths", BF16, 0.0, 65)
 
@@ -884,14 +889,14 @@ def test_out_of_range_key_lengths_are_clamped(backend):
     run = functools.partial(_forced, backend)
     out, lse, grads = _with_grads(run, (q, k, v), grad_out, 0.0, True, key_lengths=lengths)
     clamped = torch.tensor([0, lk, 4], device=device)
-    expected, expected_lse, expected_grads = _with_grads(
-        _oracle, (q, k, v), grad_out, None, 0.0, causal=True, key_lengths=clamped
+    expected, expected_lse, expected_grads = _oracle_with_grads(
+        (q, k, v), grad_out, None, 0.0, causal=True, key_lengths=clamped
     )
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
     assert torch.isneginf(lse[0]).all() and torch.isfinite(lse[1:]).all()
     torch.testing.assert_close(lse[1:].double(), expected_lse[1:], atol=1e-5, rtol=1e-5)
     for grad, expected_grad in zip(grads, expected_grads, strict=True):
-        torch.testing.assert_close(grad, expected_grad, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(grad.double(), expected_grad, atol=1e-5, rtol=1e-5)
         assert (grad[0] == 0).all()
 
 

@@ -54,7 +54,8 @@ _GPU_CONFIGS = {
         "short": {64: LaunchConfig(64, 32, 4, 2), 128: LaunchConfig(64, 32, 8, 2)},
         "long": {64: LaunchConfig(128, 64, 8, 3), 128: LaunchConfig(64, 32, 8, 2)},
     },
-    "dkdv": {"short": {128: LaunchConfig(32, 64, 8, 2)}},
+    # dK/dV's tiles have the keys along their rows: 64 of them, wgmma's tile.
+    "dkdv": {"short": {64: LaunchConfig(32, 64, 8, 2), 128: LaunchConfig(16, 64, 8, 2)}},
     "dq": {
         "short": {64: LaunchConfig(64, 32, 4, 2), 128: LaunchConfig(64, 16, 8, 2)},
         "long": {64: LaunchConfig(128, 32, 8, 2)},

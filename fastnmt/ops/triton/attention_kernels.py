@@ -86,21 +86,21 @@ def _visible_keys(
     stride_pb,  # elements between batch entries of PADDING
     stride_pn,  # elements between keys of PADDING
     b,  # batch entry
-    offs_m,  # (BLOCK_M,) query indices i
-    offs_n,  # (BLOCK_N,) key indices j
+    queries,  # query indices i, (BLOCK_M, 1), or (1, BLOCK_M) for a tile with keys along its rows
+    keys,  # key indices j, (1, BLOCK_N), or (BLOCK_N, 1)
     Lq,  # rows i >= Lq are outside the tensor: hidden
     key_end,  # keys j >= key_end are hidden: min(Lk, key_length_b)
     CAUSAL: tl.constexpr,
     HAS_PADDING: tl.constexpr,
 ):
-    """vis_ij of the math comment as a (BLOCK_M, BLOCK_N) mask."""
-    visible = (offs_m < Lq)[:, None] & (offs_n < key_end)[None, :]
+    """vis_ij of the math comment as a mask of the tile's shape."""
+    visible = (queries < Lq) & (keys < key_end)
     if CAUSAL:
-        visible = visible & (offs_n[None, :] <= offs_m[:, None])
+        visible = visible & (keys <= queries)
     if HAS_PADDING:
         row = PADDING + b.to(tl.int64) * stride_pb
-        padded = tl.load(row + offs_n * stride_pn, mask=offs_n < key_end, other=1)
-        visible = visible & (padded == 0)[None, :]
+        padded = tl.load(row + keys * stride_pn, mask=keys < key_end, other=1)
+        visible = visible & (padded == 0)
     return visible
 
 
@@ -109,18 +109,18 @@ def _dropout_keep(
     seed,  # int64 Philox key of this call
     offset,  # int64 start of this call's counter range (its low 32 bits are used)
     bh,  # b * H + h
-    offs_m,  # (BLOCK_M,) query indices i
-    offs_n,  # (BLOCK_N,) key indices j
+    queries,  # query indices i, as _visible_keys's
+    keys,  # key indices j, as _visible_keys's
     Lk,  # key length
     dropout_p,  # fp32 drop probability
 ):
-    """keep_ij (BLOCK_M, BLOCK_N): a function of (seed, offset, b, h, i, j) only, so the forward
-    and both backward kernels draw the same mask whatever their block sizes.
+    """keep_ij of the tile: a function of (seed, offset, b, h, i, j) only, so the forward and
+    both backward kernels draw the same mask whatever their block sizes and tile orientations.
 
     Each (b, h) gets its own Philox key, seed + bh, and counters offset + i * Lk + j on 32 bits:
     64-bit counters would double the cost of Philox's multiplies and the registers it holds.
     """
-    element = offs_m[:, None] * Lk + offs_n[None, :]
+    element = queries * Lk + keys
     counter = offset.to(tl.uint32) + element.to(tl.uint32)  # wraps modulo 2**32
     return tl.rand(seed + bh, counter) >= dropout_p
 
@@ -233,8 +233,9 @@ def _attention_forward_kernel(
         v = _load_rows(V, v_rows, offs_n, offs_dv, stride_vd, key_end, Dv, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         visible = _visible_keys(
-            PADDING, stride_pb, stride_pn, b, offs_m, offs_n, Lq, key_end, CAUSAL, HAS_PADDING
-        )
+            PADDING, stride_pb, stride_pn, b, offs_m[:, None], offs_n[None, :], Lq, key_end,
+            CAUSAL, HAS_PADDING,
+        )  # fmt: skip
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
@@ -242,7 +243,8 @@ def _attention_forward_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:  # 1 / (1 - p) is applied once, at the end
-            p = tl.where(_dropout_keep(seed, offset, bh, offs_m, offs_n, Lk, dropout_p), p, 0)
+            keep = _dropout_keep(seed, offset, bh, offs_m[:, None], offs_n[None, :], Lk, dropout_p)
+            p = tl.where(keep, p, 0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -292,25 +294,25 @@ def _attention_backward_delta_kernel(
 
 @triton.jit
 def _probabilities_and_dp(
-    q,  # (BLOCK_M, BLOCK_D) queries
-    k,  # (BLOCK_N, BLOCK_D) keys
-    v,  # (BLOCK_N, BLOCK_DV) values
-    do,  # (BLOCK_M, BLOCK_DV) output gradients
-    lse2,  # (BLOCK_M,) lse in log2 units, +inf for rows that see no key (P = 0 there)
-    visible,  # (BLOCK_M, BLOCK_N) vis_ij
-    keep,  # (BLOCK_M, BLOCK_N) keep_ij (vis_ij without dropout: P is 0 off it anyway)
+    rows_s,  # the scores' rows: (BLOCK_M, BLOCK_D) queries, or (BLOCK_N, BLOCK_D) keys
+    cols_s,  # the scores' columns: the keys, or the queries
+    rows_dp,  # dP's rows: (BLOCK_M, BLOCK_DV) output gradients, or (BLOCK_N, BLOCK_DV) values
+    cols_dp,  # dP's columns: the values, or the output gradients
+    lse2,  # lse in log2 units along the queries' axis, +inf for rows that see no key (P = 0)
+    visible,  # vis_ij of the tile
+    keep,  # keep_ij (vis_ij without dropout: P is 0 off it anyway)
     qk_scale,  # scale * log2(e)
     dropout_p,
     DOT_PRECISION: tl.constexpr,
 ):
     """P (before dropout), Pd (after) and dP of the math comment for one tile, recomputed from
-    the LSE; shared by the dK/dV and dQ kernels."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    p = tl.where(visible, tl.exp2(s - lse2[:, None]), 0.0)
+    the LSE; shared by the dQ kernel (queries along the rows) and the dK/dV kernel (keys)."""
+    s = tl.dot(rows_s, tl.trans(cols_s), input_precision=DOT_PRECISION) * qk_scale
+    p = tl.where(visible, tl.exp2(s - lse2), 0.0)
     inverse_keep = 1.0 / (1.0 - dropout_p)
     pd = tl.where(keep, p * inverse_keep, 0.0)
-    dp = tl.where(keep, tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) * inverse_keep, 0.0)
-    return p, pd, dp
+    dp = tl.dot(rows_dp, tl.trans(cols_dp), input_precision=DOT_PRECISION)
+    return p, pd, tl.where(keep, dp * inverse_keep, 0.0)
 
 
 @triton.jit
@@ -416,18 +418,22 @@ def _attention_backward_dkdv_kernel(
         lse = tl.load(LSE + offs_m, mask=offs_m < Lq, other=float("-inf"))
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2_E)
         delta = tl.load(DELTA + offs_m, mask=offs_m < Lq, other=0.0)
+        # Tiles with the keys along their rows (P^T, dP^T, dS^T), as in Triton's fused-attention
+        # tutorial: the dV and dK dots take them as they are. tl.trans of a dot's result feeding
+        # another dot is miscompiled on Hopper by triton 3.4 to 3.7.0 (a wrong dK).
         visible = _visible_keys(
-            PADDING, stride_pb, stride_pn, b, offs_m, offs_n, Lq, key_end, CAUSAL, HAS_PADDING
-        )
+            PADDING, stride_pb, stride_pn, b, offs_m[None, :], offs_n[:, None], Lq, key_end,
+            CAUSAL, HAS_PADDING,
+        )  # fmt: skip
         keep = visible  # without dropout every visible key is kept
         if DROPOUT:
-            keep = _dropout_keep(seed, offset, bh, offs_m, offs_n, Lk, dropout_p)
-        p, pd, dp = _probabilities_and_dp(
-            q, k, v, do, lse2, visible, keep, qk_scale, dropout_p, DOT_PRECISION
+            keep = _dropout_keep(seed, offset, bh, offs_m[None, :], offs_n[:, None], Lk, dropout_p)
+        pt, pdt, dpt = _probabilities_and_dp(
+            k, q, v, do, lse2[None, :], visible, keep, qk_scale, dropout_p, DOT_PRECISION
         )
-        dv += tl.dot(tl.trans(pd.to(do.dtype)), do, input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PRECISION)
+        dv += tl.dot(pdt.to(do.dtype), do, input_precision=DOT_PRECISION)
+        dst = pt * (dpt - delta[None, :])
+        dk += tl.dot(dst.to(q.dtype), q, input_precision=DOT_PRECISION)
 
     dk *= tl.cast(scale, tl.float32)
     DK += b.to(tl.int64) * stride_dkb + h.to(tl.int64) * stride_dkh
@@ -528,13 +534,14 @@ def _attention_backward_dq_kernel(
         k = _load_tile(K, offs_n, offs_d, stride_kn, stride_kd, key_end, D, UPCAST)
         v = _load_tile(V, offs_n, offs_dv, stride_vn, stride_vd, key_end, Dv, UPCAST)
         visible = _visible_keys(
-            PADDING, stride_pb, stride_pn, b, offs_m, offs_n, Lq, key_end, CAUSAL, HAS_PADDING
-        )
+            PADDING, stride_pb, stride_pn, b, offs_m[:, None], offs_n[None, :], Lq, key_end,
+            CAUSAL, HAS_PADDING,
+        )  # fmt: skip
         keep = visible  # without dropout every visible key is kept
         if DROPOUT:
-            keep = _dropout_keep(seed, offset, bh, offs_m, offs_n, Lk, dropout_p)
+            keep = _dropout_keep(seed, offset, bh, offs_m[:, None], offs_n[None, :], Lk, dropout_p)
         p, _, dp = _probabilities_and_dp(
-            q, k, v, do, lse2, visible, keep, qk_scale, dropout_p, DOT_PRECISION
+            q, k, do, v, lse2[:, None], visible, keep, qk_scale, dropout_p, DOT_PRECISION
         )
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
@@ -558,6 +565,7 @@ def _dropout_keep_kernel(
     bh = tl.program_id(0)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-    keep = _dropout_keep(tl.load(SEED), tl.load(SEED + 1), bh, offs_m, offs_n, Lk, dropout_p)
+    seed, offset = tl.load(SEED), tl.load(SEED + 1)
+    keep = _dropout_keep(seed, offset, bh, offs_m[:, None], offs_n[None, :], Lk, dropout_p)
     KEEP += bh.to(tl.int64) * Lq * Lk
     _store_tile(KEEP, keep.to(tl.uint8), offs_m, offs_n, Lk, 1, Lq, Lk)
