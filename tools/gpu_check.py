@@ -25,7 +25,8 @@ beside OUT), so that OUT holds only the report and the logs.
   greedy validation BLEU of the one validation, when the run stops (no checkpoint averaging, no
   test translation: each run lasts its seconds plus startup and that validation).
 - ``decode``: test2016 with the auto run's checkpoint, beam 4 and greedy, static against dynamic
-  search (sentences/s as ``fastnmt.evaluate`` prints them).
+  search, in the stage's process: sentences/s of the first pass (Triton compiling, CUDA graphs
+  captured) and the median of the next three.
 - ``hf``: the Hugging Face Marian-base step of 64 and 256 pairs, ``apply_fastnmt`` against SDPA,
   time and memory.
 - ``configs``: attention forward + backward at the two longest lengths with each candidate
@@ -46,7 +47,6 @@ import importlib
 import io
 import json
 import os
-import re
 import shlex
 import shutil
 import statistics
@@ -63,13 +63,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the tests' oracle and tools/, from a checkout
 
 import fastnmt  # noqa: E402
-from fastnmt.data.multi30k import multi30k_file  # noqa: E402
+from fastnmt.data.multi30k import load_multi30k, multi30k_file  # noqa: E402
+from fastnmt.data.text import read_parallel_prefix  # noqa: E402
 from fastnmt.decoding.search import LengthPenalty, beam_search  # noqa: E402
 from fastnmt.decoding.static_search import StaticSearches, graph_reasons  # noqa: E402
 from fastnmt.model import Transformer, preset  # noqa: E402
 from fastnmt.ops import add_layer_norm, attention, feed_forward, linear_cross_entropy  # noqa: E402
 from fastnmt.ops.triton import attention as attention_triton  # noqa: E402
 from fastnmt.ops.triton.common import dropout_seeds  # noqa: E402
+from fastnmt.translator import Translator  # noqa: E402
 from tests.helpers import error_check, small_corpus  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tools"))
@@ -507,27 +509,38 @@ def train(args, device, report: Report) -> None:
         row(name, steps, f"{speeds[name]:,.0f}", ratio, mib, score, f"{status} (log: train.log)")
 
 
-_SPEED = re.compile(r"\(([\d,.]+) sent/s\)")
+def _test_corpus(args):
+    """test2016 en-de (the tests' corpus under --smoke)."""
+    if args.smoke:
+        return read_parallel_prefix(str(_smoke_corpus(args) / "val"), "en", "de")
+    return load_multi30k("test_2016_flickr", "en", "de")
+
+
+def _sentences_per_second(translate: Callable[[], list[str]], device) -> float:
+    started = time.perf_counter()
+    hypotheses = translate()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return len(hypotheses) / (time.perf_counter() - started)
 
 
 def decode(args, device, report: Report) -> None:
+    """Each search's first pass over test2016 (Triton compiling, CUDA graphs captured) and the
+    median of its next passes, in this process (no start-up per row)."""
     row = report.table(
-        "test2016 with the auto run's checkpoint", "search", "beam", "sent/s", "exit"
-    )
-    checkpoint = args.work / "train-auto"
-    extra = (
-        ["--test", str(_smoke_corpus(args) / "val")]
-        if args.smoke
-        else ["--split", "test_2016_flickr"]
-    )
-    for beam, search in ((4, "on"), (4, "off"), (1, "on"), (1, "off")):
-        command = [sys.executable, "-m", "fastnmt.evaluate", "--checkpoint", str(checkpoint),
-                   "--device", str(device), "--beam", str(beam), "--static-search", search,
-                   *extra]  # fmt: skip
-        result = run_command(command, args.smoke, capture=True)
-        found = _SPEED.search(result.stdout)
-        speed = found.group(1) if found else (result.stderr.strip().splitlines() or ["?"])[-1][:80]
-        row("static" if search == "on" else "dynamic", beam, speed, result.returncode)
+        "test2016 with the auto run's checkpoint",
+        "search", "beam", "sent/s", "first pass sent/s", "passes",
+    )  # fmt: skip
+    corpus = _test_corpus(args)
+    passes = 2 if args.smoke else 4
+    for static in (True, False):
+        translator = Translator.load(args.work / "train-auto", device=device, static=static)
+        for beam in (4, 1):
+            translate = functools.partial(translator.translate, corpus.src, beam=beam)
+            speeds = [_sentences_per_second(translate, device) for _ in range(passes)]
+            search = "static" if static else "dynamic"
+            warm = statistics.median(speeds[1:])
+            row(search, beam, f"{warm:,.1f}", f"{speeds[0]:,.1f}", passes)
 
 
 def hf(args, device, report: Report) -> None:
