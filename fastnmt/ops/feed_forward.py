@@ -23,8 +23,8 @@ they are. The Triton backend has two paths:
 
 - library GEMM (the default): ``torch.matmul``/``addmm`` for the products and one fused
   elementwise Triton kernel for activation + dropout (forward) and its derivative (backward);
-  without a backward to come and without dropout (decoding), the activation is aten's, in
-  place: there is nothing to fuse, and an aten call costs less host time than a Triton launch;
+  without dropout there is nothing to fuse, and the activation is aten's (in place where it has
+  that form) with aten's autograd: fewer host steps than a Triton launch and a Python backward;
 - fused GEMM: one Triton GEMM kernel (fp32 accumulator, grouped program order, block sizes by the
   rule of ``gemm_config``, no per-shape autotuning) runs every product; its epilogue adds the
   bias, and for ``a`` applies activation + dropout in the forward and ``* keep / (1-p) * act'(a)``
@@ -57,8 +57,8 @@ from fastnmt.ops.triton import common as triton_common
 from fastnmt.ops.triton.feed_forward import (
     _launch_backward,
     _launch_forward,
-    _launch_inference,
     _saves_preactivation,
+    library_feed_forward,
 )
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
@@ -199,6 +199,8 @@ def _running(backend: str, forward):
             return forward(x, w1, b1, w2, b2, activation, dropout_p, seed)[0]
         if fused_gemm is None:
             fused_gemm = fused_gemm_requested()
+        if not fused_gemm and dropout_p == 0.0:
+            return library_feed_forward(x, w1, b1, w2, b2, activation)
         return forward(x, w1, b1, w2, b2, activation, dropout_p, seed, fused_gemm)[0]
 
     return implementation
@@ -286,7 +288,6 @@ registration.register_kernels(
     backward_fake=_backward_fake,
     setup_context=_setup_context,
     make_backward=_make_backward,
-    inference=_launch_inference,
 )
 feed_forward_triton = FEED_FORWARD.implementation("triton")  # tests pick the GEMM path with it
 

@@ -373,21 +373,22 @@ def _launch_forward(x, w1, b1, w2, b2, activation, dropout_p, seed, fused_gemm):
     return y.view(*x.shape[:-1], w2.shape[0]), z, a
 
 
-# Without a backward to come and without dropout the library path has nothing to fuse: aten's
-# activation, in place where it has that form, is one launch and no allocation, less host time
-# than a Triton launch of the elementwise kernel (decoding makes one such call per layer a step).
-_INFERENCE_ACTIVATIONS = {
+# aten's activations, in place where they have that form (autograd takes it: relu's backward
+# reads its output, and silu_'s keeps its input).
+_ATEN_ACTIVATIONS = {
     "relu": functools.partial(F.relu, inplace=True),
     "silu": functools.partial(F.silu, inplace=True),
     "gelu": F.gelu,
 }
 
 
-def _launch_inference(x, w1, b1, w2, b2, activation, dropout_p, seed, fused_gemm):
-    """(y,): the forward of a call autograd records nothing for (z and a are not kept)."""
-    if fused_gemm or dropout_p > 0.0:
-        return _launch_forward(x, w1, b1, w2, b2, activation, dropout_p, seed, fused_gemm)
-    return (F.linear(_INFERENCE_ACTIVATIONS[activation](F.linear(x, w1, b1)), w2, b2),)
+def library_feed_forward(x, w1, b1, w2, b2, activation):
+    """The library path without dropout, which has nothing to fuse: two library GEMMs around
+    aten's activation (one launch, no allocation where in place), with aten's own autograd. The
+    Triton activation kernels compute the same, at the cost of a Triton launch each way and a
+    backward in Python: in training without dropout and in decoding (a call per layer a step)
+    they would only add host time."""
+    return F.linear(_ATEN_ACTIVATIONS[activation](F.linear(x, w1, b1)), w2, b2)
 
 
 def _launch_backward(dy, x, w1, w2, z, a, seed, activation, dropout_p, fused_gemm):
