@@ -152,6 +152,7 @@ STAGE_TABLES = {
     "train": "### python -m fastnmt.train",
     "decode": "### test2016 with the auto run's checkpoint",
     "hf": "### Hugging Face Marian-base step",
+    "profiles": "### Profile: static beam-4 search",
     "configs": "### Attention launch configurations",
 }
 
@@ -195,6 +196,7 @@ def test_gpu_check_smoke_runs_the_whole_plan(tmp_path):
     ]  # fmt: skip
     speeds = [float(cell.replace(",", "")) for row in decoding for cell in row[2:4]]
     assert all(speed > 0 for speed in speeds), decoding
+    assert _table_rows(report, STAGE_TABLES["profiles"])[0][0] == "(all)"
     configs = _table_rows(report, STAGE_TABLES["configs"])
     kernels = {kernel for _, kernel, config, *_ in configs if config.endswith("(chosen)")}
     assert kernels == {"forward", "dkdv", "dq"}, configs

@@ -29,6 +29,9 @@ beside OUT), so that OUT holds only the report and the logs.
   captured) and the median of the next three.
 - ``hf``: the Hugging Face Marian-base step of 64 and 256 pairs, ``apply_fastnmt`` against SDPA,
   time and memory.
+- ``profiles``: the rows furthest from their goals under torch.profiler (add_layer_norm's eager
+  call, the Hugging Face step with ``apply_fastnmt``, a warm static beam-4 search): the ops with
+  the most self CPU time per call, with their self device time.
 - ``configs``: attention forward + backward at the two longest lengths with each candidate
   launch configuration of one kernel (``CONFIG_CANDIDATES``), the others as chosen: time per
   graph replay against the chosen configuration's, and the largest difference from its results.
@@ -563,6 +566,71 @@ def hf(args, device, report: Report) -> None:
             row(batch, variant, f"{measured.ms:.2f}", reserved())
 
 
+# profiles: where the time of the rows short of their goals goes.
+# ---------------------------------------------------------------------------------------------
+
+PROFILE_OPS = 12  # per profile, the ops with the most self CPU time,
+PROFILE_KERNELS = 6  # and those with the most self device time (kernels launched directly)
+
+
+def _self_device_us(event) -> float:
+    """An op's own time on the device, µs (named so in torch >= 2.4; 0 for CPU-only events)."""
+    return getattr(event, "self_device_time_total", 0.0)
+
+
+def profile_table(report: Report, title: str, run: Callable[[], object], device, calls: int):
+    """``run``'s ops under torch.profiler (``calls`` calls after a warm one), per call: the
+    total, the ops with the most self CPU time and those with the most self device time."""
+    run()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profiler:
+        for _ in range(calls):
+            run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    events = profiler.key_averages()
+    table = report.table(title, "op", "calls", "self CPU ms", "self device ms")
+
+    def row(name: str, count: int, cpu_us: float, device_us: float) -> None:
+        table(name, count // calls, f"{cpu_us / calls / 1e3:.3f}", f"{device_us / calls / 1e3:.3f}")
+
+    row(
+        "(all)",
+        sum(e.count for e in events),
+        sum(e.self_cpu_time_total for e in events),
+        sum(map(_self_device_us, events)),
+    )
+    by_cpu = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:PROFILE_OPS]
+    by_device = sorted(events, key=_self_device_us, reverse=True)[:PROFILE_KERNELS]
+    for event in by_cpu + [e for e in by_device if e not in by_cpu and _self_device_us(e)]:
+        row(event.key[:60], event.count, event.self_cpu_time_total, _self_device_us(event))
+
+
+def profiles(args, device, report: Report) -> None:
+    """The rows furthest from their goals, profiled: add_layer_norm's eager call (host-bound),
+    the Hugging Face step with apply_fastnmt, and a warm static beam-4 search."""
+    shape = _shapes(args.smoke)
+    length = shape["lengths"][0]
+    inputs, ours, _ = _pairs(shape, length, BF16, device)["add_layer_norm"]
+    title = f"Profile: add_layer_norm forward + backward, eager, L {length}, bf16"
+    profile_table(report, title, _step(ours, inputs), device, calls=20)
+    sizes = gpu_bench.SMOKE if args.smoke else gpu_bench.FULL
+    batch = sizes.hf_batches[0]
+    step = gpu_bench.hf_step(
+        batch, sizes.train_length, "apply_fastnmt", BF16, device, sizes.hf_tiny
+    )
+    title = f"Profile: Hugging Face Marian-base step, {batch} pairs, apply_fastnmt"
+    profile_table(report, title, step, device, calls=3)
+    del step
+    translator = Translator.load(args.work / "train-auto", device=device, static=True)
+    sentences = _test_corpus(args).src[:256]
+    translate = functools.partial(translator.translate, sentences, beam=4)
+    title = f"Profile: static beam-4 search of {len(sentences)} test2016 sentences"
+    profile_table(report, title, translate, device, calls=1)
+
+
 # configs: attention's launch configurations, one kernel at a time, on the GPU.
 # ---------------------------------------------------------------------------------------------
 
@@ -630,6 +698,7 @@ STAGES = {
     "train": train,
     "decode": decode,
     "hf": hf,
+    "profiles": profiles,
     "configs": configs,
 }
 
