@@ -230,8 +230,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_forwar
   return {y, h, mean, rstd};
 }
 
-// Returns (dx, dresidual, dweight, dbias); dweight/dbias in float32; a gradient whose input is
-// absent is an empty tensor (as fastnmt::add_layer_norm_triton_backward returns it).
+// Returns (dx, dresidual, dweight, dbias); dweight/dbias summed in float32 and returned in the
+// weight's dtype (float32 without a weight); a gradient whose input is absent is an empty tensor
+// (as fastnmt::add_layer_norm_triton_backward returns it).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_backward(
     const at::Tensor& dy_in, const c10::optional<at::Tensor>& dh_out_in, const at::Tensor& h,
     const c10::optional<at::Tensor>& weight_in, const at::Tensor& mean, const at::Tensor& rstd,
@@ -259,8 +260,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_backwa
         dx.data_ptr<x_t>(), has_residual ? dresidual.data_ptr<h_t>() : nullptr,
         weight_partials.data_ptr<float>(), bias_partials.data_ptr<float>(), rows, width, dropout);
   });
+  const auto sums_dtype = weight_in ? weight_in->scalar_type() : at::kFloat;
   const auto sum_or_empty = [&](bool wanted, const at::Tensor& partials) {
-    return wanted ? sum_blocks(partials) : at::empty({0}, partials.options());  // never aliased
+    return wanted ? sum_blocks(partials).to(sums_dtype)
+                  : at::empty({0}, partials.options().dtype(sums_dtype));  // never aliased
   };
   return {dx.view(h.sizes()), dresidual, sum_or_empty(weight_in.has_value(), weight_partials),
           sum_or_empty(has_bias, bias_partials)};

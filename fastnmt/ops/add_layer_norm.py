@@ -100,8 +100,9 @@ def _add_layer_norm_backward_op(
 
 
 def _backward_fake(dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_residual, has_bias):
+    dtype = torch.float32 if weight is None else weight.dtype  # the sums' dtype
     dweight, dbias = (
-        h.new_empty(h.shape[-1] if wanted else 0, dtype=torch.float32)
+        h.new_empty(h.shape[-1] if wanted else 0, dtype=dtype)
         for wanted in (weight is not None, has_bias)
     )
     dh = h.new_empty(h.shape if has_residual else (0,))

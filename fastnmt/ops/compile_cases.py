@@ -127,7 +127,8 @@ def layer_norm_cases() -> list[CompileCase]:
     block_p, block = norm_triton._SUM_TILE
     sums = CompileCase(
         norm_triton._sum_partials_kernel,
-        dict.fromkeys(("DW_PARTIAL", "DB_PARTIAL", "DW", "DB"), "*fp32")
+        dict.fromkeys(("DW_PARTIAL", "DB_PARTIAL"), "*fp32")
+        | dict.fromkeys(("DW", "DB"), "*DTYPE")  # the parameters' dtype
         | {"programs": "i32", "N": "i32"}
         | dict.fromkeys(("HAS_WEIGHT", "HAS_BIAS", "BLOCK_P", "BLOCK"), "constexpr"),
         {"HAS_WEIGHT": True, "HAS_BIAS": True, "BLOCK_P": block_p, "BLOCK": block},

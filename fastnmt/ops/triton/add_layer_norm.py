@@ -148,8 +148,8 @@ def _add_layer_norm_backward_kernel(
 def _sum_partials_kernel(
     DW_PARTIAL,  # (programs, N) fp32: the backward programs' sums of dy * xhat (when HAS_WEIGHT)
     DB_PARTIAL,  # (programs, N) fp32: their sums of dy (when HAS_BIAS)
-    DW,  # (N,) fp32 output: dweight
-    DB,  # (N,) fp32 output: dbias
+    DW,  # (N,) output: dweight, in the weight's dtype (fp32 without a weight)
+    DB,  # (N,) output: dbias, in the same dtype
     programs,  # rows of the partial sums
     N,  # row width
     HAS_WEIGHT: tl.constexpr,
@@ -322,7 +322,7 @@ def _launch_backward(dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_res
             num_warps=num_warps,
         ),
     )
-    dweight, dbias = _sum_partials(dweight_partial, dbias_partial)
+    dweight, dbias = _sum_partials(dweight_partial, dbias_partial, _sums_dtype(weight))
     return dx, dh, dweight, dbias
 
 
@@ -331,16 +331,22 @@ def _launch_backward(dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_res
 _SUM_TILE = (128, 32)
 
 
-def _sum_partials(dweight_partial, dbias_partial):
-    """(dweight, dbias) fp32 (N,) from the backward programs' partial sums (each None if there
-    is no such parameter), in one launch."""
+def _sums_dtype(weight) -> torch.dtype:
+    """The dtype of dweight and dbias: the weight's, so that autograd casts neither (a launch
+    each on a GPU); fp32 without a weight."""
+    return torch.float32 if weight is None else weight.dtype
+
+
+def _sum_partials(dweight_partial, dbias_partial, dtype: torch.dtype):
+    """(dweight, dbias) (N,) in ``dtype`` from the backward programs' fp32 partial sums (each
+    None if there is no such parameter), in one launch."""
     partial = dweight_partial if dweight_partial is not None else dbias_partial
     if partial is None:
         return None, None
     programs, width = partial.shape
-    output = triton_common.new_output
+    buffer_dtype = triton_common.kernel_output_dtype(dtype)
     dweight, dbias = (
-        None if summed is None else output((width,), torch.float32, partial.device)
+        None if summed is None else triton_common.new_output((width,), buffer_dtype, partial.device)
         for summed in (dweight_partial, dbias_partial)
     )
     _SUM_PARTIALS(
@@ -359,13 +365,15 @@ def _sum_partials(dweight_partial, dbias_partial):
 
 
 def _backward(dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_residual, has_bias):
-    """(dx, dresidual, dweight, dbias), the sums in fp32; empty where there is no such input."""
+    """(dx, dresidual, dweight, dbias), the sums in fp32 and returned in the weight's dtype (fp32
+    without a weight); empty where there is no such input."""
     dx, dh, dweight, dbias = _launch_backward(
         dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_residual, has_bias
     )
+    dtype = _sums_dtype(weight)
     return (
         triton_common.as_dtype(dx, dy.dtype),
         h.new_empty(0) if dh is None else triton_common.as_dtype(dh, h.dtype),
-        h.new_empty(0) if dweight is None else dweight,
-        h.new_empty(0) if dbias is None else dbias,
+        h.new_empty(0, dtype=dtype) if dweight is None else triton_common.as_dtype(dweight, dtype),
+        h.new_empty(0, dtype=dtype) if dbias is None else triton_common.as_dtype(dbias, dtype),
     )
