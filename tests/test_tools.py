@@ -185,7 +185,7 @@ def test_gpu_check_smoke_runs_the_whole_plan(tmp_path):
         assert f"- {stage}: exit 0 in " in report, stage
         assert _table_rows(report, title), stage
     firsts = _table_rows(report, STAGE_TABLES["firsts"])
-    assert len(firsts) == 9 and all(row[2] == "PASS" for row in firsts), firsts
+    assert len(firsts) == 10 and all(row[2] == "PASS" for row in firsts), firsts
     training = _table_rows(report, STAGE_TABLES["train"])
     assert [row[0] for row in training] == ["torch", "auto", "reference"]
     assert all(int(row[1]) == 4 and row[-1].startswith("0 ") for row in training), training

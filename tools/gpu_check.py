@@ -11,8 +11,8 @@ beside OUT), so that OUT holds only the report and the logs.
 - ``firsts``: the code that never ran on a GPU, each check a PASS/FAIL row: every op forward +
   backward in fp16 and bf16 through the Launcher's direct path (a call's second run bitwise
   equal to its first, both within FlashAttention's rule of the float64 oracle), attention on
-  (B, L, H, D) views, batched dropout seeds, a few captured training updates, a captured static
-  search against the dynamic one.
+  (B, L, H, D) views, batched dropout seeds, attention's odd head dims (D 112, Dv 65), a few
+  captured training updates, a captured static search against the dynamic one.
 - ``kernels``: GPU time of forward + backward captured in one CUDA graph (replays timed),
   fastnmt against PyTorch's built-ins: SDPA with a bool mask, ``F.layer_norm(x + r)``,
   Linear-GELU-Linear, ``F.cross_entropy(F.linear(...))``; B64 H8 D64 (tokens: B x L, width
@@ -73,11 +73,12 @@ from fastnmt.decoding.static_search import StaticSearches, graph_reasons  # noqa
 from fastnmt.model import Transformer, preset  # noqa: E402
 from fastnmt.ops import add_layer_norm, attention, feed_forward, linear_cross_entropy  # noqa: E402
 from fastnmt.ops.triton import attention as attention_triton  # noqa: E402
-from fastnmt.ops.triton.common import dropout_seeds  # noqa: E402
+from fastnmt.ops.triton.common import INTERPRETER, dropout_seeds, gpu_tiles  # noqa: E402
 from fastnmt.translator import Translator  # noqa: E402
 from tests.helpers import error_check, small_corpus  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tools"))
+import attention_sweep  # noqa: E402
 import gpu_bench  # noqa: E402  (tools/, beside this script)
 from attention_sweep import forced_configs  # noqa: E402
 
@@ -202,6 +203,22 @@ def check_dropout_seeds(device, dtype) -> tuple[bool, str]:
     return passed, f"same seed same mask {same}; seeds distinct {distinct}; kept {kept:.4f} (0.7)"
 
 
+def check_odd_dims(device, dtype) -> tuple[bool, str]:
+    """The case whose dK triton 3.4 to 3.7.0 compile wrong on Hopper when a dot takes a
+    transposed dot result (tools/attention_sweep.py's): out, dq, dk and dv within the rule,
+    full and causal; the worst error / allowed of each."""
+    if device.type != "cuda" and not INTERPRETER:
+        return True, "not run: Triton takes CPU tensors in its interpreter only"
+    worst = dict.fromkeys(("out", "dq", "dk", "dv"), 0.0)
+    for causal in (False, True):
+        torch.manual_seed(0)
+        with gpu_tiles():
+            checks, _ = attention_sweep.run(attention_sweep.BASE | {"dtype": dtype}, causal)
+        worst = {name: max(worst[name], check.ratio) for name, check in checks.items()}
+    detail = ", ".join(f"{name} {ratio:.2f}" for name, ratio in worst.items())
+    return max(worst.values()) <= 1, f"worst error / allowed: {detail}"
+
+
 def check_captured_updates(device, sizes) -> tuple[bool, str]:
     """A few training updates captured as one CUDA graph (the hazards' checks included)
     against the same updates eager: finite, and the parameters close."""
@@ -256,6 +273,9 @@ def firsts(args, device, report: Report) -> None:
             _checked(row, name, label, functools.partial(check_op, case))
         _checked(
             row, "dropout seeds", label, lambda dtype=dtype: check_dropout_seeds(device, dtype)
+        )
+        _checked(
+            row, "attention, D 112 Dv 65", label, lambda dtype=dtype: check_odd_dims(device, dtype)
         )
     sizes = gpu_bench.SMOKE if smoke else gpu_bench.FULL
     _checked(
