@@ -642,10 +642,10 @@ def profiles(args, device, report: Report) -> None:
         batch, sizes.train_length, "apply_fastnmt", BF16, device, sizes.hf_tiny
     )
     title = f"Profile: Hugging Face Marian-base step, {batch} pairs, apply_fastnmt"
-    profile_table(report, title, step, device, calls=3)
+    profile_table(report, title, step, device, calls=1 if args.smoke else 3)
     del step
     translator = Translator.load(args.work / "train-auto", device=device, static=True)
-    sentences = _test_corpus(args).src[:256]
+    sentences = _test_corpus(args).src[: 8 if args.smoke else 256]
     translate = functools.partial(translator.translate, sentences, beam=4)
     title = f"Profile: static beam-4 search of {len(sentences)} test2016 sentences"
     profile_table(report, title, translate, device, calls=1)
