@@ -138,10 +138,22 @@ class Bf16Linear(PackedLinear):
         padded = padded_rows(rows)
         if padded == rows:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.packed_bias, *self.fused)
-        flat = x.new_empty(padded, self.in_features)
-        flat[:rows] = x.reshape(rows, self.in_features)
+        flat = _padded_input(x, rows, padded, self.in_features)
         y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.packed_bias, *self.fused)
         return y[:rows].view(*x.shape[:-1], self.out_features)
+
+
+def _padded_input(x: torch.Tensor, rows: int, padded: int, width: int) -> torch.Tensor:
+    """x's ``rows`` rows as the first of ``padded``: a view of the buffer x starts, where it has
+    the room (a padded GEMM's output, sliced: the next GEMM's input, as between the feed-forward
+    block's two), else a copy. The other rows hold whatever is there: a GEMM's output rows each
+    depend on their own input row only, and those rows' outputs are sliced off."""
+    room = x.untyped_storage().nbytes() // x.element_size()
+    if x.is_contiguous() and x.storage_offset() == 0 and room >= padded * width:
+        return x.as_strided((padded, width), (width, 1))
+    flat = x.new_empty(padded, width)
+    flat[:rows] = x.reshape(rows, width)
+    return flat
 
 
 def padded_rows(rows: int) -> int:

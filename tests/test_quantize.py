@@ -17,7 +17,7 @@ from fastnmt.quantize import (
 )
 from fastnmt.translator import Translator, load_checkpoint
 
-from .helpers import assert_error_within, tiny_checkpoint
+from .helpers import HostOps, assert_error_within, tiny_checkpoint
 
 ACTIVATIONS = {None: lambda y: y, "relu": F.relu, "gelu": F.gelu, "silu": F.silu}
 
@@ -192,6 +192,28 @@ def test_bf16_gemms_run_at_a_few_row_counts():
     layer = Bf16Linear(weight, bias, "relu")
     unpadded = torch.ops.mkldnn._linear_pointwise(x, layer.packed, bias, *layer.fused)
     torch.testing.assert_close(layer(x), unpadded, rtol=0, atol=0)
+
+
+def test_a_gemm_reads_the_padded_output_of_the_gemm_before_it_without_a_copy():
+    """A padded GEMM's output sliced to its rows is the next GEMM's input (the feed-forward
+    block's second): that GEMM reads the padded buffer as it is, and its rows are the unpadded
+    GEMM's, bitwise. An input without room past its rows is copied into padded ones."""
+    if not BF16_PACKING:
+        return
+    x = torch.randn(3, 6, 37).bfloat16()  # 18 rows, run as 32
+    first = Bf16Linear(torch.randn(64, 37).bfloat16(), None, "gelu")
+    second = Bf16Linear(torch.randn(51, 64).bfloat16(), torch.randn(51).bfloat16(), None)
+    hidden = first(x)
+    with HostOps() as host:
+        out = second(hidden)
+    assert "copy_" not in host.aten, host.aten
+    gemm = torch.ops.mkldnn._linear_pointwise
+    unpadded = gemm(hidden, second.packed, second.packed_bias, *second.fused)
+    torch.testing.assert_close(out, unpadded, rtol=0, atol=0)
+    with HostOps() as host:
+        copied = second(hidden.clone())
+    assert "copy_" in host.aten, host.aten
+    torch.testing.assert_close(copied, unpadded, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("overrides", MODEL_VARIANTS)
