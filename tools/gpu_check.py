@@ -80,7 +80,6 @@ from tests.helpers import error_check, small_corpus  # noqa: E402
 sys.path.insert(0, str(ROOT / "tools"))
 import attention_sweep  # noqa: E402
 import gpu_bench  # noqa: E402  (tools/, beside this script)
-from attention_sweep import forced_configs  # noqa: E402
 
 BF16, FP16 = torch.bfloat16, torch.float16
 
@@ -687,7 +686,7 @@ def configs(args, device, report: Report) -> None:
                 if config == now:
                     continue
                 try:
-                    with forced_configs({kernel: config}):
+                    with attention_sweep.forced_configs({kernel: config}):
                         ms, got = graph_ms(step, device), _fwd_bwd(forward, inputs)
                 except Exception as error:  # a config that does not compile or fit
                     row(length, kernel, config.label, type(error).__name__, "", str(error)[:60])
