@@ -302,7 +302,7 @@ struct AddLayerNormBackward : public torch::autograd::Node {
         op.call(dy, present(grads[1]), h_, present(weight_), mean_, rstd_, present(seed_),
                 dropout_p, has_residual, bias_dtype.has_value());
     return {dx, has_residual ? dh : at::Tensor(),
-            weight_.defined() ? dweight.to(weight_.scalar_type()) : at::Tensor(),
+            weight_.defined() ? dweight : at::Tensor(),  // in the weight's dtype already
             bias_dtype ? dbias.to(*bias_dtype) : at::Tensor()};
   }
 };

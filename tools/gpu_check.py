@@ -47,7 +47,6 @@ import argparse
 import contextlib
 import functools
 import importlib
-import io
 import json
 import os
 import shlex
@@ -442,25 +441,17 @@ TRAIN_RUNS = {"auto": (), "reference": ("--backend", "reference"), "torch": ("--
 TRAIN_ORDER = ("torch", "auto", "reference")  # the baseline, then the row that matters most
 
 
-def run_command(command: list[str], smoke: bool, capture: bool, timeout=None):
-    """``command`` (``python -m MODULE ...``) as a process; with ``smoke``, its module's ``main``
-    in this one (outputs captured as a process's would be): a tiny run takes a CPU less time
-    than a process's start, mostly torch's import, and the smoke run checks the commands and
-    what is read from them, which stay the same."""
+def run_command(command: list[str], smoke: bool, timeout=None) -> int:
+    """The exit status of ``command`` (``python -m MODULE ...``), its output in this stage's log:
+    a process; with ``smoke``, its module's ``main`` in this one (a tiny run takes a CPU less time
+    than a process's start, mostly torch's import, and the smoke run checks the command)."""
     if not smoke:
-        output = subprocess.PIPE if capture else None
-        stderr = subprocess.PIPE if capture else subprocess.STDOUT
-        return subprocess.run(command, stdout=output, stderr=stderr, text=True, timeout=timeout)
+        return subprocess.run(command, stderr=subprocess.STDOUT, timeout=timeout).returncode
     assert command[1] == "-m", command
-    main = importlib.import_module(command[2]).main
-    out, err = (io.StringIO(), io.StringIO()) if capture else (sys.stdout, sys.stderr)
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            status = main(command[3:])
-        except SystemExit as exit_:  # argparse's errors
-            status = exit_.code
-    texts = (out.getvalue(), err.getvalue()) if capture else (None, None)
-    return subprocess.CompletedProcess(command, status, *texts)
+    try:
+        return importlib.import_module(command[2]).main(command[3:])
+    except SystemExit as exit_:  # argparse's errors
+        return exit_.code
 
 
 def _train_command(args, device, name: str) -> list[str]:
@@ -521,7 +512,7 @@ def train(args, device, report: Report) -> None:
         print(f"\n=== train {name}: {shlex.join(command)}", flush=True)
         limit = None if args.smoke else args.seconds + 150
         try:
-            status = run_command(command, args.smoke, capture=False, timeout=limit).returncode
+            status = run_command(command, args.smoke, timeout=limit)
         except subprocess.TimeoutExpired:
             status = f"timeout {limit:g} s"
         steps, speeds[name], reserved, bleu = train_summary(output)

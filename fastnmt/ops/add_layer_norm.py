@@ -144,7 +144,8 @@ def _make_backward(backward_op):
         return (
             dx,
             dh if ctx.has_residual else None,
-            None if weight is None else triton_common.as_dtype(dweight, weight.dtype),
+            None if weight is None else dweight,  # in the weight's dtype already
+            # the weight's dtype too (fp32 without a weight): a bias of its own dtype is cast
             None if ctx.bias_dtype is None else triton_common.as_dtype(dbias, ctx.bias_dtype),
             None,
             None,

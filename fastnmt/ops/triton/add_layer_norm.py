@@ -361,7 +361,9 @@ def _sum_partials(dweight_partial, dbias_partial, dtype: torch.dtype):
             num_warps=4,
         ),
     )
-    return dweight, dbias
+    return tuple(
+        None if sums is None else triton_common.as_dtype(sums, dtype) for sums in (dweight, dbias)
+    )
 
 
 def _backward(dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_residual, has_bias):
@@ -374,6 +376,6 @@ def _backward(dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_residual, 
     return (
         triton_common.as_dtype(dx, dy.dtype),
         h.new_empty(0) if dh is None else triton_common.as_dtype(dh, h.dtype),
-        h.new_empty(0, dtype=dtype) if dweight is None else triton_common.as_dtype(dweight, dtype),
-        h.new_empty(0, dtype=dtype) if dbias is None else triton_common.as_dtype(dbias, dtype),
+        h.new_empty(0, dtype=dtype) if dweight is None else dweight,
+        h.new_empty(0, dtype=dtype) if dbias is None else dbias,
     )
