@@ -1,6 +1,7 @@
 """fastnmt.precision: what ``auto`` chooses on each kind of CPU, the calibration's cache, and
 what the command lines say about it."""
 
+import inspect
 import io
 import json
 import sys
@@ -12,6 +13,7 @@ from fastnmt import evaluate, precision, train, translate
 from fastnmt.model import preset
 from fastnmt.precision import CpuFeatures, GemmShapes, choose_precision
 from fastnmt.training.distributed import Distributed
+from fastnmt.translator import Translator
 from tests.helpers import tiny_checkpoint
 
 AMX = CpuFeatures(amx=True, avx512_bf16=True, avx512=True, vnni=True, avx2=True)
@@ -134,6 +136,7 @@ def test_the_calibration_is_cached_per_machine_and_shape(cpu, monkeypatch):
     entries = json.loads(precision.cache_path().read_text())
     (key,) = entries
     assert "translation" in key and torch.__version__ in key and "d_model 256" in key
+    assert "1024 rows" in key  # an entry timed at another row count is measured again
     assert entries[key] == pytest.approx({"fp32": 1.0, "bf16": 1 / 1.66, "int8": 1.6})
     assert [p.name for p in precision.cache_path().parent.iterdir()] == ["precision.json"]
 
@@ -188,6 +191,12 @@ def test_cache_path_follows_xdg(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", "relative/ignored")
     monkeypatch.setenv("HOME", str(tmp_path))
     assert precision.cache_path() == tmp_path / ".cache" / "fastnmt" / "precision.json"
+
+
+def test_translation_is_timed_at_beam_4_over_the_translators_default_batch():
+    # The row count decides between bf16 and int8 (fastnmt.precision's ROWS).
+    default = inspect.signature(Translator).parameters["max_sentences"].default
+    assert precision.ROWS["translation"] == 4 * default
 
 
 @pytest.mark.parametrize("purpose", precision.PURPOSES)
