@@ -6,11 +6,12 @@ Training and translation are decided separately, each for the model's shapes:
 - a CPU with AMX: bf16 (its tile units multiply bf16 several times faster than fp32);
 - another CPU: the fastest of its candidates in a short GEMM calibration at the model's shapes.
   Training weighs fp32 against bf16 autocast (forward and backward, with autocast's casts) where
-  the CPU has AVX512-BF16; translation weighs fp32, bf16 (packed weights) and int8 (fbgemm), the
-  GEMMs ``fastnmt.quantize`` runs. int8 is a candidate because it cost at most 0.3 BLEU on
-  test2016 in every measurement of the default model (beam 4: -0.07 on an AVX2 CPU, -0.01 on
-  an AVX512-BF16 one; greedy: -0.29). A CPU with neither AVX512-BF16 nor AMX emulates bf16, so
-  it is no candidate there.
+  the CPU has AVX512-BF16; translation weighs fp32, bf16 (packed weights) and int8 (fbgemm, or
+  oneDNN between bf16 activations where the CPU has native bf16), the GEMMs ``fastnmt.quantize``
+  runs. int8 is a candidate because it cost at most 0.3 BLEU against fp32 on test2016 in every
+  measurement of the default model (beam 4: -0.07 on an AVX2 CPU, -0.01 on AVX512-BF16 ones;
+  greedy: -0.29 and +0.22). A CPU with neither AVX512-BF16 nor AMX emulates bf16, so it is no
+  candidate there.
 
 A precision other than fp32 must be at least ``MARGIN`` times fp32's speed to be chosen: a short
 calibration is noisy, and a tie should not give up precision. The calibration takes well under
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastnmt.model import ModelConfig
-from fastnmt.quantize import Bf16Linear, Int8Linear, PackedLinear, int8_supported
+from fastnmt.quantize import INT8_LINEARS, Bf16Linear, int8_activation_dtype, int8_supported
 
 PURPOSES = ("training", "translation")
 MARGIN = 1.1
@@ -250,8 +251,8 @@ def _translation_gemms(precision: str, shapes: GemmShapes) -> Callable[[], None]
         layers: list[Callable] = [nn.Sequential(first, nn.ReLU()), second, output]
         x = torch.randn(ROWS["translation"], shapes.d_model)
     else:
-        packed: type[PackedLinear] = Int8Linear if precision == "int8" else Bf16Linear
-        dtype = torch.float32 if precision == "int8" else torch.bfloat16
+        dtype = int8_activation_dtype("cpu") if precision == "int8" else torch.bfloat16
+        packed = INT8_LINEARS[dtype] if precision == "int8" else Bf16Linear
         layers = [
             packed.from_linear(layer.to(dtype), activation)
             for layer, activation in ((first, "relu"), (second, None), (output, None))

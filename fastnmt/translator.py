@@ -40,10 +40,17 @@ from fastnmt.ops import linear_cross_entropy
 from fastnmt.ops.linear_cross_entropy import per_token_losses
 from fastnmt.precision import fastest_dtype as fastest_dtype  # importable from here too
 from fastnmt.precision import fastest_precision
-from fastnmt.quantize import bf16_packing_supported, int8_supported, pack_bf16, quantize_int8
+from fastnmt.quantize import (
+    bf16_packing_supported,
+    int8_activation_dtype,
+    int8_supported,
+    pack_bf16,
+    quantize_int8,
+)
 
-# The weights' dtype of each inference precision (None: fp32). int8: fp32 weights whose GEMMs
-# run in int8 (fastnmt.quantize, CPUs).
+# The weights' dtype of each inference precision (None: fp32). int8: weights whose GEMMs run in
+# int8 (fastnmt.quantize, CPUs), the rest bf16 where the CPU has native bf16, else fp32
+# (``int8_activation_dtype``).
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": None}
 
 
@@ -91,9 +98,10 @@ def _inference_model(model: Transformer, device, precision: str) -> Transformer:
     precision = fastest_precision(device, model.cfg) if precision == "auto" else precision
     if precision == "int8" and (reasons := int8_supported(device)):
         raise ValueError(f"precision int8: {'; '.join(reasons)}")
-    model = model.to(device, PRECISIONS[precision] or torch.float32).eval().requires_grad_(False)
     if precision == "int8":
+        model = model.to(device, int8_activation_dtype(device)).eval().requires_grad_(False)
         return quantize_int8(model)
+    model = model.to(device, PRECISIONS[precision] or torch.float32).eval().requires_grad_(False)
     if precision == "bf16" and not bf16_packing_supported(device):  # same results, 1.4-1.8x GEMMs
         return pack_bf16(model)
     return model
