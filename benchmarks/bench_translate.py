@@ -5,11 +5,11 @@ fused path (auto: the C++ kernels on a CPU) and the reference path, the KV cache
 recomputing the whole prefix every step, and fp32 weights against bf16 ones (packed GEMMs or
 not) and int8 GEMMs (``fastnmt.quantize``). Groups of their own: sampling against greedy,
 scoring the pairs against beam-4 translation, and an ensemble of two against one model.
-Beside them, CTranslate2 (when installed) on the same model exported by ``fastnmt.export``:
-float32 and int8, batches of 32 sentences or of 6,000 tokens, 2 threads, the same beam, length
-penalty and bans (pad, bos); every row reports BLEU. The "interleaved ratios" group measures the
-targets' ratios (sampling against greedy, scoring against beam 4, beam 4 against CTranslate2's
-faster row) in FASTNMT_BENCH_ROUNDS rounds (3) that run every row in turn.
+Beside them, CTranslate2 (when installed) on the same model exported by ``fastnmt.export``, in
+a process of its own: float32 and int8, batches of 32 sentences or of 6,000 tokens, 2 threads,
+the same beam, length penalty and bans (pad, bos); every row reports BLEU. The "interleaved
+ratios" group measures the targets' ratios (sampling against greedy, scoring against beam 4, beam
+4 against CTranslate2's faster row) in FASTNMT_BENCH_ROUNDS rounds (3) that run every row in turn.
 
 A trained model gives realistic output lengths: set FASTNMT_BENCH_CHECKPOINT=DIR to translate all
 1,000 sentences with it. Without one, a randomly initialised ``tiny`` model (the same size)
@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -245,38 +248,84 @@ def ctranslate2_dirs(setup, tmp_path_factory) -> dict[str, Path]:
     return {q: export.export_ctranslate2(path, folder / q, q) for q in ("float32", "int8")}
 
 
-def _ctranslate2(setup, dirs, search, compute_type, batching) -> Callable[[], list]:
-    """A call that translates the setup's sentences with CTranslate2 (warmed up) and returns
-    the best hypothesis' pieces of each."""
-    import ctranslate2
+# CTranslate2 runs in a process of its own, as it is deployed: in fastnmt's process, once it had
+# translated, fastnmt's beam 4 ran 1.4x slower (its memory and threads are the process's too).
+CT2_WORKER = """
+import json, sys
+import ctranslate2
+model_dir, compute_type = sys.argv[1:3]
+engine = ctranslate2.Translator(model_dir, "cpu", compute_type=compute_type, intra_threads=2)
+tokens, options = json.loads(sys.stdin.readline())
+engine.translate_batch(tokens[:64], **options)  # warm-up
+print(ctranslate2.__version__, flush=True)
+for _ in sys.stdin:
+    results = engine.translate_batch(tokens, **options)
+    print(json.dumps([r.hypotheses[0] for r in results]), flush=True)
+"""
 
-    translator, sentences, info = setup
-    vocab = translator.vocab
-    engine = ctranslate2.Translator(
-        str(dirs[compute_type]), "cpu", compute_type=compute_type, intra_threads=2
-    )
-    size, kind = batching.split()
-    options = dict(
-        beam_size=1 if search == "greedy" else 4,
-        length_penalty=1.0,
-        max_batch_size=int(size),
-        batch_type="examples" if kind == "sentences" else "tokens",
-        **export.search_options(vocab),
-    )
-    if "eos" in info:  # the random model: no eos, the longest source's length (module docstring)
-        options["suppress_sequences"].append(vocab.pieces([vocab.eos_id]))
-        options["max_decoding_length"] = max(len(ids) + 1 for ids in vocab.encode(sentences))
-    tokens = export.to_pieces(vocab, sentences)
-    engine.translate_batch(tokens[:64], **options)  # warm-up
-    return lambda: [r.hypotheses[0] for r in engine.translate_batch(tokens, **options)]
+
+class Ctranslate2Process:
+    """CTranslate2 translating one list of tokenized sentences on request, in a child process;
+    calling it returns the best hypothesis' pieces of each sentence."""
+
+    def __init__(self, model_dir: Path, compute_type: str, tokens: list, options: dict):
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", CT2_WORKER, str(model_dir), compute_type],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self._send(json.dumps([tokens, options]))
+        self.version = self.process.stdout.readline().strip()  # once warmed up
+
+    def _send(self, line: str) -> None:
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+
+    def __call__(self) -> list:
+        self._send("translate")
+        return json.loads(self.process.stdout.readline())
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait()
+
+
+@pytest.fixture
+def ctranslate2_engines(setup, ctranslate2_dirs):
+    """``start(search, compute_type, batching)``: a warmed-up ``Ctranslate2Process`` translating
+    the setup's sentences (closed after the test)."""
+    started: list[Ctranslate2Process] = []
+
+    def start(search: str, compute_type: str, batching: str) -> Ctranslate2Process:
+        translator, sentences, info = setup
+        vocab = translator.vocab
+        size, kind = batching.split()
+        options = dict(
+            beam_size=1 if search == "greedy" else 4,
+            length_penalty=1.0,
+            max_batch_size=int(size),
+            batch_type="examples" if kind == "sentences" else "tokens",
+            **export.search_options(vocab),
+        )
+        if "eos" in info:  # the random model: no eos, the longest source's length (docstring)
+            options["suppress_sequences"].append(vocab.pieces([vocab.eos_id]))
+            options["max_decoding_length"] = max(len(ids) + 1 for ids in vocab.encode(sentences))
+        tokens = export.to_pieces(vocab, sentences)
+        started.append(
+            Ctranslate2Process(ctranslate2_dirs[compute_type], compute_type, tokens, options)
+        )
+        return started[-1]
+
+    yield start
+    for process in started:
+        process.close()
 
 
 @pytest.mark.parametrize(("search", "compute_type", "batching"), CT2_ROWS, ids=str)
-def test_ctranslate2(benchmark, setup, ctranslate2_dirs, search, compute_type, batching):
-    import ctranslate2
-
+def test_ctranslate2(benchmark, setup, ctranslate2_engines, search, compute_type, batching):
     _, sentences, info = setup
-    translate = _ctranslate2(setup, ctranslate2_dirs, search, compute_type, batching)
+    translate = ctranslate2_engines(search, compute_type, batching)
     results = {}
 
     def run():
@@ -291,7 +340,7 @@ def test_ctranslate2(benchmark, setup, ctranslate2_dirs, search, compute_type, b
     texts = export.from_pieces(setup[0].vocab, hypotheses)
     benchmark.extra_info.update(
         model=info["model"],
-        engine=f"ctranslate2 {ctranslate2.__version__}",
+        engine=f"ctranslate2 {translate.version}",
         search=search,
         compute_type=compute_type,
         batching=batching,
@@ -365,7 +414,7 @@ def test_ratio_scoring(benchmark, setup):
     benchmark.extra_info["model"] = info["model"]
 
 
-def test_ratio_ctranslate2(benchmark, setup, ctranslate2_dirs):
+def test_ratio_ctranslate2(benchmark, setup, ctranslate2_engines):
     """Beam 4 at the Translator's defaults (precision auto) against CTranslate2's faster of
     float32 and int8 in batches of 6,000 tokens, per round (the goal: at least 2x)."""
     translator, sentences, info = setup
@@ -375,8 +424,8 @@ def test_ratio_ctranslate2(benchmark, setup, ctranslate2_dirs):
         "fastnmt auto": functools.partial(translator.translate, sentences, **options)
     }
     for compute_type in ("float32", "int8"):
-        runs[f"ctranslate2 {compute_type}"] = _ctranslate2(
-            setup, ctranslate2_dirs, "beam4", compute_type, "6000 tokens"
+        runs[f"ctranslate2 {compute_type}"] = ctranslate2_engines(
+            "beam4", compute_type, "6000 tokens"
         )
     seconds = _interleaved(benchmark, runs)
     ct2 = zip(seconds["ctranslate2 float32"], seconds["ctranslate2 int8"], strict=True)
