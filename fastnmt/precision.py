@@ -43,8 +43,9 @@ PURPOSES = ("training", "translation")
 MARGIN = 1.1
 # GEMM rows of the calibration: a slice of a training batch's tokens, and a decoding step of
 # beam 4 over the Translator's default batch of 256 sentences. The row count decides the answer:
-# on an AVX512-BF16 CPU without AMX, int8 GEMMs lead bf16's 1.1x at 128 rows and trail them 1.28x
-# at 1,024, and beam-4 translation in the default batches runs bf16 at 1.35x int8's speed.
+# on an AVX512-BF16 CPU without AMX, fbgemm's int8 GEMMs (fp32 activations) lead bf16's 1.1x at
+# 128 rows and trail them 1.28x at 1,024, as beam-4 translations in the default batches do (bf16
+# 1.35x).
 # Past a few thousand words the output layer's speed per row no longer depends on the
 # vocabulary's size.
 ROWS = {"training": 256, "translation": 4 * 256}
