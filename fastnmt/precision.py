@@ -9,9 +9,9 @@ Training and translation are decided separately, each for the model's shapes:
   the CPU has AVX512-BF16; translation weighs fp32, bf16 (packed weights) and int8 (fbgemm, or
   oneDNN between bf16 activations where the CPU has native bf16), the GEMMs ``fastnmt.quantize``
   runs. int8 is a candidate because it cost at most 0.3 BLEU against fp32 on test2016 in every
-  measurement of the default model (beam 4: -0.07 on an AVX2 CPU, -0.01 on AVX512-BF16 ones;
-  greedy: -0.29 and +0.22). A CPU with neither AVX512-BF16 nor AMX emulates bf16, so it is no
-  candidate there.
+  measurement of the default model (beam 4: -0.07 on an AVX2 CPU, -0.01 and +0.11 on
+  AVX512-BF16 ones; greedy: -0.29 and -0.01). A CPU with neither AVX512-BF16 nor AMX emulates
+  bf16, so it is no candidate there.
 
 A precision other than fp32 must be at least ``MARGIN`` times fp32's speed to be chosen: a short
 calibration is noisy, and a tie should not give up precision. The calibration takes well under

@@ -121,21 +121,24 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
+def _int8_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (N, K) quantized per output channel, symmetrically: a qint8 tensor of scales
+    max_k |W[n, k]| / 127 and zero points 0."""
+    weight = weight.float()
+    scales = (weight.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    zero_points = torch.zeros(weight.shape[0], dtype=torch.long, device=weight.device)
+    with warnings.catch_warnings():  # PyTorch marks quantized tensors for a future removal
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.quantize_per_channel(weight, scales.double(), zero_points, 0, torch.qint8)
+
+
 class Int8Linear(PackedLinear):
     """An int8 GEMM (fbgemm); x (..., K) float32 -> (..., N) float32."""
 
     def _pack(self, weight, bias, activation) -> None:
         """fbgemm's prepacked per-channel int8 weight (and fp32 bias)."""
-        weight = weight.float()
-        scales = (weight.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-        zero_points = torch.zeros(weight.shape[0], dtype=torch.long, device=weight.device)
-        with warnings.catch_warnings():  # PyTorch marks quantized tensors for a future removal
-            warnings.simplefilter("ignore", UserWarning)
-            quantized = torch.quantize_per_channel(
-                weight, scales.double(), zero_points, 0, torch.qint8
-            )
         bias = None if bias is None else bias.float()
-        self.packed = torch.ops.quantized.linear_prepack(quantized, bias)
+        self.packed = torch.ops.quantized.linear_prepack(_int8_weight(weight), bias)
         self.fused_relu = activation == "relu"
         self.activation = _ACTIVATIONS[activation]
 
@@ -151,12 +154,11 @@ class Int8Bf16Linear(PackedLinear):
     input quantized at every call (``fastnmt::quantize_activations``), ReLU fused."""
 
     def _pack(self, weight, bias, activation) -> None:
-        """Per-channel int8 weights (as Int8Linear's) in oneDNN's layout, and the fp32 bias."""
-        weight = weight.float()
-        scales = (weight.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-        quantized = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
-        self.packed = torch.ops.onednn.qlinear_prepack(quantized, None)
-        self.scales, self.zero_points = scales, torch.zeros_like(scales, dtype=torch.long)
+        """Int8Linear's per-channel int8 weight in oneDNN's layout, and the fp32 bias."""
+        quantized = _int8_weight(weight)
+        self.packed = torch.ops.onednn.qlinear_prepack(quantized.int_repr(), None)
+        self.scales = quantized.q_per_channel_scales().float()
+        self.zero_points = quantized.q_per_channel_zero_points()
         self.packed_bias = None if bias is None else bias.float()
         self.fused = "relu" if activation == "relu" else "none"
         self.activation = _ACTIVATIONS[activation]
