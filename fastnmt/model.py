@@ -62,8 +62,11 @@ class ModelConfig:
 
 
 PRESETS = {
-    # Multi30k on a CPU: the size of the OpenNMT-py baseline it is compared with.
-    "tiny": ModelConfig(),
+    # Multi30k on a CPU: the size of the OpenNMT-py baseline it is compared with. Dropout 0.2:
+    # Multi30k's 29k pairs make 25 minutes on a fast CPU some 30 epochs, past which 0.1 overfits
+    # (its validation BLEU stops rising after about 15); 0.2 keeps up with it until then and
+    # goes on rising.
+    "tiny": ModelConfig(dropout=0.2),
     # Vaswani et al. base.
     "base": ModelConfig(d_model=512, heads=8, d_ff=2048, encoder_layers=6, decoder_layers=6),
     # fairseq's transformer_iwslt_de_en.
