@@ -13,7 +13,7 @@ import copy
 import json
 import math
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +26,7 @@ from fastnmt.decoding.next_token import Sampling, check_no_repeat_ngram, resolve
 from fastnmt.decoding.search import (
     Hypothesis,
     LengthPenalty,
+    OnDone,
     Rules,
     beam_search,
     check_ensemble,
@@ -134,6 +135,41 @@ def _target_log_probs(model: Transformer, batch, *, per_token: bool) -> torch.Te
     sentences = torch.arange(len(batch.tgt_lengths), device=log_probs.device)
     sentence_of_token = sentences.repeat_interleave(batch.tgt_lengths.to(log_probs.device))
     return log_probs.new_zeros(len(sentences)).index_add_(0, sentence_of_token, log_probs)
+
+
+class _Finished:
+    """A batch's translations as its search finishes them: each one's candidates set and handed
+    to ``on_translated`` (if any) once, through ``on_done`` as soon as its search is over."""
+
+    def __init__(self, translations, indices: list[int], candidates, on_translated):
+        self.translations, self.indices, self.candidates = translations, indices, candidates
+        self.on_translated = on_translated
+        self.on_done = None if on_translated is None else self._done
+        self.handed_over: set[int] = set()  # positions in the batch
+
+    def _done(self, position: int, hypotheses: list[Hypothesis]) -> None:
+        self._set(position, hypotheses)
+        self._hand_over(position)
+
+    def _set(self, position: int, hypotheses: list[Hypothesis]) -> None:
+        self.translations[self.indices[position]].candidates = self.candidates(hypotheses)
+
+    def _hand_over(self, position: int) -> None:
+        self.handed_over.add(position)
+        index = self.indices[position]
+        self.on_translated(index, self.translations[index])
+
+    def fill(self, found: list[list[Hypothesis]]) -> None:
+        """The candidates of the sentences not handed over yet, from the search's result."""
+        for position, hypotheses in enumerate(found):
+            if position not in self.handed_over:
+                self._set(position, hypotheses)
+
+    def hand_over_rest(self) -> None:
+        if self.on_translated is not None:
+            for position in range(len(self.indices)):
+                if position not in self.handed_over:
+                    self._hand_over(position)
 
 
 @dataclass
@@ -295,6 +331,11 @@ class Translator:
         return cls.from_checkpoint(paths if len(paths) > 1 else paths[0], **options)
 
     @property
+    def max_target_tokens(self) -> int:
+        """The longest output the model generates, in subword tokens (eos included)."""
+        return self.model.cfg.max_positions
+
+    @property
     def max_source_tokens(self) -> int:
         """Subword tokens of a source sentence the model can take (the eos takes one more)."""
         return self.model.cfg.max_positions - 1
@@ -321,6 +362,7 @@ class Translator:
         incremental: bool = True,
         eos: bool = True,
         first_line: int | Sequence[int] = 1,
+        on_translated: Callable[[int, Translation], None] | None = None,
     ) -> list[Translation]:
         """Translations with their n-best candidates and scores, in input order.
 
@@ -337,7 +379,9 @@ class Translator:
         sentences[0] (the others follow), or each sentence's, in warnings, errors and sampling's
         streams. ``sentences`` may be Translations with their
         ``source_tokens`` set (encoded once, by a caller that checked them), which are filled in
-        and returned.
+        and returned. on_translated(index, translation): called once per sentence as soon as its
+        translation is final, before the call returns: where the search allows (greedy and beam
+        search, without attention), while the rest of its batch is still searched.
         """
         if max_len_a < 0 or max_len_b < 0 or max_len_a * 1 + max_len_b < 1:
             raise ValueError(
@@ -367,6 +411,9 @@ class Translator:
         max_lens = limit.clamp(len(self.target_prefix) + 1, self.model.cfg.max_positions)
         todo = [i for i, t in enumerate(translations) if t.source.strip()]
         forced = self._prefixes(prefix, max_lens, todo, lines)
+        if on_translated is not None:  # blank sentences are final already
+            for index in sorted(set(range(len(translations))) - set(todo)):
+                on_translated(index, translations[index])
         with self._inference():
             for indices in self._batches(todo, [len(t.source_tokens) for t in translations]):
                 batch = make_batch(
@@ -382,16 +429,18 @@ class Translator:
                 if sampling is not None:
                     streams = torch.tensor([lines[i] - 1 for i in indices], device="cpu")
                     search.update(sampling=sampling, streams=streams)
+                finished = _Finished(translations, indices, self._candidates, on_translated)
                 if self.static is not None and incremental:  # host tensors: it copies them in
                     found = self.static.search(
                         *inputs, beam=beam, nbest=nbest, rules=rules, **search
                     )
                 else:
-                    found = self._search(inputs, beam, nbest, incremental, search, rules)
-                for index, hypotheses in zip(indices, found, strict=True):
-                    translations[index].candidates = self._candidates(hypotheses)
+                    on_done = None if attention else finished.on_done  # attention: per batch
+                    found = self._search(inputs, beam, nbest, incremental, search, rules, on_done)
+                finished.fill(found)
                 if attention:
                     self.add_attention([translations[i] for i in indices])
+                finished.hand_over_rest()
         return translations
 
     def _prefixes(self, prefix: Sequence[str | None] | None, max_lens, todo, lines: list[int]):
@@ -417,17 +466,19 @@ class Translator:
                 )
         return forced
 
-    def _search(self, inputs, beam: int, nbest: int, incremental: bool, search: dict, rules):
+    def _search(self, inputs, beam: int, nbest: int, incremental: bool, search: dict, rules,
+                on_done: OnDone | None):  # fmt: skip
         """``fastnmt.decoding.search``'s n-best lists for host tensors (src, src_lengths,
-        max_lens)."""
+        max_lens); ``on_done`` as the searches take it (not sampling's: its n-best lists are
+        complete at the end)."""
         models = self.models if len(self.models) > 1 else self.model
         inputs = (models, *(x.to(self.device) for x in inputs))
         search = search | dict(incremental=incremental, shortlist=self.shortlist, rules=rules)
         if "sampling" in search:
             return [h[:nbest] for h in sample(*inputs, **search)]
         if beam == 1 and nbest == 1:  # the same search; greedy skips beam bookkeeping
-            return [[h] for h in greedy(*inputs, **search)]
-        return beam_search(*inputs, beam=beam, nbest=nbest, **search)
+            return [[h] for h in greedy(*inputs, **search, on_done=on_done)]
+        return beam_search(*inputs, beam=beam, nbest=nbest, **search, on_done=on_done)
 
     @torch.inference_mode()
     def score(

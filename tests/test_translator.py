@@ -95,6 +95,27 @@ def test_nbest_is_ordered_by_score_with_its_length_penalty(translator):
     assert translation.text == translation.candidates[0].text
 
 
+@pytest.mark.parametrize(
+    "options",
+    [dict(beam=2, nbest=2), dict(beam=1), dict(sampling=Sampling(seed=1)), dict(attention=True)],
+    ids=["beam", "greedy", "sampling", "attention"],
+)
+def test_each_translation_is_handed_over_once_and_final(translator, options):
+    """on_translated gets every sentence once, blank ones included, already as the call returns
+    it (a copy taken when handed over equals it)."""
+    handed = {}
+
+    def on_translated(index, translation):
+        assert index not in handed
+        handed[index] = copy.deepcopy(translation)
+
+    found = translator.translate_full(SENTENCES, on_translated=on_translated, **options)
+    assert sorted(handed) == list(range(len(SENTENCES)))
+    assert [handed[i].candidates for i in range(len(found))] == [t.candidates for t in found]
+    if "attention" in options:
+        assert all(handed[i].attention is not None for i in (0, 2, 4, 5))
+
+
 def test_length_limit_follows_max_len_a_and_b(translator):
     [translation] = translator.translate_full([SENTENCES[2]], beam=2, max_len_a=0, max_len_b=3)
     assert all(len(c.tokens) + c.ended <= 3 for c in translation.candidates)

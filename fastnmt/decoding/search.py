@@ -20,7 +20,7 @@ same algorithm on fixed shapes, with ``Hypothesis``, ``LengthPenalty``, ``Rules`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -41,6 +41,10 @@ from fastnmt.model import Transformer, reorder_self_attention
 
 if TYPE_CHECKING:
     from fastnmt.decoding.shortlist import Shortlist
+
+# Called with a sentence's index in the batch and its final hypotheses (best first) as soon as its
+# search is over, before the search returns: a server answers it while the others go on.
+OnDone = Callable[[int, "list[Hypothesis]"], None]
 
 
 @dataclass(frozen=True)
@@ -344,6 +348,7 @@ def greedy(
     prefix: Sequence[int] = (),
     shortlist: Shortlist | None = None,
     rules: Rules = Rules(),
+    on_done: OnDone | None = None,
 ) -> list[Hypothesis]:
     """The most probable next token at every step, for src (B, S) with lengths (B,); at most
     ``max_lens`` (B,) tokens each. ``model``: a model, or the models of an ensemble (their
@@ -353,11 +358,12 @@ def greedy(
     target language), with log-probability 0, counted in the lengths and returned in the
     hypotheses' tokens, as transformers' ``forced_bos_token_id`` does. ``shortlist``: score only
     the words it lists for the batch's source tokens (``fastnmt.shortlist``). ``rules``: forced
-    per-sentence prefixes (scored) and banned repeated n-grams."""
+    per-sentence prefixes (scored) and banned repeated n-grams. ``on_done(sentence, [best])``:
+    called as each sentence's search ends."""
     models = _models(model)
     _check(models, max_lens, src, src_lengths, 1, 1, prefix, rules)
     batch = _Batch(models, src, src_lengths, max_lens, incremental, eos, prefix, shortlist, rules)
-    return _greedy(batch, max_lens, prefix, penalty, lambda step: batch.next_tokens(1))
+    return _greedy(batch, max_lens, prefix, penalty, lambda step: batch.next_tokens(1), on_done)
 
 
 @torch.inference_mode()
@@ -401,16 +407,13 @@ def sample(
         log_probs, tokens = batch.drawn(sampling, random)
         return log_probs[:, None], tokens[:, None]
 
-    found = _greedy(batch, expanded[2], prefix, penalty, draw)
-    return [
-        sorted(found[i : i + n], key=lambda h: h.score, reverse=True)
-        for i in range(0, len(found), n)
-    ]
+    found = _greedy(batch, expanded[2], prefix, penalty, draw, None)
+    return [_best(found[i : i + n], n) for i in range(0, len(found), n)]
 
 
-def _greedy(batch: _Batch, max_lens, prefix, penalty, choose) -> list[Hypothesis]:
+def _greedy(batch: _Batch, max_lens, prefix, penalty, choose, on_done) -> list[Hypothesis]:
     """One token a step per sentence, ``choose(step)`` giving each hypothesis' log-probability
-    and token (A, 1) each, until eos or the length limit."""
+    and token (A, 1) each, until eos or the length limit; ``on_done`` as ``greedy``'s."""
     eos_id = batch.cfg.eos_id
     log_probs = torch.zeros(batch.size, device=batch.max_lens.device)  # (A,)
     results: list[Hypothesis | None] = [None] * batch.size
@@ -430,6 +433,8 @@ def _greedy(batch: _Batch, max_lens, prefix, penalty, choose) -> list[Hypothesis
             )
             for sentence, ids, log_prob in finished:
                 results[sentence] = Hypothesis.from_generated(ids, log_prob, eos_id, penalty)
+                if on_done is not None:
+                    on_done(sentence, [results[sentence]])
             rows = (~done).nonzero()[:, 0]
             if not rows.numel():
                 break
@@ -454,9 +459,10 @@ def beam_search(
     prefix: Sequence[int] = (),
     shortlist: Shortlist | None = None,
     rules: Rules = Rules(),
+    on_done: OnDone | None = None,
 ) -> list[list[Hypothesis]]:
     """The ``nbest`` best hypotheses per sentence (best first) of a beam search of width
-    ``beam``, arguments as ``greedy``'s.
+    ``beam``, arguments as ``greedy``'s (``on_done`` gets the n-best list).
 
     fairseq's algorithm: each step takes the 2K best continuations of a sentence's K beams; those
     ending in eos among the best K are finished, the best K others go on. A sentence is done with
@@ -487,13 +493,20 @@ def beam_search(
         scores, pick = top.masked_fill(ends, float("-inf")).topk(k, dim=1)  # (A, K)
         rows, tokens = origins.gather(1, pick), tokens.gather(1, pick)  # (A, K)
         if done is not None:
+            if on_done is not None:
+                for index in batch.sentences[done].tolist():
+                    on_done(index, _best(finished[index], nbest))
             kept = (~done).nonzero()[:, 0]
             if not kept.numel():
                 break
             batch.keep_sentences(kept)
             rows, tokens, scores = rows[kept], tokens[kept], scores[kept]
         batch.advance(tokens.view(-1), rows.view(-1))
-    return [sorted(h, key=lambda h: h.score, reverse=True)[:nbest] for h in finished]
+    return [_best(h, nbest) for h in finished]
+
+
+def _best(hypotheses: list[Hypothesis], n: int) -> list[Hypothesis]:
+    return sorted(hypotheses, key=lambda h: h.score, reverse=True)[:n]
 
 
 def best_candidates(candidates, sentences: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -529,7 +542,7 @@ def _finish(batch, finished, finishing, top, origins, tokens, k, eos_id, penalty
         finished[index].append(Hypothesis.from_generated(ids, log_prob, eos_id, penalty))
         grown.add(index)
     for index in grown:  # more than K finishing at once: the K best scores stay (as transformers)
-        finished[index] = sorted(finished[index], key=lambda h: h.score, reverse=True)[:k]
+        finished[index] = _best(finished[index], k)
     full = [len(finished[index]) >= k for index in batch.sentences.tolist()]
     last = batch.max_lens <= batch.history.shape[1]
     return torch.tensor(full, device=last.device) | last

@@ -14,14 +14,15 @@ serve, ``GET /ready`` once the model is loaded, ``GET /metrics`` in Prometheus' 
 The decoder is fastest on large batches, so every request's sentences join one queue and a
 ``Batcher`` takes them out in batches of up to ``--max-tokens`` (padded source tokens times the
 beam) of one setting, waiting at most ``--max-wait-ms`` after the oldest one arrived for more. A
-batch runs on the model's one thread (``ModelThread``), off the event loop, and each request is
-answered when its last sentence is done. Bodies over 4 KiB are parsed and tokenized on another
-thread.
+batch runs in the model's process (``ModelProcess``), called from one thread (``ModelThread``)
+off the event loop, and each sentence is answered as soon as its search ends. Bodies over 4 KiB
+are parsed and tokenized on another thread.
 
 Modules: ``api`` (the request and response models, the limits, a request's checks, the error
-format), ``batcher`` (the queue, its batches and the model's thread), ``metrics``, ``app`` (the
-FastAPI app: routes, probes, middleware) and ``command`` (the command line and the app
-factories). Their public names are importable from ``fastnmt.serve`` itself.
+format), ``batcher`` (the queue, its batches and the model's thread), ``model_process`` (the
+model in a child process), ``metrics``, ``app`` (the FastAPI app: routes, probes, middleware)
+and ``command`` (the command line and the app factories). Their public names are importable
+from ``fastnmt.serve`` itself.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ from fastnmt.serve.command import (
     threads_per_worker,
 )
 from fastnmt.serve.metrics import HANDLERS, LATENCY_BUCKETS, Metrics
+from fastnmt.serve.model_process import ModelProcess
 
 __all__ = [
     "ACCESS_LOG",
@@ -87,6 +89,7 @@ __all__ = [
     "Job",
     "Limits",
     "Metrics",
+    "ModelProcess",
     "ModelThread",
     "Observed",
     "Options",

@@ -67,7 +67,7 @@ def check_limits(limits: Limits, translator: Translator) -> None:
             f"--max-input-tokens {limits.max_input_tokens} is more than the model's maximum "
             f"source length, {model_limit} subword tokens"
         )
-    output_limit = translator.model.cfg.max_positions
+    output_limit = translator.max_target_tokens
     if (limits.max_output_tokens or 0) > output_limit:
         raise ValueError(
             f"--max-output-tokens {limits.max_output_tokens} is more than the model's maximum "

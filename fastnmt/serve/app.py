@@ -35,6 +35,7 @@ from fastnmt.serve.api import (
 )
 from fastnmt.serve.batcher import Batcher, Job, ModelThread
 from fastnmt.serve.metrics import Metrics
+from fastnmt.serve.model_process import ModelProcess
 from fastnmt.translator import Translation, Translator
 
 ACCESS_LOG = logging.getLogger("fastnmt.serve.access")
@@ -95,10 +96,11 @@ class Server:
             ERROR_LOG.error("the model failed to load: %s", self.load_error)
             self.on_load_error()
 
-    def _translate(self, jobs: list[Job]) -> list[Translation]:
-        """A batch's translations: its jobs share their options; a job with a prefix shares its
-        batch with its request's sentences only (``Query.alone``). Each sentence's samples follow
-        its position in its request, whatever the batching."""
+    def _translate(self, jobs: list[Job], on_translated) -> list[Translation]:
+        """A batch's translations, each also handed to ``on_translated(index, translation)`` as
+        soon as it is final: its jobs share their options; a job with a prefix shares its batch
+        with its request's sentences only (``Query.alone``). Each sentence's samples follow its
+        position in its request, whatever the batching."""
         prefixes = [job.prefix for job in jobs]
         given = any(p is not None for p in prefixes)
         try:
@@ -107,6 +109,7 @@ class Server:
                 **jobs[0].key[0].search(),
                 prefix=prefixes if given else None,
                 first_line=[job.line for job in jobs],
+                on_translated=on_translated,
             )
         except ValueError as error:
             if not given:  # every other value was checked with the request: a fault, not a 4xx
@@ -194,6 +197,8 @@ class Server:
             return f"the model failed to load: {self.load_error}"
         if self.batcher is not None and self.batcher.stalled:
             return f"a batch has run over {self.limits.request_timeout:g} s"
+        if isinstance(self.translator, ModelProcess) and self.translator.ended:
+            return self.translator.ended
         return None
 
     def unavailable(self) -> str | None:
@@ -241,7 +246,7 @@ class Server:
         body = await self._body(request, arrived)
         translator = self.translator
         max_input = self.limits.max_input_tokens or translator.max_source_tokens
-        max_output = self.limits.max_output_tokens or translator.model.cfg.max_positions
+        max_output = self.limits.max_output_tokens or translator.max_target_tokens
         loop = asyncio.get_running_loop()
         parse = (body, self.limits, translator.vocab.encode, max_input, max_output)
         if len(body) <= INLINE_PARSE_BYTES:

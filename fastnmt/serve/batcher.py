@@ -77,14 +77,17 @@ class ModelThread:
 
 class Batcher:
     """One queue of sentences from every request, translated in batches bounded by
-    ``max_tokens`` (``batch_cost``) by ``translate(sentences, options)`` on the model's thread.
+    ``max_tokens`` (``batch_cost``) by ``translate(jobs, on_translated)`` on the model's thread.
+    Each sentence is answered as soon as ``on_translated(index, translation)`` says it is done,
+    while the rest of its batch is translated: under load its client's next request is then
+    back before the batch ends, so the next batch can start at once.
 
     A batch that runs past ``batch_timeout`` fails its requests with 504 and marks the batcher
     ``stalled`` (the server is then not ready) until the model's thread is free again."""
 
     def __init__(
         self,
-        translate: Callable[[list[Job]], list[Translation]],
+        translate: Callable[[list[Job], Callable[[int, Translation], None]], list[Translation]],
         model_thread: ModelThread,
         *,
         max_tokens: int,
@@ -99,8 +102,8 @@ class Batcher:
         self.queue: collections.deque[Job] = collections.deque()
         self.arrival = asyncio.Event()
         self.stalled = False
-        # The last batch's size, how many sentences arrived since it was answered (its clients'
-        # next requests) and when the model became free (see _wait).
+        # The last batch's size, how many sentences arrived since it started (its clients' next
+        # requests, sent as soon as answered) and when the model became free (see _wait).
         self.answered_sentences, self.arrived_since, self.free_since = 0, 0, 0.0
 
     def submit(self, jobs: list[Job]) -> None:
@@ -128,7 +131,8 @@ class Batcher:
                 self.metrics.queue_wait.observe(started - job.arrived)
             self.metrics.batch_sentences.observe(len(batch))
             self.metrics.batch_tokens.observe(batch_cost(batch))
-            running = self.model_thread.submit(self.translate, batch)
+            self.answered_sentences, self.arrived_since = len(batch), 0
+            running = self.model_thread.submit(self.translate, batch, _answerer(batch))
             try:
                 found = await self._within_deadline(asyncio.wrap_future(running), batch)
             except Exception as error:  # answer the batch's requests; the server goes on
@@ -140,7 +144,6 @@ class Batcher:
                 continue
             _settle(batch, found=found)
             self.metrics.batch_duration.observe(time.monotonic() - started)
-            self.answered_sentences, self.arrived_since = len(batch), 0
             self.metrics.sentences.inc(len(batch))
 
     async def _within_deadline(self, running: asyncio.Future, batch: list[Job]):
@@ -185,7 +188,7 @@ class Batcher:
 
         A batch waits for more at most ``max_wait`` after its oldest sentence arrived or the model
         became free, whichever is later, and not at all once it is full, or once as many
-        sentences have arrived since the last batch was answered as that batch held: clients
+        sentences have arrived since the last batch started as that batch held: clients
         that send their next request once answered (a closed loop) are then all back, and a lone
         client waits for nobody. Counting from the moment the model is free lets the sentences
         that queued while a batch ran wait for that batch's clients: without it, closed-loop
@@ -209,6 +212,21 @@ class Batcher:
         if not dry_run:
             self.queue = kept
         return batch
+
+
+def _answerer(batch: list[Job]) -> Callable[[int, Translation], None]:
+    """``on_translated`` for the model's thread: answers a batch's job on the event loop."""
+    loop = asyncio.get_running_loop()
+
+    def answer(index: int, translation: Translation) -> None:
+        loop.call_soon_threadsafe(_answer, batch[index].future, translation)
+
+    return answer
+
+
+def _answer(future: asyncio.Future, translation: Translation) -> None:
+    if not future.done():  # not cancelled by a client that went away, nor failed past a deadline
+        future.set_result(translation)
 
 
 def _settle(batch: list[Job], found=None, error: BaseException | None = None) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import inspect
 import logging
 import os
@@ -18,10 +19,10 @@ from collections.abc import Callable
 import uvicorn
 from fastapi import FastAPI
 
-from fastnmt.devices import configure_process
 from fastnmt.serve.api import Limits, check_limits, one_line
 from fastnmt.serve.app import ACCESS_LOG, Server
 from fastnmt.serve.metrics import MULTIPROCESS
+from fastnmt.serve.model_process import ModelProcess
 from fastnmt.translator import Translator
 
 DESCRIPTION = "A translation server that batches sentences across concurrent requests."
@@ -102,17 +103,16 @@ def threads_per_worker(args: argparse.Namespace) -> int:
 
 
 def loader(args: argparse.Namespace) -> Callable[[], Translator]:
-    def load() -> Translator:
-        return Translator.load(
-            args.checkpoint,
-            src_code=args.src_code,
-            tgt_code=args.tgt_code,
-            device=args.device,
-            precision=args.precision,
-            max_tokens=args.max_tokens,
-        )
-
-    return load
+    """The Translator's load, picklable (``ModelProcess`` runs it in its child)."""
+    return functools.partial(
+        Translator.load,
+        args.checkpoint,
+        src_code=args.src_code,
+        tgt_code=args.tgt_code,
+        device=args.device,
+        precision=args.precision,
+        max_tokens=args.max_tokens,
+    )
 
 
 def build_limits(args: argparse.Namespace) -> Limits:
@@ -128,16 +128,15 @@ def build_limits(args: argparse.Namespace) -> Limits:
 
 
 def build_server(args: argparse.Namespace) -> Server:
-    configure_process(decoding=True)
+    """The server, its model in a process of its own (``ModelProcess``)."""
     if not args.no_access_log:
         _log_access()
     return Server(
-        loader(args),
+        functools.partial(ModelProcess, loader(args), threads_per_worker(args)),
         max_tokens=args.max_tokens,
         max_wait=args.max_wait_ms / 1000,
         limits=build_limits(args),
         batching=not args.no_batching,
-        threads=threads_per_worker(args),
     )
 
 

@@ -187,6 +187,28 @@ def test_without_eos_every_output_has_its_full_length():
         assert [len(h.tokens) for h in hypotheses] == max_lens.tolist()
 
 
+@pytest.mark.parametrize("beam", [1, 3])
+def test_each_sentence_is_handed_over_once_as_soon_as_its_search_ends(beam):
+    """on_done gets each sentence's final n-best list once, in the order their searches end
+    (the shortest length limit first, eos banned), the lists the search returns."""
+    model = _model(SMALL)
+    src, src_lengths = _sources(SMALL)
+    max_lens = torch.tensor([9, 2, 5, 1])
+    handed = []
+
+    def on_done(sentence, hypotheses):
+        handed.append((sentence, hypotheses))
+
+    if beam == 1:
+        found = [[h] for h in greedy(model, src, src_lengths, max_lens, eos=False, on_done=on_done)]
+    else:
+        found = beam_search(
+            model, src, src_lengths, max_lens, beam=beam, nbest=2, eos=False, on_done=on_done
+        )
+    assert [sentence for sentence, _ in handed] == [3, 1, 2, 0]
+    assert dict(handed) == dict(enumerate(found))
+
+
 def test_beams_share_one_cross_attention_entry_per_sentence():
     """decode with K rows per sentence and per-sentence memory == memory repeated per row."""
     model = _model(SMALL)

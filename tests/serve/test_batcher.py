@@ -23,7 +23,7 @@ class Upper:
     """A stand-in translator: each sentence's text in capitals, after ``gate`` opens."""
 
     max_source_tokens = 100
-    model = SimpleNamespace(cfg=SimpleNamespace(max_positions=101))
+    max_target_tokens = 101
     vocab = SimpleNamespace(encode=lambda texts: [text.split() for text in texts])
 
     def __init__(self, gate: threading.Event | None = None):
@@ -137,7 +137,8 @@ def _batcher(max_tokens: int, max_wait: float):
     from fastnmt.serve import Batcher, Metrics, ModelThread
 
     return Batcher(
-        lambda jobs: [job.sentence for job in jobs], ModelThread(), max_tokens=max_tokens,
+        lambda jobs, on_translated: [job.sentence for job in jobs], ModelThread(),
+        max_tokens=max_tokens,
         max_wait=max_wait, batch_timeout=60.0, max_queue=4096, metrics=Metrics(),
     )  # fmt: skip
 
@@ -207,6 +208,46 @@ def test_sentences_queued_during_a_batch_wait_for_its_clients_once_the_model_is_
         batcher.submit(_jobs([5] * 32, 1, loop))  # the answered batch's clients are back
         taken = batcher._take(waiting[0].key, dry_run=True)
         assert batcher._wait(waiting[0], taken) <= 0 and len(taken) == 64
+
+    asyncio.run(scenario())
+
+
+def test_a_sentence_is_answered_once_translated_and_its_client_back_starts_the_next_batch():
+    """A sentence is answered as soon as the translation hands it over, while its batch still
+    runs; its client's next request, sent then, counts as back: once the model is free the next
+    batch starts at once, not max_wait later."""
+    from fastnmt.serve import Batcher, Metrics, ModelThread
+
+    gate, batches = threading.Event(), []
+
+    def translate(jobs, on_translated):
+        batches.append(len(jobs))
+        for index, job in enumerate(jobs):
+            on_translated(index, job.sentence)
+        if len(batches) == 1:
+            assert gate.wait(30)
+        return [job.sentence for job in jobs]
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        batcher = Batcher(
+            translate, ModelThread(), max_tokens=1000, max_wait=30.0, batch_timeout=60.0,
+            max_queue=16, metrics=Metrics(),
+        )  # fmt: skip
+        first = _jobs([3], 1, loop, arrived=time.monotonic() - 60.0)  # its wait is over
+        batcher.submit(first)
+        running = asyncio.create_task(batcher.run())
+        try:
+            await asyncio.wait_for(first[0].future, 10)  # the batch is still at the gate
+            assert not gate.is_set() and batches == [1]
+            again = _jobs([3], 1, loop, arrived=time.monotonic())
+            batcher.submit(again)
+            gate.set()
+            await asyncio.wait_for(again[0].future, 10)  # max_wait is 30 s
+            assert batches == [1, 1]
+        finally:
+            gate.set()
+            running.cancel()
 
     asyncio.run(scenario())
 
