@@ -4,9 +4,9 @@ and stands in for it on the server's side.
 The search is Python driving short ops, so it holds the interpreter lock most of the time, and so
 does the event loop while it answers requests: in one process each waits for the other
 (another thread holding the lock a sixth of the time slows beam search by a tenth). In two, they
-run side by side: the server's model thread calls ``translate_full`` as it would call the Translator's: it sends
-the batch down a pipe and waits (the lock released) while the child translates, handing each
-sentence back as soon as the search has finished it.
+run side by side: the server's model thread calls ``translate_full`` as it would call the
+Translator's, sends the batch down a pipe and waits (the lock released) while the child
+translates, handing each sentence back as soon as the search has finished it.
 """
 
 from __future__ import annotations
