@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="a batch's source tokens, padded to its longest sentence, times the beam",
     )  # fmt: skip
     batching.add_argument(
-        "--max-wait-ms", type=float, default=50.0, help="a sentence waits for more this long"
+        "--max-wait-ms", type=float, default=10.0, help="a sentence waits for more this long"
     )
     batching.add_argument("--no-batching", action="store_true", help="each request alone")
     limits = p.add_argument_group("limits")
