@@ -24,9 +24,11 @@
 namespace fastnmt {
 namespace {
 
-// How many best columns top-p lists in the normaliser's pass: the nucleus of most of a trained
-// model's rows ends among them; a longer list costs every row more than the wider rows save.
-constexpr int64_t kNucleusList = 16;
+// How many best columns top-p lists in the normaliser's pass; a wider nucleus takes the band
+// search below. Each row pays for the list's insertions: on a trained model's sampled rows (a
+// nucleus of one column in 40%, of up to 4 in 59%, of up to 16 in 66%) the kernel ran 11% faster
+// with 4 than with 16.
+constexpr int64_t kNucleusList = 4;
 // A wider nucleus' edge: a band of values narrowed kLevels thresholds a pass (from the kWidestBand
 // nats below the best: probabilities down to 1e-14 of the best's) until it holds kBandColumns.
 constexpr int kLevels = 16;

@@ -24,7 +24,7 @@ allowed columns are all -inf draws an unspecified column, of log-probability -in
 reference where every logit is -inf).
 
 Backends: C++ (csrc/sample_token.cpp: one read of each row; the normaliser, a top-k list and the
-draw over a cached fp32 copy; top-p sorts no row: its nucleus ends within the best 16, or a band
+draw over a cached fp32 copy; top-p sorts no row: its nucleus ends within the best 4, or a band
 of values where it ends is narrowed, 16 thresholds a vectorised pass, to a few columns) and the
 reference (torch: log_softmax, a stable sort, cumsum), which also runs on a GPU and inside CUDA
 graphs (no host sync).

@@ -58,7 +58,7 @@ def _inverse_transform(values, columns, uniforms):
 
 def _logits(rows: int, vocab: int, dtype) -> torch.Tensor:
     """Peaked rows (a trained model's), flat ones (a nucleus of most of the vocabulary: past the
-    C++ kernel's list of 16) and rows with a wide plateau, a banned column among the best."""
+    C++ kernel's short list) and rows with a wide plateau, a banned column among the best."""
     logits = torch.randn(rows, vocab) * 4.0
     flat = torch.randperm(rows)[: rows // 4]
     logits[flat] = torch.randn(len(flat), vocab) * 0.1
@@ -106,7 +106,7 @@ def test_draws_what_the_float64_oracle_draws(backend, dtype, rows, vocab, mode):
 
 
 def test_top_p_draws_inside_the_nucleus_and_flat_rows_reach_past_the_list(backend_cpp):
-    """Flat rows hold nuclei of hundreds of tokens, far past the C++ kernel's list of 16: every
+    """Flat rows hold nuclei of hundreds of tokens, far past the C++ kernel's short list: every
     draw inside its row's nucleus, and the draws spread over hundreds of tokens."""
     rows, vocab = 2000, 1000
     logits = torch.randn(rows, vocab) * 0.1
