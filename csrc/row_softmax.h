@@ -84,16 +84,19 @@ inline void offer_vector(const float* x, Vec v, int64_t j, TopK& top) {
 }
 
 // sum exp(x - row_max) over x's columns (row_max finite) and (top not null) their top k (best
-// first) offered to top, in one pass. A -inf column adds vector_exp's floor, 1.2e-38: nothing
-// next to the row max's 1, so no select keeps it out.
+// first) offered to top, in one pass; (exps not null) each column's exp written there. A -inf
+// column adds vector_exp's floor, 1.2e-38: nothing next to the row max's 1, so no select keeps
+// it out.
 inline float exp_sum_and_top(const float* x, int64_t vocab, int64_t padded, float row_max,
-                             TopK* top) {
+                             TopK* top, float* exps = nullptr) {
   const int64_t head = top ? offered_head(padded, *top) : 0;
   for (int64_t j = 0; j < std::min(head, vocab); ++j) top->offer(x[j], j);
   Vec total = splat(0.0f);
   for (int64_t j = 0; j < padded; j += kLanes) {
     const Vec v = load(x + j);
-    total += vector_exp(v - row_max);
+    const Vec e = vector_exp(v - row_max);
+    total += e;
+    if (exps) store(exps + j, e);
     if (top && j >= head) offer_vector(x, v, j, *top);
   }
   return horizontal_sum(total);

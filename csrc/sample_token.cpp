@@ -6,9 +6,10 @@
 // the banned columns' exponentials are summed and the columns set to -inf there. Top-k and top-p
 // then take one vectorised pass over that buffer that sums the other exponentials (the
 // normaliser) and keeps the best columns in a small sorted list: top-k draws from the list; top-p
-// finds the nucleus' last column there and draws from those few columns put in column order. A
-// wider nucleus writes the row's probabilities and narrows a band of values where the running
-// probability crosses p (16 thresholds a vectorised pass), sorting that band alone. Drawing from
+// finds the nucleus' last column there and draws from those few columns put in column order. Its
+// pass also keeps each column's probability, from which a wider nucleus narrows a band of values
+// where the running probability crosses p (16 thresholds a vectorised pass), sorting that band
+// alone. Drawing from
 // the whole row (or a wide nucleus) writes each column's probability and each vector's sum in the
 // normaliser's pass, so the inverse transform walks those sums, then the lanes of the one vector
 // where the running sum passes the target: one exponential per column in every case. No
@@ -187,16 +188,15 @@ int64_t listed_edge(const TopK& listed, const float* listed_values, float best, 
   return listed.size() < listed.capacity() ? listed.size() - 1 : -1;
 }
 
-// A nucleus wider than the list: its last candidate, best first (ties to the lower column). The
-// probabilities exp(value - best) are written to p and a band of values where the running
-// probability crosses topp of the allowed probability is narrowed, 16 thresholds a vectorised
-// pass, to a few columns, which alone are sorted.
+// A nucleus wider than the list: its last candidate, best first (ties to the lower column), p
+// the columns' probabilities exp(value - best) (any value where x is -inf). A band of values
+// where the running probability crosses topp of the allowed probability is narrowed, 16
+// thresholds a vectorised pass, to a few columns, which alone are sorted.
 Candidate wide_nucleus_edge(const float* x, int64_t vocab, int64_t padded, float best,
-                            double allowed, double topp, Candidate listed_last, float* p,
-                            float* sums, std::vector<Candidate>& band) {
+                            double allowed, double topp, Candidate listed_last, const float* p,
+                            std::vector<Candidate>& band) {
   const double target = topp * allowed;
   double running = 0.0;
-  write_probabilities(x, padded, best, p, sums);
   // Narrow a band of values (lo, hi] holding the crossing, mass above hi < target <= mass above
   // lo, kLevels thresholds a pass, until it holds a few columns (or one value: ties).
   float hi = best, width = kWidestBand;
@@ -278,7 +278,7 @@ int64_t nucleus_token(Scratch& s, const TopK& top, int64_t vocab, int64_t padded
   const int64_t last = top.size() - 1;
   const Candidate listed_last{s.values[last], s.indices[last]};
   const Candidate found = wide_nucleus_edge(s.x.data(), vocab, padded, best, allowed, topp,
-                                            listed_last, s.p.data(), s.sums.data(), s.band);
+                                            listed_last, s.p.data(), s.band);
   const double kept = keep_nucleus(s.x.data(), s.p.data(), s.sums.data(), padded, found);
   return walk_columns(s.p.data(), s.sums.data(), padded, kept, u);
 }
@@ -313,7 +313,8 @@ void rows(const T* logits, const int64_t* banned, int64_t banned_count, const fl
         allowed = write_probabilities(x, padded, best, s.p.data(), s.sums.data());
         token = walk_columns(s.p.data(), s.sums.data(), padded, allowed, uniforms[i]);
       } else {
-        allowed = exp_sum_and_top(x, vocab, padded, best, &top);
+        float* exps = options.topk ? nullptr : s.p.data();  // a wide nucleus' probabilities
+        allowed = exp_sum_and_top(x, vocab, padded, best, &top, exps);
         if (options.topk) {
           const int64_t c = inverse_transform(
               options.topk, [&](int64_t c) { return s.values[c]; }, best, uniforms[i],
