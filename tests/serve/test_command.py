@@ -88,7 +88,7 @@ def test_threads_share_the_cores_among_workers(monkeypatch):
     def threads(*options) -> int:
         return threads_per_worker(parse_args(["--checkpoint", "x", *map(str, options)]))
 
-    assert threads() == max(1, cores - 1)  # one core left to the HTTP work
+    assert threads() == cores
     workers = random.randint(2, 8)
     assert threads("--workers", workers) == max(1, cores // workers)
     assert threads("--workers", workers, "--threads", 3) == 3
