@@ -94,3 +94,20 @@ def test_a_model_process_that_dies_fails_the_probes_and_the_requests(checkpoint_
         assert answer.status_code == 503 and "model's process ended" in answer.json()["error"]
     finally:
         assert server.stop() == 0
+
+
+def test_a_hugging_face_checkpoint_translates_as_in_process(tmp_path):
+    """An Opus-MT-like checkpoint: its vocabulary travels to the server's process."""
+    pytest.importorskip("transformers", reason="Hugging Face checkpoints need transformers")
+    from fastnmt.serve import ModelProcess
+    from tests.integrations.transformers.models import marian_directory
+
+    directory = marian_directory(tmp_path)
+    offline = Translator.load(directory, precision="fp32")
+    process = ModelProcess(functools.partial(Translator.load, directory, precision="fp32"))
+    try:
+        texts = [s for s in SENTENCES if s.strip()]
+        found = process.translate_full(_encoded(process, texts), beam=2)
+        assert [t.text for t in found] == offline.translate(texts, beam=2)
+    finally:
+        process.process.kill()
