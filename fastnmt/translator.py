@@ -142,15 +142,16 @@ def _target_log_probs(model: Transformer, batch, *, per_token: bool) -> torch.Te
 
 class _Finished:
     """A batch's translations as its search finishes them: each one's candidates set and handed
-    to ``on_translated`` (if any) once, through ``on_done`` as soon as its search is over."""
+    to ``on_translated`` (if any) once, through ``on_done`` (given to the search only with
+    ``on_translated``) as soon as its search is over."""
 
     def __init__(self, translations, indices: list[int], candidates, on_translated):
         self.translations, self.indices, self.candidates = translations, indices, candidates
         self.on_translated = on_translated
-        self.on_done = None if on_translated is None else self._done
         self.handed_over: set[int] = set()  # positions in the batch
 
-    def _done(self, position: int, hypotheses: list[Hypothesis]) -> None:
+    def on_done(self, position: int, hypotheses: list[Hypothesis]) -> None:
+        """The searches' ``on_done``."""
         self._set(position, hypotheses)
         self._hand_over(position)
 
@@ -438,7 +439,8 @@ class Translator:
                         *inputs, beam=beam, nbest=nbest, rules=rules, **search
                     )
                 else:
-                    on_done = None if attention else finished.on_done  # attention: per batch
+                    early = on_translated is not None and not attention  # attention: per batch
+                    on_done = finished.on_done if early else None
                     found = self._search(inputs, beam, nbest, incremental, search, rules, on_done)
                 finished.fill(found)
                 if attention:

@@ -49,8 +49,8 @@ INLINE_PARSE_BYTES = 4 * 1024
 class Server:
     """The app and its state: the translator once loaded, the batcher, the metrics.
 
-    ``load`` runs on the model's thread once the app starts; ``threads`` is the number of
-    threads the model's ops use (None: PyTorch's default)."""
+    ``load`` runs on the model's thread once the app starts and gives the translator: a
+    ``ModelProcess`` (the command line's), or a Translator run on that thread."""
 
     def __init__(
         self,
@@ -60,9 +60,8 @@ class Server:
         max_wait: float,
         limits: Limits,
         batching: bool = True,
-        threads: int | None = None,
     ):
-        self.load, self.limits, self.batching, self.threads = load, limits, batching, threads
+        self.load, self.limits, self.batching = load, limits, batching
         self.translator: Translator | None = None
         self.load_error: str | None = None
         self.failure: str | None = None  # why the batcher stopped, once it has
@@ -78,10 +77,6 @@ class Server:
     # The model's thread.
 
     def _load(self) -> None:
-        if self.threads is not None:  # OpenMP's thread count is the calling thread's setting
-            import torch
-
-            torch.set_num_threads(self.threads)
         try:
             translator = self.load()
             check_limits(self.limits, translator)
