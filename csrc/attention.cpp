@@ -183,6 +183,47 @@ void bf16_gemm(const float* a, int64_t a_row, int64_t a_col, const float* b, int
                             rows, cols, accumulate);
   }
 }
+
+// bf16 keys and values straight into bf16 word pairs (no fp32 round trip: the products see the
+// same operands, so the same results). K^T for QK^T: w[p * ld + j] is key j's word holding
+// elements 2p and 2p + 1 (d even), zero for j in [n, whole_vectors(n)).
+template <typename KeyRows>
+void load_key_pairs(const KeyRows& k, int64_t b, int64_t h, int64_t n, int64_t d, uint32_t* w,
+                    int64_t ld) {
+  const int64_t pairs = d / 2;
+  for (int64_t p = 0; p < pairs; ++p) std::fill(w + p * ld + n, w + p * ld + whole_vectors(n), 0U);
+  for (int64_t j = 0; j < n; ++j) {
+    const auto* row = k.at(b, h, j);
+    for (int64_t p = 0; p < pairs; ++p) __builtin_memcpy(w + p * ld + j, row + 2 * p, 4);
+  }
+}
+
+// V for PV, pairs of consecutive keys: w[p * ld + i] = bf16 bits of V(2p, i) | V(2p + 1, i) << 16
+// for i < ld (whole vectors; zero past dv), V(n, :) = 0. Each 32 columns of two rows interleave in
+// two permutes.
+template <typename ValueRows>
+void load_value_pairs(const ValueRows& v, int64_t b, int64_t h, int64_t n, int64_t dv,
+                      uint32_t* w, int64_t ld) {
+  alignas(64) static constexpr uint16_t kLow[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                                    37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                                    11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i low = _mm512_load_si512(kLow);
+  const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+  for (int64_t p = 0; 2 * p < n; ++p) {
+    const auto* even = v.at(b, h, 2 * p);
+    const auto* odd = 2 * p + 1 < n ? v.at(b, h, 2 * p + 1) : nullptr;
+    for (int64_t i = 0; i < ld; i += 2 * kLanes) {
+      const int64_t columns = std::clamp<int64_t>(dv - i, 0, 2 * kLanes);
+      const auto mask = static_cast<__mmask32>(columns == 32 ? ~0U : (1U << columns) - 1U);
+      const __m512i e = _mm512_maskz_loadu_epi16(mask, even + i);
+      const __m512i o = odd ? _mm512_maskz_loadu_epi16(mask, odd + i) : _mm512_setzero_si512();
+      _mm512_storeu_si512(w + p * ld + i, _mm512_permutex2var_epi16(e, low, o));
+      if (i + kLanes < ld) {
+        _mm512_storeu_si512(w + p * ld + i + kLanes, _mm512_permutex2var_epi16(e, high, o));
+      }
+    }
+  }
+}
 #endif
 
 // C (rows x cols, cols whole vectors) (+)= A (rows x depth, strides a_row, a_col) B (depth x
@@ -426,6 +467,93 @@ void store_rows(const float* src, int64_t ld, const OutRows<T>& dst, int64_t b, 
   }
 }
 
+// Whether q and k are bf16 rows of whole 32-bit words (an even head dim, even strides) on a CPU
+// with AVX512-BF16: the products then read them as bf16 pairs in place, with no fp32 panels.
+template <typename T>
+bool reads_words(const at::Tensor& q, const at::Tensor& k) {
+#if defined(__AVX512BF16__)
+  const auto words = [](const at::Tensor& t) {
+    return reinterpret_cast<uintptr_t>(t.data_ptr()) % 4 == 0 && t.stride(0) % 2 == 0 &&
+           t.stride(1) % 2 == 0 && t.stride(2) % 2 == 0;
+  };
+  return std::is_same_v<T, c10::BFloat16> && q.size(3) % 2 == 0 && words(q) && words(k);
+#else
+  return false;
+#endif
+}
+
+// The per-thread panels of forward_kernel: fp32 K^T and V (kt, vb), with a Q block (qb); or,
+// reading words, K^T and V as bf16 pairs (kw, vw) and a P block's (pw).
+struct Panels {
+  std::vector<float> floats;
+  std::vector<uint32_t> words;
+  float *kt = nullptr, *vb = nullptr, *qb = nullptr;
+  uint32_t *kw = nullptr, *vw = nullptr, *pw = nullptr;
+  bool read_words;
+  int64_t lk_vectors, d_vectors, dv_vectors;
+
+  Panels(const Shape& n, bool read_words_)
+      : read_words(read_words_), lk_vectors(whole_vectors(n.lk)), d_vectors(whole_vectors(n.d)),
+        dv_vectors(whole_vectors(n.dv)) {
+    if (read_words) {
+      words.resize(n.d / 2 * lk_vectors + (n.lk + 1) / 2 * dv_vectors + kBlockM * lk_vectors / 2);
+      kw = words.data();
+      vw = kw + n.d / 2 * lk_vectors;
+      pw = vw + (n.lk + 1) / 2 * dv_vectors;
+    } else {
+      floats.resize(n.d * lk_vectors + n.lk * dv_vectors + kBlockM * d_vectors);
+      kt = floats.data();
+      vb = kt + n.d * lk_vectors;
+      qb = vb + n.lk * dv_vectors;
+    }
+  }
+
+  // K^T and V of (b, h)'s first `keys` rows, for all its blocks.
+  template <typename T>
+  void load(const Rows<T>& k, const Rows<T>& v, int64_t b, int64_t h, int64_t keys,
+            const Shape& n) {
+#if defined(__AVX512BF16__)
+    if (read_words) {
+      load_key_pairs(k, b, h, keys, n.d, kw, lk_vectors);
+      load_value_pairs(v, b, h, keys, n.dv, vw, dv_vectors);
+      return;
+    }
+#endif
+    load_transposed(k, b, h, keys, n.d, kt, lk_vectors);
+    load_rows(v, b, h, 0, keys, n.dv, vb, dv_vectors);
+  }
+
+  // s (rows x width, leading dim lk_vectors) = Q K^T for queries [i0, i0 + rows) of (b, h).
+  template <typename T>
+  void scores(const Rows<T>& q, int64_t b, int64_t h, int64_t i0, int64_t rows, const Shape& n,
+              float* s, int64_t width) {
+#if defined(__AVX512BF16__)
+    if (read_words) {
+      const auto* a = reinterpret_cast<const uint32_t*>(q.at(b, h, i0));
+      tiled_product<Bf16Tile>(a, q.stride_row / 2, int64_t{1}, kw, lk_vectors, n.d / 2, s,
+                              lk_vectors, rows, width, false);
+      return;
+    }
+#endif
+    load_rows(q, b, h, i0, rows, n.d, qb, d_vectors);
+    gemm<T>(qb, d_vectors, 1, kt, lk_vectors, n.d, s, lk_vectors, rows, width, false);
+  }
+
+  // o (rows x dv_vectors) = P V over the first `keys` keys (keys > 0), P = s's rows.
+  template <typename T>
+  void values(const float* s, int64_t rows, int64_t keys, float* o) {
+#if defined(__AVX512BF16__)
+    if (read_words) {
+      pack_rows(s, lk_vectors, keys, rows, pw);
+      tiled_product<Bf16Tile>(pw, whole_vectors(keys) / 2, int64_t{1}, vw, dv_vectors,
+                              (keys + 1) / 2, o, dv_vectors, rows, dv_vectors, false);
+      return;
+    }
+#endif
+    gemm<T>(s, lk_vectors, 1, vb, dv_vectors, keys, o, dv_vectors, rows, dv_vectors, false);
+  }
+};
+
 template <typename T>
 void forward_kernel(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
                     const at::Tensor& cache_rows, const KeyMask& mask, float scale,
@@ -435,17 +563,14 @@ void forward_kernel(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor
   const OutRows<T> out(out_);
   float* lse = lse_.data_ptr<float>();
   const int64_t blocks = (n.lq + kBlockM - 1) / kBlockM;
-  const int64_t lk_vectors = whole_vectors(n.lk), d_vectors = whole_vectors(n.d),
-                dv_vectors = whole_vectors(n.dv);
+  const int64_t lk_vectors = whole_vectors(n.lk), dv_vectors = whole_vectors(n.dv);
   const int64_t units = n.batch * n.heads * blocks;
+  const bool read_words = reads_words<T>(q_, k_);
   run_workers([&](const auto& next) {
-    // Workspace: K^T (D x lk_vectors), V (Lk x dv_vectors), Q block, scores, bias, factors, O.
-    std::vector<float> work(n.d * lk_vectors + n.lk * dv_vectors + kBlockM * d_vectors +
-                            kBlockM * lk_vectors + 2 * lk_vectors + kBlockM * dv_vectors);
-    float* kt = work.data();
-    float* vb = kt + n.d * lk_vectors;
-    float* qb = vb + n.lk * dv_vectors;
-    float* s = qb + kBlockM * d_vectors;
+    Panels panels(n, read_words);
+    // Workspace: scores, bias, factors, O.
+    std::vector<float> work(kBlockM * lk_vectors + 2 * lk_vectors + kBlockM * dv_vectors);
+    float* s = work.data();
     float* bias = s + kBlockM * lk_vectors;
     float* factors = bias + lk_vectors;
     float* o = factors + lk_vectors;
@@ -455,20 +580,18 @@ void forward_kernel(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor
       const int64_t i0 = (t % blocks) * kBlockM, rows = std::min(kBlockM, n.lq - i0);
       const int64_t keys = mask.keys_of_block(b, i0 + rows), width = whole_vectors(keys);
       if (bh != loaded_bh) {  // the blocks of one (b, h) share its panels
-        load_transposed(k, b, h, mask.key_end[b], n.d, kt, lk_vectors);
-        load_rows(v, b, h, 0, mask.key_end[b], n.dv, vb, dv_vectors);
+        panels.load(k, v, b, h, mask.key_end[b], n);
         loaded_bh = bh;
       }
       mask.bias(b, bias, width);
-      load_rows(q, b, h, i0, rows, n.d, qb, d_vectors);
-      gemm<T>(qb, d_vectors, 1, kt, lk_vectors, n.d, s, lk_vectors, rows, width, false);
+      panels.scores(q, b, h, i0, rows, n, s, width);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = i0 + r;
         lse[bh * n.lq + i] = softmax_row(s + r * lk_vectors, bias, width, i, scale, mask.causal,
                                          drop, element_index(bh, i, n.lq, n.lk), factors);
       }
       if (keys > 0) {
-        gemm<T>(s, lk_vectors, 1, vb, dv_vectors, keys, o, dv_vectors, rows, dv_vectors, false);
+        panels.values<T>(s, rows, keys, o);
       } else {
         std::fill(o, o + rows * dv_vectors, 0.0f);
       }

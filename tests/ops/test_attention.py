@@ -774,6 +774,30 @@ class TestCpp:
         for grad, expected_grad in zip(grads, expected_grads, strict=True):
             assert torch.equal(grad, expected_grad)
 
+    @pytest.mark.parametrize(
+        "lq, lk, head_dim, value_dim, causal",
+        [(20, 20, 64, 64, False), (33, 19, 64, 48, False), (70, 21, 32, 20, True)],
+    )
+    def test_bf16_rows_read_in_place_give_the_bits_of_fp32_panels(
+        self, lq, lk, head_dim, value_dim, causal
+    ):
+        """bf16 q and k rows of whole 32-bit words feed the bf16 products in place; rows at odd
+        offsets are converted to fp32 panels first. The operands are the same, so the bits are."""
+        q, k, v = _qkv(3, 2, lq, lk, head_dim, BF16, value_dim=value_dim)
+
+        def at_odd_offsets(x):  # the same values, each row starting mid-word
+            padded = torch.empty(*x.shape[:-1], x.shape[-1] + 1, dtype=x.dtype)
+            padded[..., 1:] = x
+            return padded[..., 1:]
+
+        lengths = torch.tensor([lk, lk // 2, 1])
+        in_place = _forced("cpp", q, k, v, 0.0, causal, key_lengths=lengths)
+        odd = [at_odd_offsets(x) for x in (q, k, v)]
+        assert odd[0].stride(2) % 2 == 1
+        through_panels = _forced("cpp", *odd, 0.0, causal, key_lengths=lengths)
+        for got, expected in zip(in_place, through_panels, strict=True):
+            assert torch.equal(got, expected)
+
     def test_results_do_not_depend_on_the_thread_count(self):
         q, k, v = _qkv(3, 5, 70, 70, 48)
         grad_out = torch.randn(3, 5, 70, 48)
