@@ -39,6 +39,7 @@ namespace {
 
 constexpr int64_t kBlockM = 64;  // query rows per work unit
 constexpr int64_t kFewQueries = 8;  // up to this many queries, forward_few_queries
+constexpr int64_t kShortBlock = 64 * 64;  // up to Lq x Lk scores, a unit takes a few microseconds
 constexpr int kTileRows = 4;  // accumulator rows of the micro-kernel
 // Accumulator vectors per row: 64 columns with AVX-512's 32 registers, 16 with AVX2's 16.
 constexpr int kTileVectors = kLanes == 16 ? 4 : 2;
@@ -388,7 +389,7 @@ inline float softmax_row(float* row, const float* bias, int64_t width, int64_t i
 
 // Calls worker(next) once on each intra-op thread; next() hands out work units 0, 1, 2, ...
 // (a unit number past the last means none is left), so fast threads take more units. A thread
-// claims `grain` consecutive units at a time from the shared counter (see forward_few_queries).
+// claims `grain` consecutive units at a time from the shared counter (see short_units_grain).
 template <typename Worker>
 void run_workers(const Worker& worker, int64_t grain = 1) {
   std::atomic<int64_t> counter{0};
@@ -403,6 +404,14 @@ void run_workers(const Worker& worker, int64_t grain = 1) {
     };
     worker(next);
   });
+}
+
+// The grain of units that take a microsecond or so (a (b, h) of a decoding step, a block of a
+// short sentence): claimed one at a time, the shared counter's cache line would pass between the
+// cores at every one (1.3-1.6x slower at beam-search shapes, 1.05x at scoring's). A thread
+// claims an eighth of its share at a time.
+inline int64_t short_units_grain(int64_t units) {
+  return std::max<int64_t>(1, units / (8 * at::get_num_threads()));
 }
 
 struct Shape {
@@ -597,7 +606,7 @@ void forward_kernel(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor
       }
       store_rows(o, dv_vectors, out, b, h, i0, rows, i0 + rows, n.dv);
     }
-  });
+  }, n.lq * n.lk <= kShortBlock ? short_units_grain(units) : 1);
 }
 
 // Up to this many vectors of q/k and of v per row (head dims of 256 with AVX-512, 128 with AVX2)
@@ -661,10 +670,7 @@ void forward_few_queries(const at::Tensor& q_, const at::Tensor& k_, const at::T
   // Several queries of a (b, h) (a sentence's beams against its source) read its keys and values
   // from fp32 rows converted once: 1.2-1.5x at 4 queries, slower for one.
   const bool convert = n.lq > 1 && !std::is_same_v<T, float>;
-  // A (b, h) takes a fraction of a microsecond: claimed one at a time, the shared counter's cache
-  // line would pass between the cores at every one (1.3-1.6x slower at beam-search shapes). A
-  // thread claims an eighth of its share at a time.
-  const int64_t grain = std::max<int64_t>(1, n.batch * n.heads / (8 * at::get_num_threads()));
+  const int64_t grain = short_units_grain(n.batch * n.heads);
   run_workers([&](const auto& next) {
     // Workspace: one query's scores, bias, dropout factors and output row; with `convert`, the
     // keys and values as fp32 rows.
