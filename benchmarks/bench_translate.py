@@ -8,8 +8,9 @@ scoring the pairs against beam-4 translation, and an ensemble of two against one
 Beside them, CTranslate2 (when installed) on the same model exported by ``fastnmt.export``, in
 a process of its own: float32 and int8, batches of 32 sentences or of 6,000 tokens, 2 threads,
 the same beam, length penalty and bans (pad, bos); every row reports BLEU. The "interleaved
-ratios" group measures the targets' ratios (sampling against greedy, scoring against beam 4, beam
-4 against CTranslate2's faster row) in FASTNMT_BENCH_ROUNDS rounds (3) that run every row in turn.
+ratios" group measures the targets' ratios (sampling against greedy, scoring against beam 4 with
+CTranslate2's scoring beside it, beam 4 against CTranslate2's faster row) in FASTNMT_BENCH_ROUNDS
+rounds (3) that run every row in turn.
 
 A trained model gives realistic output lengths: set FASTNMT_BENCH_CHECKPOINT=DIR to translate all
 1,000 sentences with it. Without one, a randomly initialised ``tiny`` model (the same size)
@@ -22,6 +23,7 @@ longest source, so compare its target tokens/s there, and sentences/s on a train
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
 import statistics
@@ -242,32 +244,38 @@ def ctranslate2_dirs(setup, tmp_path_factory) -> dict[str, Path]:
 
 # CTranslate2 runs in a process of its own, as it is deployed: in fastnmt's process, once it had
 # translated, fastnmt's beam 4 ran 1.4x slower (its memory and threads are the process's too).
+# Its task: translate (inputs: the sources' pieces) or score (the sources' and targets' pieces).
 CT2_WORKER = """
 import json, sys
 import ctranslate2
 model_dir, compute_type = sys.argv[1:3]
 engine = ctranslate2.Translator(model_dir, "cpu", compute_type=compute_type, intra_threads=2)
-tokens, options = json.loads(sys.stdin.readline())
-engine.translate_batch(tokens[:64], **options)  # warm-up
+task, inputs, options = json.loads(sys.stdin.readline())
+def run(part):
+    if task == "translate":
+        return [r.hypotheses[0] for r in engine.translate_batch(inputs[part], **options)]
+    sources, targets = inputs
+    return [sum(r.log_probs) for r in engine.score_batch(sources[part], targets[part], **options)]
+run(slice(64))  # warm-up
 print(ctranslate2.__version__, flush=True)
 for _ in sys.stdin:
-    results = engine.translate_batch(tokens, **options)
-    print(json.dumps([r.hypotheses[0] for r in results]), flush=True)
+    print(json.dumps(run(slice(None))), flush=True)
 """
 
 
 class Ctranslate2Process:
-    """CTranslate2 translating one list of tokenized sentences on request, in a child process;
-    calling it returns the best hypothesis' pieces of each sentence."""
+    """CTranslate2 running one task on one input on request, in a child process; calling it
+    returns the best hypothesis' pieces of each sentence (translate) or each pair's summed
+    log-probability (score)."""
 
-    def __init__(self, model_dir: Path, compute_type: str, tokens: list, options: dict):
+    def __init__(self, model_dir: Path, compute_type: str, task: str, inputs: list, options: dict):
         self.process = subprocess.Popen(
             [sys.executable, "-c", CT2_WORKER, str(model_dir), compute_type],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
         )
-        self._send(json.dumps([tokens, options]))
+        self._send(json.dumps([task, inputs, options]))
         self.version = self.process.stdout.readline().strip()  # once warmed up
 
     def _send(self, line: str) -> None:
@@ -275,7 +283,7 @@ class Ctranslate2Process:
         self.process.stdin.flush()
 
     def __call__(self) -> list:
-        self._send("translate")
+        self._send("run")
         return json.loads(self.process.stdout.readline())
 
     def close(self) -> None:
@@ -284,10 +292,24 @@ class Ctranslate2Process:
 
 
 @pytest.fixture
-def ctranslate2_engines(setup, ctranslate2_dirs):
-    """``start(search, compute_type, batching)``: a warmed-up ``Ctranslate2Process`` translating
-    the setup's sentences (closed after the test)."""
+def ctranslate2_processes():
+    """``start(model_dir, compute_type, task, inputs, options)``: a warmed-up
+    ``Ctranslate2Process`` (closed after the test)."""
     started: list[Ctranslate2Process] = []
+
+    def start(*arguments) -> Ctranslate2Process:
+        started.append(Ctranslate2Process(*arguments))
+        return started[-1]
+
+    yield start
+    for process in started:
+        process.close()
+
+
+@pytest.fixture
+def ctranslate2_engines(setup, ctranslate2_dirs, ctranslate2_processes):
+    """``start(search, compute_type, batching)``: a warmed-up ``Ctranslate2Process`` translating
+    the setup's sentences."""
 
     def start(search: str, compute_type: str, batching: str) -> Ctranslate2Process:
         translator, sentences, info = setup
@@ -304,14 +326,10 @@ def ctranslate2_engines(setup, ctranslate2_dirs):
             options["suppress_sequences"].append(vocab.pieces([vocab.eos_id]))
             options["max_decoding_length"] = max(len(ids) + 1 for ids in vocab.encode(sentences))
         tokens = export.to_pieces(vocab, sentences)
-        started.append(
-            Ctranslate2Process(ctranslate2_dirs[compute_type], compute_type, tokens, options)
-        )
-        return started[-1]
+        return ctranslate2_processes(ctranslate2_dirs[compute_type], compute_type, "translate",
+                                     tokens, options)  # fmt: skip
 
-    yield start
-    for process in started:
-        process.close()
+    return start
 
 
 @pytest.mark.parametrize(("search", "compute_type", "batching"), CT2_ROWS, ids=str)
@@ -391,16 +409,27 @@ def test_ratio_sampling(benchmark, setup):
     benchmark.extra_info["model"] = info["model"]
 
 
-def test_ratio_scoring(benchmark, setup):
-    """Scoring the pairs against beam-4 translation of their sources (the goal: at least 5x)."""
+def test_ratio_scoring(benchmark, setup, request):
+    """Scoring the pairs against beam-4 translation of their sources (the goal: at least 5x);
+    beside them, when installed, CTranslate2's ``score_batch`` of the same pairs (float32 and
+    int8, batches of 6,000 tokens)."""
     translator, sentences, info = setup
     references, options = info["references"], _search_options(info, "beam4")
     translator.translate(sentences[:64], **options)  # warm-up
     translator.score(sentences[:64], references[:64])
-    runs = {
+    runs: dict[str, Callable[[], object]] = {
         "beam4": functools.partial(translator.translate, sentences, **options),
         "score": functools.partial(translator.score, sentences, references),
     }
+    if importlib.util.find_spec("ctranslate2"):
+        dirs = request.getfixturevalue("ctranslate2_dirs")
+        start = request.getfixturevalue("ctranslate2_processes")
+        pairs = [export.to_pieces(translator.vocab, side) for side in (sentences, references)]
+        for compute_type in ("float32", "int8"):
+            runs[f"ctranslate2 {compute_type} score"] = start(
+                dirs[compute_type], compute_type, "score", pairs,
+                dict(max_batch_size=6000, batch_type="tokens"),
+            )  # fmt: skip
     seconds = _interleaved(benchmark, runs)
     _record_ratios(benchmark, seconds, len(sentences), "beam4", "score >= 5x beam4")
     benchmark.extra_info["model"] = info["model"]
