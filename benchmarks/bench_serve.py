@@ -167,6 +167,7 @@ def test_serve_under_load(benchmark, setup):
         print(name, {k: round(v, 2) for k, v in row.items()})
 
 
+@pytest.mark.benchmark(group="interleaved ratios")
 def test_ratio_in_process(benchmark, setup):
     """64 single-sentence clients against the same sentences in batches of 64 in one process on
     one thread, each round's ratio against its in-process runs before and after (the goal: at
@@ -186,7 +187,6 @@ def test_ratio_in_process(benchmark, setup):
 
     benchmark.pedantic(rounds, rounds=1, iterations=1)
     ratios = [s / p for s, p in zip(served, in_process, strict=True)]
-    benchmark.group = "interleaved ratios"
     benchmark.extra_info.update(
         {"64 clients x 1": {"sent_per_s": round(statistics.median(served), 1)},
          "in process, batches of 64, 1 threads": {

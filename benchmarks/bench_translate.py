@@ -92,6 +92,7 @@ def setup(tmp_path_factory) -> tuple[Translator, list[str], dict]:
 SETUP_KEYS = ("model", "checkpoint", "references")  # of the info, not options of the search
 
 
+@pytest.mark.benchmark(group="translate")
 @pytest.mark.parametrize(("search", "batch", "path", "cache"), ROWS, ids=lambda v: str(v))
 def test_translate(benchmark, setup, search, batch, path, cache):
     translator, sentences, info = setup
@@ -108,6 +109,7 @@ def test_translate(benchmark, setup, search, batch, path, cache):
     benchmark.extra_info.update(model=info["model"], batch_sentences=batch, path=path, cache=cache)
 
 
+@pytest.mark.benchmark(group="translate")
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16 unpacked", "int8"])
 @pytest.mark.parametrize("search", ["greedy", "beam4"])
 def test_translate_precision(benchmark, setup, search, precision):
@@ -123,6 +125,7 @@ def test_translate_precision(benchmark, setup, search, precision):
     benchmark.extra_info.update(model=info["model"], batch_sentences=DEFAULT, precision=precision)
 
 
+@pytest.mark.benchmark(group="translate")
 @pytest.mark.parametrize("search", ["greedy", "beam4"])
 def test_translate_shortlist(benchmark, setup, search, tmp_path_factory):
     """int8 with a vocabulary shortlist (fastnmt.shortlist, default sizes) built from the
@@ -155,7 +158,6 @@ def _measure(benchmark, translator, sentences, options, references) -> None:
         results["texts"] = [t.text for t in translations]
 
     translator.translate(sentences[:64], **options)  # warm-up: kernels, allocator
-    benchmark.group = "translate"
     benchmark.pedantic(run, rounds=1, iterations=1)
     seconds = results["seconds"]
     benchmark.extra_info.update(
@@ -178,6 +180,7 @@ SAMPLINGS = {
 }
 
 
+@pytest.mark.benchmark(group="sampling")
 @pytest.mark.parametrize("search", SAMPLINGS)
 def test_sampling(benchmark, setup, search):
     """Sampling against greedy search (the goal: at least 0.9x greedy's sentences/s), the
@@ -185,10 +188,10 @@ def test_sampling(benchmark, setup, search):
     translator, sentences, info = setup
     options = {**_search_options(info, "greedy"), "sampling": SAMPLINGS[search]}
     _measure(benchmark, translator, sentences, options, info["references"])
-    benchmark.group = "sampling"
     benchmark.extra_info.update(model=info["model"], search=search)
 
 
+@pytest.mark.benchmark(group="scoring")
 @pytest.mark.parametrize("task", ["score", "beam4"])
 def test_scoring(benchmark, setup, task):
     """Scoring the source/reference pairs (teacher-forced, the fused loss) against translating
@@ -209,10 +212,10 @@ def test_scoring(benchmark, setup, task):
         benchmark.pedantic(run, rounds=1, iterations=1)
         rate = len(sentences) / results["seconds"]
         benchmark.extra_info.update(sentences=len(sentences), sentences_per_s=round(rate, 1))
-    benchmark.group = "scoring"
     benchmark.extra_info.update(model=info["model"], task=task)
 
 
+@pytest.mark.benchmark(group="ensemble")
 @pytest.mark.parametrize("models", [1, 2])
 def test_ensemble(benchmark, setup, models):
     """Beam 4 with one model and with an ensemble of two (the goal: the pair at least 0.45x one
@@ -223,7 +226,6 @@ def test_ensemble(benchmark, setup, models):
     ensemble = Translator(members, translator.vocab, dtype=translator.model.embedding.weight.dtype)
     options = _search_options(info, "beam4")
     _measure(benchmark, ensemble, sentences, options, info["references"])
-    benchmark.group = "ensemble"
     benchmark.extra_info.update(model=info["model"], models=models)
 
 
@@ -332,6 +334,7 @@ def ctranslate2_engines(setup, ctranslate2_dirs, ctranslate2_processes):
     return start
 
 
+@pytest.mark.benchmark(group="translate")
 @pytest.mark.parametrize(("search", "compute_type", "batching"), CT2_ROWS, ids=str)
 def test_ctranslate2(benchmark, setup, ctranslate2_engines, search, compute_type, batching):
     _, sentences, info = setup
@@ -343,7 +346,6 @@ def test_ctranslate2(benchmark, setup, ctranslate2_engines, search, compute_type
         results["hypotheses"] = translate()
         results["seconds"] = time.perf_counter() - started
 
-    benchmark.group = "translate"
     benchmark.pedantic(run, rounds=1, iterations=1)
     seconds, hypotheses = results["seconds"], results["hypotheses"]
     produced = sum(len(h) for h in hypotheses)
@@ -392,10 +394,10 @@ def _record_ratios(benchmark, seconds: dict, sentences: int, baseline: str, goal
             "sentences_per_s": round(sentences / statistics.median(times), 1),
             f"speed_vs_{baseline.replace(' ', '_')}": round(relative, 3),
         }
-    benchmark.group = "interleaved ratios"
     benchmark.extra_info.update(goal=goal, rounds=RATIO_ROUNDS)
 
 
+@pytest.mark.benchmark(group="interleaved ratios")
 def test_ratio_sampling(benchmark, setup):
     """Sampling's speed against greedy search's (the goal: at least 0.9x)."""
     translator, sentences, info = setup
@@ -409,6 +411,7 @@ def test_ratio_sampling(benchmark, setup):
     benchmark.extra_info["model"] = info["model"]
 
 
+@pytest.mark.benchmark(group="interleaved ratios")
 def test_ratio_scoring(benchmark, setup, request):
     """Scoring the pairs against beam-4 translation of their sources (the goal: at least 5x);
     beside them, when installed, CTranslate2's ``score_batch`` of the same pairs (float32 and
@@ -435,6 +438,7 @@ def test_ratio_scoring(benchmark, setup, request):
     benchmark.extra_info["model"] = info["model"]
 
 
+@pytest.mark.benchmark(group="interleaved ratios")
 def test_ratio_ctranslate2(benchmark, setup, ctranslate2_engines):
     """Beam 4 at the Translator's defaults (precision auto) against CTranslate2's faster of
     float32 and int8 in batches of 6,000 tokens, per round (the goal: at least 2x)."""
