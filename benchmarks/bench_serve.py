@@ -123,6 +123,7 @@ def _in_process(translator: Translator, sentences: list[str], batch: int, thread
         torch.set_num_threads(before)
 
 
+@pytest.mark.benchmark(group="serve")
 def test_serve_under_load(benchmark, setup):
     path, sentences = setup
     singles = [[s] for s in sentences]
