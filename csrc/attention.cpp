@@ -187,12 +187,12 @@ void bf16_gemm(const float* a, int64_t a_row, int64_t a_col, const float* b, int
 
 // bf16 keys and values straight into bf16 word pairs (no fp32 round trip: the products see the
 // same operands, so the same results). K^T for QK^T: w[p * ld + j] is key j's word holding
-// elements 2p and 2p + 1 (d even), zero for j in [n, whole_vectors(n)).
-// 16 keys at a time, one gather per word (the keys' rows need not be evenly spaced: a
-// decoding cache reads them through its rows).
+// elements 2p and 2p + 1 (d even), zero for j in [n, whole_vectors(n)); 16 keys at a time, one
+// gather per word (the keys' rows need not be evenly spaced: a decoding cache's are its rows').
 template <typename KeyRows>
 void load_key_pairs(const KeyRows& k, int64_t b, int64_t h, int64_t n, int64_t d, uint32_t* w,
                     int64_t ld) {
+  if (n == 0) return;
   const int64_t pairs = d / 2;
   const auto* origin = reinterpret_cast<const char*>(k.at(b, h, 0));
   for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
@@ -205,9 +205,9 @@ void load_key_pairs(const KeyRows& k, int64_t b, int64_t h, int64_t n, int64_t d
     const auto mask = lane_mask(keys);
     for (int64_t p = 0; p < pairs; ++p) {
       const char* word = origin + 4 * p;
-      const __m256i first = _mm512_mask_i64gather_epi32(_mm256_setzero_si256(), mask & 0xff, low, word, 1);
-      const __m256i second =
-          _mm512_mask_i64gather_epi32(_mm256_setzero_si256(), mask >> 8, high, word, 1);
+      const __m256i none = _mm256_setzero_si256();
+      const __m256i first = _mm512_mask_i64gather_epi32(none, mask & 0xff, low, word, 1);
+      const __m256i second = _mm512_mask_i64gather_epi32(none, mask >> 8, high, word, 1);
       _mm512_storeu_si512(w + p * ld + j0,
                           _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1));
     }
