@@ -668,8 +668,10 @@ float few_queries_row(const T* q_row, const KeyAt& key_at, const ValueAt& value_
 
 // Few queries per (b, h) (decoding: the new token of each hypothesis against its cache, or the
 // K beams of a sentence against its source): transposing K and V into panels would cost more
-// than the products, so each score is a dot product of q_i with a key row (read in place, or from
-// one fp32 copy that the queries share), and O_i the P-weighted sum of value rows, in fp32.
+// than the products, so each score is a dot product of q_i with a key row read in place, and O_i
+// the P-weighted sum of value rows, in fp32. bf16 rows too are read in place by every query
+// (one fp32 copy shared by a sentence's beams was 1.05-1.3x slower once bf16 loads widened in
+// one instruction).
 template <typename T>
 void forward_few_queries(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
                          const at::Tensor& cache_rows, const KeyMask& mask, float scale,
@@ -682,52 +684,36 @@ void forward_few_queries(const at::Tensor& q_, const at::Tensor& k_, const at::T
   const int64_t widest = whole_vectors(std::max(n.d, n.dv)) / kLanes;
   // The common head dims (the same for q, k and v, whole vectors) without bounds checks.
   const int64_t exact = n.d == n.dv && n.d % kLanes == 0 ? n.d / kLanes : 0;
-  // Several queries of a (b, h) (a sentence's beams against its source) read its keys and values
-  // from fp32 rows converted once: 1.2-1.5x at 4 queries, slower for one.
-  const bool convert = n.lq > 1 && !std::is_same_v<T, float>;
   const int64_t grain = short_units_grain(n.batch * n.heads);
   run_workers([&](const auto& next) {
-    // Workspace: one query's scores, bias, dropout factors and output row; with `convert`, the
-    // keys and values as fp32 rows.
-    const int64_t d_vectors = whole_vectors(n.d);
-    std::vector<float> work(3 * lk_vectors + dv_vectors +
-                            (convert ? n.lk * (d_vectors + dv_vectors) : 0));
+    // Workspace: one query's scores, bias, dropout factors and output row.
+    std::vector<float> work(3 * lk_vectors + dv_vectors);
     float* s = work.data();
     float* bias = s + lk_vectors;
     float* factors = bias + lk_vectors;
     float* o = factors + lk_vectors;
-    float* kb = o + dv_vectors;
-    float* vb = kb + n.lk * d_vectors;
     for (int64_t bh = next(); bh < n.batch * n.heads; bh = next()) {
       const int64_t b = bh / n.heads, h = bh % n.heads;
       mask.bias(b, bias, whole_vectors(mask.key_end[b]));
-      const auto queries = [&](const auto& key_at, const auto& value_at) {
-        for (int64_t i = 0; i < n.lq; ++i) {
-          const auto row = [&](auto vectors, auto exact) {
-            return few_queries_row<decltype(vectors)::value, decltype(exact)::value>(
-                q.at(b, h, i), key_at, value_at, n, mask.keys_of_block(b, i + 1), bias, i,
-                scale, mask.causal, drop, element_index(bh, i, n.lq, n.lk), s, factors, o);
-          };
-          using Exact = std::true_type;
-          using Checked = std::false_type;
-          lse[bh * n.lq + i] =
-              exact == 1   ? row(std::integral_constant<int, 1>{}, Exact{})
-              : exact == 2 ? row(std::integral_constant<int, 2>{}, Exact{})
-              : exact == 4 ? row(std::integral_constant<int, 4>{}, Exact{})
-              : exact == 8 ? row(std::integral_constant<int, 8>{}, Exact{})
-              : widest <= 4 ? row(std::integral_constant<int, 4>{}, Checked{})
-              : widest <= 8 ? row(std::integral_constant<int, 8>{}, Checked{})
-                            : row(std::integral_constant<int, kFewQueriesVectors>{}, Checked{});
-          store_rows(o, dv_vectors, out, b, h, i, 1, i + 1, n.dv);
-        }
-      };
-      if (convert) {  // the queries share one conversion of the keys and values
-        load_rows(k, b, h, 0, mask.key_end[b], n.d, kb, d_vectors);
-        load_rows(v, b, h, 0, mask.key_end[b], n.dv, vb, dv_vectors);
-        queries([&](int64_t j) { return kb + j * d_vectors; },
-                [&](int64_t j) { return vb + j * dv_vectors; });
-      } else {
-        queries([&](int64_t j) { return k.at(b, h, j); }, [&](int64_t j) { return v.at(b, h, j); });
+      const auto key_at = [&](int64_t j) { return k.at(b, h, j); };
+      const auto value_at = [&](int64_t j) { return v.at(b, h, j); };
+      for (int64_t i = 0; i < n.lq; ++i) {
+        const auto row = [&](auto vectors, auto exact) {
+          return few_queries_row<decltype(vectors)::value, decltype(exact)::value>(
+              q.at(b, h, i), key_at, value_at, n, mask.keys_of_block(b, i + 1), bias, i, scale,
+              mask.causal, drop, element_index(bh, i, n.lq, n.lk), s, factors, o);
+        };
+        using Exact = std::true_type;
+        using Checked = std::false_type;
+        lse[bh * n.lq + i] =
+            exact == 1   ? row(std::integral_constant<int, 1>{}, Exact{})
+            : exact == 2 ? row(std::integral_constant<int, 2>{}, Exact{})
+            : exact == 4 ? row(std::integral_constant<int, 4>{}, Exact{})
+            : exact == 8 ? row(std::integral_constant<int, 8>{}, Exact{})
+            : widest <= 4 ? row(std::integral_constant<int, 4>{}, Checked{})
+            : widest <= 8 ? row(std::integral_constant<int, 8>{}, Checked{})
+                          : row(std::integral_constant<int, kFewQueriesVectors>{}, Checked{});
+        store_rows(o, dv_vectors, out, b, h, i, 1, i + 1, n.dv);
       }
     }
   }, grain);

@@ -59,6 +59,9 @@ inline Vec load_float(const c10::BFloat16* p) {
   // One widening load: GCC splits the vector-extension form below into halves (6 instructions).
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return reinterpret_cast<Vec>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+#elif defined(__AVX2__)
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<Vec>(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 #else
   HalfWordVec bits;
   __builtin_memcpy(&bits, p, sizeof bits);
