@@ -72,6 +72,7 @@ ShiftedSums shifted_sums(const T* x, int64_t n, float shift) {
       shifted_sum[c] += shifted;
     }
   }
+  static_assert(kChains == 4, "the chains are added as a tree of four");
   const Vec exps = (exp_sum[0] + exp_sum[1]) + (exp_sum[2] + exp_sum[3]);
   const Vec shifts = (shifted_sum[0] + shifted_sum[1]) + (shifted_sum[2] + shifted_sum[3]);
   ShiftedSums sums{horizontal_sum(exps), horizontal_sum(shifts)};

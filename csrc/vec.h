@@ -56,7 +56,8 @@ typedef uint32_t WordVec __attribute__((vector_size(4 * kLanes)));
 template <>
 inline Vec load_float(const c10::BFloat16* p) {
 #if defined(__AVX512F__)
-  // One widening load: GCC splits the vector-extension form below into halves (6 instructions).
+  // One widening load each: GCC compiles the vector-extension form below into several (six on
+  // AVX-512: it splits the vector into halves).
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return reinterpret_cast<Vec>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 #elif defined(__AVX2__)
