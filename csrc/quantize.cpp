@@ -1,21 +1,24 @@
-// The activations of an int8 GEMM (fastnmt/quantize.py), quantized at every call: x (rows, K),
-// fp32 or bf16, to uint8 over [min(x, 0), max(x, 0)] with one scale and zero point for the whole
-// tensor (dynamic quantization, as fbgemm's and CTranslate2's int8 GEMMs do):
+// The activations of an int8 GEMM (fastnmt/quantize.py), quantized at every call, each row on its
+// own (symmetric, per row: CTranslate2's scheme), so that a row's result never depends on the
+// other rows of its batch. x (rows, K), fp32 or bf16, to uint8 around a fixed zero point z:
 //
-//   scale = (hi - lo) / q_max,  zero_point = round(-lo / scale),
-//   q = clamp(round(x / scale) + zero_point, 0, q_max)
+//   scale[m] = max_k |x[m, k]| / h,   q[m, k] = round(x[m, k] / scale[m]) + z,
 //
-// q_max is 255, or 127 where the CPU's u8 x s8 multiply-add saturates 8-bit products (see
-// quantize.py). Values round half up (after the shift, where they are >= 0). Two vectorised
-// passes over x: the range, then the values; the zero point keeps 0.0 exact (padding, ReLU).
-// q has `padded_rows` rows (>= rows), those past x's left unset: the GEMM's output rows for
-// them are never read.
+// with (h, z) = (127, 128), or (63, 64) where the CPU's u8 x s8 multiply-add saturates 8-bit
+// products (see quantize.py). The GEMM, given scale 1 and zero point z, computes
+// s_w[n] sum_k (q[m, k] - z) Q_w[n, k]; `scale_rows_` then multiplies each output row by its
+// scale[m] and adds the bias (and applies ReLU) in place.
+//
+// One pass over each row's values for its maximum, one to quantize them (the row is in L1 by
+// then). Values round half up (after the shift, where they are >= 0); 0.0 is exactly z. q has
+// `padded_rows` rows (>= rows), those past x's left unset: the GEMM's output rows for them are
+// never read.
 #include "common.h"
 #include "vec.h"
 
 #include <cmath>
 #include <tuple>
-#include <vector>
+#include <type_traits>
 
 namespace fastnmt {
 namespace {
@@ -23,88 +26,183 @@ namespace {
 constexpr int64_t kGrain = 1 << 14;  // values per parallel chunk
 typedef uint8_t ByteVec __attribute__((vector_size(kLanes)));
 
-template <typename T>
-std::pair<float, float> value_range(const T* x, int64_t n) {
-  const int threads = at::get_num_threads();
-  std::vector<float> lows(threads, 0.0f), highs(threads, 0.0f);
-  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-    Vec low{}, high{};  // 0 is in every range
-    int64_t i = begin;
-    for (; i + kLanes <= end; i += kLanes) {
-      const Vec v = load_float(x + i);
-      low = v < low ? v : low;
-      high = v > high ? v : high;
+// Rows per parallel chunk for rows of `width` values.
+int64_t row_grain(int64_t width) { return std::max<int64_t>(1, kGrain / std::max<int64_t>(width, 1)); }
+
+// A row of a GEMM's input as its values: x itself (kUnscaled false), or a previous int8 GEMM's
+// unscaled output turned into that GEMM's result on the fly, act(x[k] scale + bias[k]) (its
+// `scale_rows_`, fused). The choices are template arguments: branches in the vector loop cost
+// the fused quantizer a third of its time.
+template <typename T, bool kUnscaled, bool kBias, bool kRelu>
+struct InputRow {
+  const T* x;
+  float scale;
+  const float* bias;
+
+  inline Vec values(int64_t k, int64_t lanes) const {
+    Vec v = load_float(x + k, lanes);
+    if constexpr (kUnscaled) v *= scale;
+    if constexpr (kBias) v += load_float(bias + k, lanes);
+    if constexpr (kRelu) v = v < 0.0f ? Vec{} : v;
+    return v;
+  }
+};
+
+// body(row) for each row m in [begin, end) of x (width values each), as an InputRow of the
+// transform the arguments ask for.
+template <typename T, typename Body>
+void for_input_rows(const T* x, int64_t width, const float* scale, const float* bias, bool relu,
+                    int64_t begin, int64_t end, Body body) {
+  auto each = [&](auto unscaled, auto biased, auto rectified) {
+    using Row = InputRow<T, decltype(unscaled)::value, decltype(biased)::value,
+                         decltype(rectified)::value>;
+    for (int64_t m = begin; m < end; ++m) {
+      body(m, Row{x + m * width, scale == nullptr ? 1.0f : scale[m], bias});
     }
-    float lo = -horizontal_max(-low), hi = horizontal_max(high);
-    for (; i < end; ++i) {
-      const float v = static_cast<float>(x[i]);
-      lo = std::min(lo, v);
-      hi = std::max(hi, v);
-    }
-    const int t = at::get_thread_num();
-    lows[t] = std::min(lows[t], lo);
-    highs[t] = std::max(highs[t], hi);
-  });
-  return {*std::min_element(lows.begin(), lows.end()),
-          *std::max_element(highs.begin(), highs.end())};
+  };
+  using Yes = std::true_type;
+  using No = std::false_type;
+  if (scale == nullptr) return each(No{}, No{}, No{});
+  if (bias == nullptr) return relu ? each(Yes{}, No{}, Yes{}) : each(Yes{}, No{}, No{});
+  return relu ? each(Yes{}, Yes{}, Yes{}) : each(Yes{}, Yes{}, No{});
 }
 
-template <typename T>
-void quantize_values(const T* x, int64_t n, float inverse_scale, float zero_point, float q_max,
-                     uint8_t* q) {
-  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-    int64_t i = begin;
-    for (; i + kLanes <= end; i += kLanes) {
-      Vec v = load_float(x + i) * inverse_scale + (zero_point + 0.5f);
-      v = v < 0.0f ? splat(0.0f) : v;
-      v = v > q_max ? splat(q_max) : v;
-      // Truncation rounds (v >= 0); the narrowing to bytes is one instruction with AVX-512.
-      const ByteVec bytes = __builtin_convertvector(__builtin_convertvector(v, IntVec), ByteVec);
-      __builtin_memcpy(q + i, &bytes, sizeof bytes);
+// Independent maxima in the first pass: one alone waits out each max's latency at every vector.
+constexpr int kChains = 4;
+
+template <typename Row>
+float row_abs_max(const Row& row, int64_t width) {
+  Vec high[kChains] = {};
+  int64_t k = 0;
+  for (; k + kChains * kLanes <= width; k += kChains * kLanes) {
+    for (int c = 0; c < kChains; ++c) {
+      const Vec v = row.values(k + c * kLanes, kLanes);
+      const Vec a = v < 0.0f ? -v : v;
+      high[c] = a > high[c] ? a : high[c];
     }
-    for (; i < end; ++i) {
-      const float v = static_cast<float>(x[i]) * inverse_scale + (zero_point + 0.5f);
-      q[i] = static_cast<uint8_t>(std::clamp(v, 0.0f, q_max));
-    }
-  });
+  }
+  for (; k < width; k += kLanes) {
+    const Vec v = row.values(k, std::min(kLanes, width - k));  // lanes past the row are 0
+    const Vec a = v < 0.0f ? -v : v;
+    high[0] = a > high[0] ? a : high[0];
+  }
+  static_assert(kChains == 4, "the chains are combined as a tree of four");
+  const Vec a = high[0] > high[1] ? high[0] : high[1], b = high[2] > high[3] ? high[2] : high[3];
+  return horizontal_max(a > b ? a : b);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x_,
-                                                                     int64_t padded_rows,
-                                                                     bool reduce_range) {
-  TORCH_CHECK(x_.dim() == 2, "quantize_activations: x must be (rows, K), got ", x_.dim(), " dims");
+// q = round(v / scale) + z with |v| <= max |v| = h scale: within [1, 2h + 1], no clamping.
+template <typename Row>
+void quantize_row(const Row& row, int64_t width, float inverse_scale, float zero_point,
+                  uint8_t* q) {
+  for (int64_t k = 0; k < width; k += kLanes) {
+    const int64_t lanes = std::min(kLanes, width - k);
+    const Vec v = row.values(k, lanes) * inverse_scale + (zero_point + 0.5f);
+    // Truncation rounds (v >= 0); the narrowing to bytes is one instruction with AVX-512.
+    const ByteVec bytes = __builtin_convertvector(__builtin_convertvector(v, IntVec), ByteVec);
+    if (lanes == kLanes) {
+      __builtin_memcpy(q + k, &bytes, sizeof bytes);
+    } else {
+      for (int64_t l = 0; l < lanes; ++l) q[k + l] = bytes[l];
+    }
+  }
+}
+
+// A float32 (n,) bias's data, checked; nullptr for none.
+const float* bias_data(const c10::optional<at::Tensor>& bias, int64_t n, const char* op,
+                       const char* name) {
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == n &&
+                  bias->is_contiguous(),
+              op, ": ", name, " must be contiguous float32 (", n, ",)");
+  return bias->data_ptr<float>();
+}
+
+// Each row's scale (scales (rows,), float32), checked.
+const float* row_scales(const at::Tensor& scales, int64_t rows, const char* op, const char* name) {
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 1 &&
+                  scales.size(0) == rows && scales.is_contiguous(),
+              op, ": ", name, " must be contiguous float32 (", rows, ",)");
+  return scales.data_ptr<float>();
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x_, int64_t padded_rows,
+                                                 bool reduce_range,
+                                                 const c10::optional<at::Tensor>& x_scales,
+                                                 const c10::optional<at::Tensor>& x_bias,
+                                                 bool relu) {
+  TORCH_CHECK(x_.dim() == 2, "quantize_rows: x must be (rows, K), got ", x_.dim(), " dims");
   TORCH_CHECK(x_.scalar_type() == at::kFloat || x_.scalar_type() == at::kBFloat16,
-              "quantize_activations: x must be float32 or bfloat16, got ", x_.scalar_type());
-  TORCH_CHECK(padded_rows >= x_.size(0), "quantize_activations: padded_rows must be >= ",
-              x_.size(0), ", got ", padded_rows);
+              "quantize_rows: x must be float32 or bfloat16, got ", x_.scalar_type());
+  TORCH_CHECK(padded_rows >= x_.size(0), "quantize_rows: padded_rows must be >= ", x_.size(0),
+              ", got ", padded_rows);
+  TORCH_CHECK(x_scales.has_value() || (!x_bias.has_value() && !relu),
+              "quantize_rows: x_bias and relu apply to a GEMM's unscaled output: pass x_scales");
   const auto x = x_.contiguous();
-  const int64_t n = x.numel();
-  const float q_max = reduce_range ? 127.0f : 255.0f;
-  auto q = at::empty({padded_rows, x.size(1)}, x.options().dtype(at::kByte));
-  float lo = 0.0f, hi = 0.0f;
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "quantize_activations", [&] {
-    std::tie(lo, hi) = value_range(x.data_ptr<scalar_t>(), n);
+  const int64_t rows = x.size(0), width = x.size(1);
+  const float* in_shift = bias_data(x_bias, width, "quantize_rows", "x_bias");
+  const float* in_scale =
+      x_scales.has_value() ? row_scales(*x_scales, rows, "quantize_rows", "x_scales") : nullptr;
+  const float half = reduce_range ? 63.0f : 127.0f, zero_point = half + 1.0f;
+  auto q = at::empty({padded_rows, width}, x.options().dtype(at::kByte));
+  auto scales = at::empty({rows}, x.options().dtype(at::kFloat));
+  float* scale = scales.data_ptr<float>();
+  uint8_t* out = q.data_ptr<uint8_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "quantize_rows", [&] {
+    const scalar_t* in = x.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
+      for_input_rows(in, width, in_scale, in_shift, relu, begin, end, [&](int64_t m, auto row) {
+        const float high = row_abs_max(row, width);
+        if (high > 0.0f && std::isfinite(high)) {
+          scale[m] = high / half;
+          quantize_row(row, width, half / high, zero_point, out + m * width);
+        } else {  // all zeros (or an infinity): every value z, the GEMM's output row 0
+          scale[m] = 1.0f;
+          std::fill(out + m * width, out + (m + 1) * width, static_cast<uint8_t>(zero_point));
+        }
+      });
+    });
   });
-  float scale = (hi - lo) / q_max;
-  if (!(scale > 0.0f) || !std::isfinite(scale)) scale = 1.0f;  // all zeros (or not finite)
-  const float zero_point = std::clamp(std::nearbyint(-lo / scale), 0.0f, q_max);
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "quantize_activations", [&] {
-    quantize_values(x.data_ptr<scalar_t>(), n, 1.0f / scale, zero_point, q_max,
-                    q.data_ptr<uint8_t>());
+  return {q, scales};
+}
+
+at::Tensor& scale_rows_(at::Tensor& y, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& bias, bool relu) {
+  TORCH_CHECK(y.dim() == 2 && y.is_contiguous(), "scale_rows_: y must be contiguous (rows, N)");
+  TORCH_CHECK(y.scalar_type() == at::kFloat || y.scalar_type() == at::kBFloat16,
+              "scale_rows_: y must be float32 or bfloat16, got ", y.scalar_type());
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) <= y.size(0),
+              "scale_rows_: scales must have at most y's ", y.size(0), " rows");
+  const int64_t rows = scales.size(0), width = y.size(1);
+  const float* scale = row_scales(scales, rows, "scale_rows_", "scales");
+  const float* shift = bias_data(bias, width, "scale_rows_", "bias");
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, y.scalar_type(), "scale_rows_", [&] {
+    scalar_t* out = y.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
+      // y[m, n] = act(y[m, n] scale[m] + bias[n]) in place, for the rows m < scales.numel()
+      for_input_rows(out, width, scale, shift, relu, begin, end, [&](int64_t m, auto row) {
+        for (int64_t k = 0; k < width; k += kLanes) {
+          const int64_t lanes = std::min(kLanes, width - k);
+          store_float(out + m * width + k, row.values(k, lanes), lanes);
+        }
+      });
+    });
   });
-  const auto scalars = x.options().dtype(at::kFloat);
-  return {q, at::scalar_tensor(scale, scalars),
-          at::scalar_tensor(static_cast<int64_t>(zero_point), scalars.dtype(at::kLong))};
+  return y;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fastnmt, m) {
   m.def(
-      "quantize_activations(Tensor x, int padded_rows, bool reduce_range) -> (Tensor, Tensor, "
-      "Tensor)");
+      "quantize_rows(Tensor x, int padded_rows, bool reduce_range, Tensor? x_scales=None, "
+      "Tensor? x_bias=None, bool relu=False) -> (Tensor, Tensor)");
+  m.def("scale_rows_(Tensor(a!) y, Tensor scales, Tensor? bias, bool relu) -> Tensor(a!)");
 }
 
-TORCH_LIBRARY_IMPL(fastnmt, CPU, m) { m.impl("quantize_activations", quantize_activations); }
+TORCH_LIBRARY_IMPL(fastnmt, CPU, m) {
+  m.impl("quantize_rows", quantize_rows);
+  m.impl("scale_rows_", scale_rows_);
+}
 
 }  // namespace fastnmt

@@ -137,7 +137,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x, seeds: Seeds = None):  # (B, L, E) -> (B, L, E)
         if not isinstance(self.linear1, nn.Linear):  # packed layers (fastnmt.quantize), inference
-            return self.linear2(self.linear1(x))  # linear1 applies the activation
+            return self.linear1.then(self.linear2, x)  # linear1 applies the activation
         p = self.cfg.activation_dropout if self.training else 0.0
         return feed_forward(
             x,

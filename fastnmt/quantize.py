@@ -2,22 +2,29 @@
 layers (attention projections, feed-forward, output layer) as int8 GEMMs, ``pack_bf16(model)``
 as bf16 GEMMs on weights in oneDNN's blocked layout.
 
-int8 math (dynamic quantization, the scheme of CTranslate2's and fbgemm's int8 GEMMs). A weight W
-(N, K) is quantized once, per output channel and symmetrically: s_w[n] = max_k |W[n, k]| / 127,
-Q_w = round(W / s_w) in int8. At every call the activations x (M, K) are quantized per tensor to
-uint8 over [min x, max x] (scale s_x, zero point z), and
+int8 math (dynamic quantization). A weight W (N, K) is quantized once, per output channel and
+symmetrically: s_w[n] = max_k |W[n, k]| / 127, Q_w = round(W / s_w) in int8, and
 
     y[m, n] = s_x s_w[n] sum_k (Q_x[m, k] - z) Q_w[n, k] + b[n],
 
-with the sum exact in int32. A float32 model's GEMMs run in fbgemm, on weights prepacked once into
-its GEMM layout. A bf16 model's run in oneDNN (``Int8Bf16Linear``): its activations stay bf16
-between the GEMMs (attention, LayerNorm and the logits at half the memory traffic), each GEMM
-quantizes its input in one fused pass (``fastnmt::quantize_activations``) and writes bf16, and
-oneDNN's VNNI kernels multiply 1.7-1.8x as fast as its bf16 ones at decoding shapes on an
-AVX512-BF16 CPU without AMX (1,024 x 256 x 1,024: 1,690 against 1,000 GFLOP/s on 2 cores).
-Activations use 7 bits (``reduce_range``) where the CPU lacks VNNI: without it the u8 x s8
-multiply-add (vpmaddubsw) saturates its int16 pair sums at 8 bits; 7 bits cannot saturate
-(fbgemm always uses 7).
+with the sum exact in int32, where the activations x (M, K) are quantized at every call.
+
+A bf16 model's GEMMs run in oneDNN (``Int8Bf16Linear``): its activations stay bf16 between the
+GEMMs (attention, LayerNorm and the logits at half the memory traffic) and oneDNN's VNNI kernels
+multiply 1.7-1.8x as fast as its bf16 ones at decoding shapes on an AVX512-BF16 CPU without AMX
+(1,024 x 256 x 1,024: 1,690 against 1,000 GFLOP/s on 2 cores). Each row of x has its own scale
+(CTranslate2's scheme): s_x[m] = max_k |x[m, k]| / 127 around the fixed zero point z = 128, so a
+sentence translates the same whatever else is in its batch (one scale per batch would let its
+largest row coarsen every other row's steps, and cost BLEU). oneDNN takes one
+activation scale per call, so the GEMM runs at scale 1 and writes s_w[n] sum_k ...; each row is
+then multiplied by its s_x[m] and the bias added (``fastnmt::scale_rows_``), or, between the
+feed-forward block's two GEMMs, on the way into the second's quantizer (``then``).
+
+A float32 model's GEMMs run in fbgemm, on weights prepacked once into its GEMM layout, its
+activations quantized per tensor to uint8 over [min x, max x] (scale s_x, zero point z).
+Either way activations use 7 bits (``reduce_range``: 63 steps either side of z = 64 per row)
+where the CPU lacks VNNI: without it the u8 x s8 multiply-add (vpmaddubsw) saturates its int16
+pair sums at 8 bits; 7 bits cannot saturate (fbgemm always uses 7).
 
 bf16: the same GEMM as ``F.linear`` on bf16 tensors (oneDNN's, fp32 accumulation; equal results),
 but ``F.linear`` reorders the (N, K) weight into oneDNN's blocked layout at every call, which the
@@ -117,6 +124,11 @@ class PackedLinear(nn.Module):
         weight, bias, activation = self._source
         return type(self)(weight[index], None if bias is None else bias[index], activation)
 
+    def then(self, second: PackedLinear, x: torch.Tensor) -> torch.Tensor:
+        """``second(self(x))``: two layers in a row (a feed-forward block), which a subclass may
+        fuse."""
+        return second(self(x))
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
@@ -151,7 +163,8 @@ class Int8Linear(PackedLinear):
 
 class Int8Bf16Linear(PackedLinear):
     """An int8 GEMM (oneDNN) between bf16 activations: x (..., K) bf16 -> (..., N) bf16, the
-    input quantized at every call (``fastnmt::quantize_activations``), ReLU fused."""
+    input quantized row by row at every call (``fastnmt::quantize_rows``), ReLU applied with
+    the rows' scales."""
 
     def _pack(self, weight, bias, activation) -> None:
         """Int8Linear's per-channel int8 weight in oneDNN's layout, and the fp32 bias."""
@@ -160,21 +173,47 @@ class Int8Bf16Linear(PackedLinear):
         self.scales = quantized.q_per_channel_scales().float()
         self.zero_points = quantized.q_per_channel_zero_points()
         self.packed_bias = None if bias is None else bias.float()
-        self.fused = "relu" if activation == "relu" else "none"
+        self.relu = activation == "relu"
         self.activation = _ACTIVATIONS[activation]
         self.reduce_range = not torch.cpu._is_vnni_supported()
+        self.zero_point = 64 if self.reduce_range else 128
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
+        y, scales = self._unscaled(torch.ops.fastnmt.quantize_rows(
+            x.reshape(rows, self.in_features), padded_rows(rows), self.reduce_range
+        ))  # fmt: skip
+        return self._finished(y, scales, x.shape[:-1])
+
+    def then(self, second: PackedLinear, x: torch.Tensor) -> torch.Tensor:
+        """``second(self(x))``; when ``second`` is int8 too, this layer's output is scaled,
+        biased and activated on the way into ``second``'s quantizer (one pass over it less)."""
+        if not isinstance(second, Int8Bf16Linear) or self.activation is not None:
+            return second(self(x))
+        rows = x.numel() // self.in_features
         padded = padded_rows(rows)
-        q, scale, zero_point = torch.ops.fastnmt.quantize_activations(
+        y, scales = self._unscaled(torch.ops.fastnmt.quantize_rows(
             x.reshape(rows, self.in_features), padded, self.reduce_range
+        ))  # fmt: skip
+        quantized = torch.ops.fastnmt.quantize_rows(
+            y[:rows], padded, second.reduce_range, scales, self.packed_bias, self.relu
         )
-        y = torch.ops.onednn.qlinear_pointwise.tensor(
-            q, scale, zero_point, self.packed, self.scales, self.zero_points, self.packed_bias,
-            1.0, 0, torch.bfloat16, self.fused, [], "",
+        return second._finished(*second._unscaled(quantized), x.shape[:-1])
+
+    def _unscaled(self, quantized: tuple[torch.Tensor, torch.Tensor]):
+        """The GEMM of rows quantized by ``quantize_rows``: (y, their scales), y (padded rows,
+        N) still to be multiplied by each row's scale (the weight's are applied)."""
+        q, scales = quantized
+        y = torch.ops.onednn.qlinear_pointwise(
+            q, 1.0, self.zero_point, self.packed, self.scales, self.zero_points, None,
+            1.0, 0, torch.bfloat16, "none", [], "",
         )  # fmt: skip
-        y = (y if padded == rows else y[:rows]).view(*x.shape[:-1], self.out_features)
+        return y, scales
+
+    def _finished(self, y: torch.Tensor, scales: torch.Tensor, lead: torch.Size) -> torch.Tensor:
+        """The layer's output (*lead, N) from ``_unscaled``'s."""
+        torch.ops.fastnmt.scale_rows_(y, scales, self.packed_bias, self.relu)
+        y = y[: scales.shape[0]].view(*lead, self.out_features)
         return y if self.activation is None else self.activation(y)
 
 
