@@ -7,7 +7,9 @@
 // with (h, z) = (127, 128), or (63, 64) where the CPU's u8 x s8 multiply-add saturates 8-bit
 // products (see quantize.py). The GEMM, given scale 1 and zero point z, computes
 // s_w[n] sum_k (q[m, k] - z) Q_w[n, k]; `scale_rows_` then multiplies each output row by its
-// scale[m] and adds the bias (and applies ReLU) in place.
+// scale[m] and adds the bias (and applies ReLU) in place, or the next GEMM's `quantize_rows`
+// does so on the fly (x_scales, x_bias, relu: the feed-forward block's hidden layer is never
+// written finished).
 //
 // One pass over each row's values for its maximum, one to quantize them (the row is in L1 by
 // then). Values round half up (after the shift, where they are >= 0); 0.0 is exactly z. q has
@@ -27,7 +29,9 @@ constexpr int64_t kGrain = 1 << 14;  // values per parallel chunk
 typedef uint8_t ByteVec __attribute__((vector_size(kLanes)));
 
 // Rows per parallel chunk for rows of `width` values.
-int64_t row_grain(int64_t width) { return std::max<int64_t>(1, kGrain / std::max<int64_t>(width, 1)); }
+int64_t row_grain(int64_t width) {
+  return std::max<int64_t>(1, kGrain / std::max<int64_t>(width, 1));
+}
 
 // A row of a GEMM's input as its values: x itself (kUnscaled false), or a previous int8 GEMM's
 // unscaled output turned into that GEMM's result on the fly, act(x[k] scale + bias[k]) (its

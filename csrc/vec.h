@@ -82,10 +82,16 @@ template <>
 inline void store_float(float* p, Vec v) { store(p, v); }
 
 inline HalfWordVec bf16_rounded(Vec v) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  // One instruction (the integer form below is six): the same bits, except that it quiets NaNs
+  // and flushes fp32 denormals (below 1.2e-38) to zero.
+  return reinterpret_cast<HalfWordVec>(_mm512_cvtneps_pbh(reinterpret_cast<__m512>(v)));
+#else
   WordVec bits;
   __builtin_memcpy(&bits, &v, sizeof bits);
   bits += 0x7fffU + ((bits >> 16) & 1U);
   return __builtin_convertvector(bits >> 16, HalfWordVec);
+#endif
 }
 
 template <>
