@@ -4,12 +4,15 @@
 //
 // The caller computes a chunk of logits with a library GEMM and hands it here while it is still
 // in cache; this kernel makes three vectorised passes over each row (max/argmax, sums of
-// exponentials and of logits, gradient) and never writes a log-probability tensor. Rows are independent, so
-// the work is split over rows with at::parallel_for and no result depends on the thread count.
+// exponentials and of logits, gradient) and never writes a log-probability tensor. Rows are
+// independent, so the work is split over rows with at::parallel_for and no result depends on the
+// thread count. Scoring (no gradient) may hand over an int8 GEMM's unscaled rows with their
+// scales, applied here on the way (no pass of their own over the logits).
 #include "common.h"
 #include "vec.h"
 
 #include <cmath>
+#include <type_traits>
 
 namespace fastnmt {
 namespace {
@@ -61,13 +64,17 @@ struct ShiftedSums {
   float shifted;  // sum of (x - shift): no cancellation against V * lse, unlike sum of x
 };
 
-template <typename T>
-ShiftedSums shifted_sums(const T* x, int64_t n, float shift) {
+// Of the logits x * row_scale (kScaled; x itself otherwise), shifted by shift * row_scale.
+template <bool kScaled, typename T>
+ShiftedSums shifted_sums(const T* x, int64_t n, float shift, float row_scale) {
   const int64_t whole = n / kChainStep * kChainStep;
+  const float scaled_shift = shift * row_scale;
   Vec exp_sum[kChains] = {}, shifted_sum[kChains] = {};
   for (int64_t j = 0; j < whole; j += kChainStep) {
     for (int c = 0; c < kChains; ++c) {
-      const Vec shifted = load_float(x + j + c * kLanes) - shift;
+      // One fused multiply-add when scaled: x s - shift s.
+      const Vec shifted = kScaled ? load_float(x + j + c * kLanes) * row_scale - scaled_shift
+                                  : load_float(x + j + c * kLanes) - shift;
       exp_sum[c] += vector_exp(shifted);
       shifted_sum[c] += shifted;
     }
@@ -77,7 +84,8 @@ ShiftedSums shifted_sums(const T* x, int64_t n, float shift) {
   const Vec shifts = (shifted_sum[0] + shifted_sum[1]) + (shifted_sum[2] + shifted_sum[3]);
   ShiftedSums sums{horizontal_sum(exps), horizontal_sum(shifts)};
   for (int64_t j = whole; j < n; ++j) {
-    const float shifted = to_float(x[j]) - shift;
+    const float shifted =
+        kScaled ? to_float(x[j]) * row_scale - scaled_shift : to_float(x[j]) - shift;
     sums.exp += std::exp(shifted);
     sums.shifted += shifted;
   }
@@ -97,9 +105,12 @@ void write_gradient(T* x, int64_t n, float lse, float uniform, float scale) {
   }
 }
 
-template <typename T>
+// row_scales (kScaled): each row's logits are x * row_scales[i] (an int8 GEMM's unscaled output,
+// fastnmt/quantize.py; positive scales keep the max where it is). No gradient then.
+template <bool kScaled, typename T>
 void rows(T* logits, const int64_t* target, float* stats, int64_t count, int64_t vocab,
-          float smoothing, int64_t ignore_index, bool compute_grad, float scale) {
+          float smoothing, int64_t ignore_index, bool compute_grad, float scale,
+          const float* row_scales) {
   const float uniform = smoothing / static_cast<float>(vocab);
   // Threads only for rows worth waking them (PyTorch's grain): a thread pool round trip costs
   // more than a few short rows.
@@ -114,18 +125,19 @@ void rows(T* logits, const int64_t* target, float* stats, int64_t count, int64_t
         if (compute_grad) std::fill(x, x + vocab, static_cast<T>(0.0f));
         continue;
       }
+      const float row_scale = kScaled ? row_scales[i] : 1.0f;
       const RowMax row = max_argmax(x, vocab);
-      const ShiftedSums sums = shifted_sums(x, vocab, row.max);
+      const ShiftedSums sums = shifted_sums<kScaled>(x, vocab, row.max, row_scale);
       const float log_sum = std::log(sums.exp);
-      const float lse = row.max + log_sum;
-      const float gold_logit = to_float(x[gold]);
+      const float lse = row.max * row_scale + log_sum;
+      const float gold_logit = to_float(x[gold]) * row_scale;
       const float nll = lse - gold_logit;
       // -sum_v log p_v = vocab * lse - sum_v x_v, computed relative to the max
       const float smoothed = static_cast<float>(vocab) * log_sum - sums.shifted;
       out[0] = (1.0f - smoothing) * nll + uniform * smoothed;
       out[1] = nll;
       out[2] = row.argmax == gold ? 1.0f : 0.0f;
-      if (!compute_grad) continue;
+      if (kScaled || !compute_grad) continue;
       write_gradient(x, vocab, lse, uniform, scale);
       const float gold_probability = std::exp(gold_logit - lse);
       x[gold] = static_cast<T>((gold_probability - uniform - (1.0f - smoothing)) * scale);
@@ -135,7 +147,8 @@ void rows(T* logits, const int64_t* target, float* stats, int64_t count, int64_t
 
 // The gradient rows come out times grad_scale (s of the math, when the caller folds it in).
 at::Tensor cross_entropy_rows(at::Tensor logits, const at::Tensor& target, double label_smoothing,
-                              int64_t ignore_index, bool compute_grad, double grad_scale) {
+                              int64_t ignore_index, bool compute_grad, double grad_scale,
+                              const c10::optional<at::Tensor>& row_scales = c10::nullopt) {
   check_cpu(logits, "logits");
   check_cpu(target, "target");
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous(), "logits must be a contiguous 2-D tensor");
@@ -152,19 +165,35 @@ at::Tensor cross_entropy_rows(at::Tensor logits, const at::Tensor& target, doubl
                 "target ", gold_ids[i], " at row ", i, " is outside [0, ", vocab,
                 ") and is not ignore_index (", ignore_index, ")");
   }
+  if (row_scales.has_value()) {
+    TORCH_CHECK(row_scales->scalar_type() == at::kFloat && row_scales->dim() == 1 &&
+                    row_scales->size(0) == count && row_scales->is_contiguous(),
+                "row_scales must be contiguous float32 of shape (", count, ",)");
+    TORCH_CHECK(!compute_grad, "row_scales (an int8 GEMM's logits) give no gradient");
+  }
   auto stats = at::empty({count, 3}, logits.options().dtype(at::kFloat));
   dispatch_float(logits.scalar_type(), "cross_entropy_rows", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    rows(logits.data_ptr<T>(), gold_ids, stats.data_ptr<float>(), count, vocab,
-         static_cast<float>(label_smoothing), ignore_index, compute_grad,
-         static_cast<float>(grad_scale));
+    const auto run = [&](auto scaled, const float* scales) {
+      rows<decltype(scaled)::value>(logits.data_ptr<T>(), gold_ids, stats.data_ptr<float>(),
+                                    count, vocab, static_cast<float>(label_smoothing),
+                                    ignore_index, compute_grad, static_cast<float>(grad_scale),
+                                    scales);
+    };
+    if (row_scales.has_value()) {
+      run(std::true_type{}, row_scales->data_ptr<float>());
+    } else {
+      run(std::false_type{}, nullptr);
+    }
   });
   return stats;
 }
 
 at::Tensor cross_entropy_rows_op(at::Tensor logits, const at::Tensor& target,
-                                 double label_smoothing, int64_t ignore_index, bool compute_grad) {
-  return cross_entropy_rows(logits, target, label_smoothing, ignore_index, compute_grad, 1.0);
+                                 double label_smoothing, int64_t ignore_index, bool compute_grad,
+                                 const c10::optional<at::Tensor>& row_scales) {
+  return cross_entropy_rows(logits, target, label_smoothing, ignore_index, compute_grad, 1.0,
+                            row_scales);
 }
 
 constexpr int64_t kChunkElements = int64_t{1} << 23;  // as fastnmt/ops/triton/linear_cross_entropy.py
@@ -340,7 +369,7 @@ LossAndGradients linear_cross_entropy_autograd(
 TORCH_LIBRARY_FRAGMENT(fastnmt, m) {
   m.def(
       "cross_entropy_rows_cpp(Tensor(a!) logits, Tensor target, float label_smoothing, "
-      "int ignore_index, bool compute_grad) -> Tensor");
+      "int ignore_index, bool compute_grad, Tensor? row_scales=None) -> Tensor");
   m.def(
       "linear_cross_entropy_cpp(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
       "float label_smoothing, int ignore_index, bool mean, bool compute_grad, "

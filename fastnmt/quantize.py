@@ -200,6 +200,18 @@ class Int8Bf16Linear(PackedLinear):
         )
         return second._finished(*second._unscaled(quantized), x.shape[:-1])
 
+    def unscaled(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x (M, K) -> (y, scales): the layer's output is y (M, N) times each row's scale, or y
+        itself when scales is None (a layer with a bias or an activation): for a consumer that
+        applies the scales as it reads y (scoring's row kernel), one pass over y less."""
+        if self.packed_bias is not None or self.relu or self.activation is not None:
+            return self(x), None
+        rows = x.shape[0]
+        y, scales = self._unscaled(
+            torch.ops.fastnmt.quantize_rows(x, padded_rows(rows), self.reduce_range)
+        )
+        return y[:rows], scales
+
     def _unscaled(self, quantized: tuple[torch.Tensor, torch.Tensor]):
         """The GEMM of rows quantized by ``quantize_rows``: (y, their scales), y (padded rows,
         N) still to be multiplied by each row's scale (the weight's are applied)."""

@@ -99,6 +99,25 @@ def test_int8_bf16_linear_is_within_the_quantization_bound(shape, activation):
 
 
 @pytest.mark.skipif(not INT8_BF16, reason="int8 between bf16 activations does not run here")
+def test_an_int8_bf16_layer_hands_over_its_unscaled_rows_when_it_has_no_bias():
+    """``unscaled(x)``: (y, scales) with the layer's output y * scales (the rows as the GEMM
+    wrote them, before the bf16 rounding of the scaled values); a layer with a bias or an
+    activation gives its output and None."""
+    x = torch.randn(37, 64).bfloat16()
+    weight = torch.randn(51, 64) / 8
+    layer = Int8Bf16Linear(weight, None)
+    y, scales = layer.unscaled(x)
+    assert y.shape == (37, 51) and scales.shape == (37,)
+    torch.testing.assert_close(
+        (y.float() * scales[:, None]).bfloat16(), layer(x), rtol=2**-7, atol=1e-6
+    )
+    for biased in (Int8Bf16Linear(weight, torch.randn(51)), Int8Bf16Linear(weight, None, "relu")):
+        out, none = biased.unscaled(x)
+        assert none is None
+        torch.testing.assert_close(out, biased(x), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not INT8_BF16, reason="int8 between bf16 activations does not run here")
 @pytest.mark.parametrize("rows", [1, 15, 16, 37, 300])
 def test_an_int8_bf16_row_does_not_depend_on_its_batch_mates(rows):
     """Each row has its own scale: a row's output is the same, bit for bit, alone or beside

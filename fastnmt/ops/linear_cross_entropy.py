@@ -322,18 +322,21 @@ def per_token_losses(
     chunk's logits into losses while they are in a CPU's caches), and the statistics
     ``linear_cross_entropy`` returns (nll, correct, tokens). ``output_layer`` is any GEMM, such
     as ``fastnmt.quantize``'s packed ones, whose weight oneDNN reordered once (``F.linear`` on a
-    CPU reorders it at every call: about a sixth of a 1,000-row chunk's time on an AMX CPU)."""
+    CPU reorders it at every call: about a sixth of a 1,000-row chunk's time on an AMX CPU). One
+    with an ``unscaled`` method (``fastnmt.quantize``'s int8 layers) hands over its output rows
+    and their scales, which the row kernel applies as it reads them."""
     if not extension_available():
         logits = output_layer(hidden)
         return _cross_entropy_reference(logits, target, label_smoothing, ignore_index, "none")
     step = _scoring_chunk_rows(vocab_size)
+    gemm = getattr(output_layer, "unscaled", lambda x: (output_layer(x), None))
     rows = [hidden.new_zeros((0, 3), dtype=torch.float32)]  # per token: loss, nll, correct
     for start in range(0, hidden.shape[0], step):
-        logits = output_layer(hidden[start : start + step])
+        logits, scales = gemm(hidden[start : start + step])
         chunk = target[start : start + step]
         rows.append(
             torch.ops.fastnmt.cross_entropy_rows_cpp(
-                logits, chunk, label_smoothing, ignore_index, False
+                logits, chunk, label_smoothing, ignore_index, False, scales
             )
         )
     stats = torch.cat(rows)

@@ -480,6 +480,37 @@ def test_per_token_losses_of_any_output_layer_without_the_extension(monkeypatch)
         torch.testing.assert_close(statistics[0], plain.nll, rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cpp_rows_apply_row_scales_as_they_read_the_logits(dtype):
+    """An int8 GEMM's unscaled logits with their rows' scales: the statistics of the scaled
+    logits (computed in fp32, so as close as fp32 rounding of the scaled rows allows), no
+    gradient; a layer with an ``unscaled`` method hands its rows and scales to the row kernel."""
+    require_backend("cpp")
+    raw = torch.randn(37, 1003).to(dtype) * 3
+    scales = torch.rand(37) * 4 + 0.01
+    target = torch.randint(0, 1003, (37,))
+    target[5] = IGNORE
+    rows = torch.ops.fastnmt.cross_entropy_rows_cpp
+    scaled = raw.float() * scales[:, None]
+    expected = rows(scaled.clone(), target, 0.1, IGNORE, False)
+    got = rows(raw.clone(), target, 0.1, IGNORE, False, scales)
+    torch.testing.assert_close(got, expected, rtol=2e-6, atol=2e-5)
+    for bad, reason in [
+        ((True, scales), "give no gradient"),
+        ((False, scales[:5]), "row_scales must be contiguous float32 of shape \\(37,\\)"),
+    ]:
+        with pytest.raises(RuntimeError, match=reason) as error:
+            rows(raw.clone(), target, 0.1, IGNORE, *bad)
+        assert len(str(error.value).strip().splitlines()) == 1
+
+    class Unscaled:  # the protocol of fastnmt.quantize's int8 layers
+        def unscaled(self, x):
+            return raw.clone(), scales
+
+    losses, _ = per_token_losses(raw, Unscaled(), 1003, target, 0.1, IGNORE)
+    torch.testing.assert_close(losses, expected[:, 0], rtol=2e-6, atol=2e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_launches_are_few_and_do_not_grow_with_the_vocabulary(dtype):
     """On a GPU a call's wall time is its launches (the host-path issue counted 348 at 4,096
