@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastnmt.model import ModelConfig
-from fastnmt.quantize import INT8_LINEARS, Bf16Linear, int8_activation_dtype, int8_supported
+from fastnmt.quantize import Bf16Linear, int8_activation_dtype, int8_linear, int8_supported
 
 PURPOSES = ("training", "translation")
 MARGIN = 1.1
@@ -253,7 +253,7 @@ def _translation_gemms(precision: str, shapes: GemmShapes) -> Callable[[], None]
         x = torch.randn(ROWS["translation"], shapes.d_model)
     else:
         dtype = int8_activation_dtype("cpu") if precision == "int8" else torch.bfloat16
-        packed = INT8_LINEARS[dtype] if precision == "int8" else Bf16Linear
+        packed = int8_linear(dtype) if precision == "int8" else Bf16Linear
         layers = [
             packed.from_linear(layer.to(dtype), activation)
             for layer, activation in ((first, "relu"), (second, None), (output, None))

@@ -20,8 +20,10 @@ activation scale per call, so the GEMM runs at scale 1 and writes s_w[n] sum_k .
 then multiplied by its s_x[m] and the bias added (``fastnmt::scale_rows_``), or, between the
 feed-forward block's two GEMMs, on the way into the second's quantizer (``then``).
 
-A float32 model's GEMMs run in fbgemm, on weights prepacked once into its GEMM layout, its
-activations quantized per tensor to uint8 over [min x, max x] (scale s_x, zero point z).
+A float32 model's GEMMs run the same way, with float32 outputs, where the CPU has VNNI
+(``Int8VnniLinear``). Elsewhere they run in fbgemm (``Int8Linear``), on weights prepacked once
+into its GEMM layout, its activations quantized per tensor to uint8 over [min x, max x] (scale
+s_x, zero point z).
 Either way activations use 7 bits (``reduce_range``: 63 steps either side of z = 64 per row)
 where the CPU lacks VNNI: without it the u8 x s8 multiply-add (vpmaddubsw) saturates its int16
 pair sums at 8 bits; 7 bits cannot saturate (fbgemm always uses 7).
@@ -72,6 +74,19 @@ def int8_bf16_supported(device: torch.device | str) -> list[str]:
     """Why int8 GEMMs between bf16 activations (``Int8Bf16Linear``) cannot run on ``device``:
     empty when they can."""
     reasons = bf16_packing_supported(device)
+    if not extension_available():  # its activations' quantizer
+        reasons.append(extension_status())
+    return reasons
+
+
+def int8_vnni_supported(device: torch.device | str) -> list[str]:
+    """Why int8 GEMMs between float32 activations quantized row by row (``Int8VnniLinear``)
+    cannot run on ``device``: empty when they can."""
+    if torch.device(device).type != "cpu":
+        return [f"oneDNN's int8 GEMMs run on CPUs, not on {torch.device(device).type}"]
+    reasons = [] if torch.backends.mkldnn.is_available() else ["this PyTorch build has no oneDNN"]
+    if not torch.cpu._is_vnni_supported():
+        reasons.append("this CPU has no AVX-512 VNNI (fbgemm's int8 GEMMs run there instead)")
     if not extension_available():  # its activations' quantizer
         reasons.append(extension_status())
     return reasons
@@ -161,10 +176,12 @@ class Int8Linear(PackedLinear):
         return y if self.activation is None else self.activation(y)
 
 
-class Int8Bf16Linear(PackedLinear):
-    """An int8 GEMM (oneDNN) between bf16 activations: x (..., K) bf16 -> (..., N) bf16, the
-    input quantized row by row at every call (``fastnmt::quantize_rows``), ReLU applied with
-    the rows' scales."""
+class OnednnInt8Linear(PackedLinear):
+    """An int8 GEMM (oneDNN) between activations of ``activation_dtype`` (a subclass's): x
+    (..., K) -> (..., N), the input quantized row by row at every call
+    (``fastnmt::quantize_rows``), ReLU applied with the rows' scales."""
+
+    activation_dtype: torch.dtype
 
     def _pack(self, weight, bias, activation) -> None:
         """Int8Linear's per-channel int8 weight in oneDNN's layout, and the fp32 bias."""
@@ -188,7 +205,7 @@ class Int8Bf16Linear(PackedLinear):
     def then(self, second: PackedLinear, x: torch.Tensor) -> torch.Tensor:
         """``second(self(x))``; when ``second`` is int8 too, this layer's output is scaled,
         biased and activated on the way into ``second``'s quantizer (one pass over it less)."""
-        if not isinstance(second, Int8Bf16Linear) or self.activation is not None:
+        if not isinstance(second, OnednnInt8Linear) or self.activation is not None:
             return second(self(x))
         rows = x.numel() // self.in_features
         padded = padded_rows(rows)
@@ -218,7 +235,7 @@ class Int8Bf16Linear(PackedLinear):
         q, scales = quantized
         y = torch.ops.onednn.qlinear_pointwise(
             q, 1.0, self.zero_point, self.packed, self.scales, self.zero_points, None,
-            1.0, 0, torch.bfloat16, "none", [], "",
+            1.0, 0, self.activation_dtype, "none", [], "",
         )  # fmt: skip
         return y, scales
 
@@ -229,11 +246,25 @@ class Int8Bf16Linear(PackedLinear):
         return y if self.activation is None else self.activation(y)
 
 
-# The int8 GEMM of a model by its activations' dtype.
-INT8_LINEARS: dict[torch.dtype, type[PackedLinear]] = {
-    torch.float32: Int8Linear,
-    torch.bfloat16: Int8Bf16Linear,
-}
+class Int8Bf16Linear(OnednnInt8Linear):
+    """An int8 GEMM (oneDNN) between bf16 activations (CPUs with native bf16)."""
+
+    activation_dtype = torch.bfloat16
+
+
+class Int8VnniLinear(OnednnInt8Linear):
+    """An int8 GEMM (oneDNN) between float32 activations (CPUs with VNNI but no native bf16)."""
+
+    activation_dtype = torch.float32
+
+
+def int8_linear(dtype: torch.dtype) -> type[PackedLinear]:
+    """The int8 GEMM of a model whose activations are ``dtype`` (``int8_activation_dtype``):
+    float32 ones quantized row by row where oneDNN has VNNI kernels (beam 4 1.03-1.17x as fast
+    as fbgemm's on a Zen 5 EPYC, and BLEU as with bf16 ones), else per tensor in fbgemm."""
+    if dtype == torch.bfloat16:
+        return Int8Bf16Linear
+    return Int8Linear if int8_vnni_supported("cpu") else Int8VnniLinear
 
 
 class Bf16Linear(PackedLinear):
@@ -320,9 +351,10 @@ def _check_model(name: str, model: nn.Module, supported, dtype: torch.dtype) -> 
 
 @torch.no_grad()
 def quantize_int8(model: nn.Module) -> nn.Module:
-    """``model`` (on the CPU) with int8 GEMMs for inference, in place; returns it. A float32
-    model's run in fbgemm (``Int8Linear``), a bf16 model's in oneDNN between bf16 activations
-    (``Int8Bf16Linear``, where the CPU computes bf16 natively: ``int8_activation_dtype``).
+    """``model`` (on the CPU) with int8 GEMMs for inference, in place; returns it. A bf16
+    model's run in oneDNN between bf16 activations (``Int8Bf16Linear``, where the CPU computes
+    bf16 natively: ``int8_activation_dtype``), a float32 model's in oneDNN where the CPU has VNNI
+    (``Int8VnniLinear``), else in fbgemm (``Int8Linear``).
 
     Which layers: see ``_pack_model``. Raises ValueError if int8 cannot run on this machine or
     the model is neither float32 nor (where supported) bf16 on the CPU.
@@ -332,7 +364,7 @@ def quantize_int8(model: nn.Module) -> nn.Module:
         _check_model("quantize_int8", model, int8_bf16_supported, torch.bfloat16)
     else:
         _check_model("quantize_int8", model, int8_supported, torch.float32)
-    return _pack_model(model, INT8_LINEARS[weights[0].dtype if weights else torch.float32])
+    return _pack_model(model, int8_linear(weights[0].dtype if weights else torch.float32))
 
 
 @torch.no_grad()

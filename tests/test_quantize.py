@@ -7,14 +7,16 @@ from torch import nn
 
 from fastnmt.model import Transformer, preset
 from fastnmt.quantize import (
-    INT8_LINEARS,
     Bf16Linear,
     Int8Bf16Linear,
     Int8Linear,
+    Int8VnniLinear,
     bf16_packing_supported,
     int8_activation_dtype,
     int8_bf16_supported,
+    int8_linear,
     int8_supported,
+    int8_vnni_supported,
     pack_bf16,
     padded_rows,
     quantize_int8,
@@ -68,18 +70,27 @@ def test_int8_linear_is_within_the_quantization_bound(shape, activation):
 INT8_BF16 = not int8_bf16_supported("cpu")
 
 
+# oneDNN's int8 GEMMs (rows quantized one by one) between each activation dtype, and whether
+# they run here: bf16 where the CPU computes it natively, float32 where it has VNNI.
+ONEDNN_INT8 = {Int8Bf16Linear: INT8_BF16, Int8VnniLinear: not int8_vnni_supported("cpu")}
+
+
+@pytest.mark.parametrize("gemm", list(ONEDNN_INT8), ids=lambda gemm: gemm.__name__)
 @pytest.mark.parametrize("activation", list(ACTIVATIONS))
 @pytest.mark.parametrize("shape", [(1, 1, 8), (3, 5, 37), (2, 70, 256)])
-def test_int8_bf16_linear_is_within_the_quantization_bound(shape, activation):
+def test_onednn_int8_linear_is_within_the_quantization_bound(shape, activation, gemm):
     *lead, k = shape
     n = 51
-    x = (torch.randn(*lead, k) * 2).bfloat16()
+    x = (torch.randn(*lead, k) * 2).to(gemm.activation_dtype)
     weight, bias = torch.randn(n, k) / k**0.5, torch.randn(n)
-    if not INT8_BF16:
+    if gemm is Int8Bf16Linear and not INT8_BF16:
         with pytest.raises(ValueError, match="quantize_int8: "):
             quantize_int8(nn.Sequential(nn.Linear(k, n).bfloat16()))
         return
-    layer = Int8Bf16Linear(weight, bias, activation)
+    if not ONEDNN_INT8[gemm]:
+        assert int8_linear(torch.float32) is Int8Linear
+        return
+    layer = gemm(weight, bias, activation)
     out = layer(x)
     product = F.linear(x.double(), weight.double())
     exact = ACTIVATIONS[activation](product + bias.double())
@@ -90,11 +101,11 @@ def test_int8_bf16_linear_is_within_the_quantization_bound(shape, activation):
     bound = quantization_bound(x, weight, steps, per_row=True).view(*lead, n)
     bound = 1.13 * (bound + 2**-9 * (product.abs() + bound)) + 2**-9 * exact.abs() + 1e-5
     error = (out.double() - exact).abs()
-    assert out.shape == (*lead, n) and out.dtype == torch.bfloat16
+    assert out.shape == (*lead, n) and out.dtype == gemm.activation_dtype
     assert (error <= bound).all(), f"error {error.max():.3g} over the bound"
     assert error.max() > 0
     rows = torch.tensor([0, 7, 50])
-    narrow = Int8Bf16Linear(weight, bias, activation).rows(rows)
+    narrow = gemm(weight, bias, activation).rows(rows)
     torch.testing.assert_close(narrow(x), out[..., rows], rtol=0, atol=0)
 
 
@@ -117,16 +128,18 @@ def test_an_int8_bf16_layer_hands_over_its_unscaled_rows_when_it_has_no_bias():
         torch.testing.assert_close(out, biased(x), rtol=0, atol=0)
 
 
-@pytest.mark.skipif(not INT8_BF16, reason="int8 between bf16 activations does not run here")
+@pytest.mark.parametrize("gemm", list(ONEDNN_INT8), ids=lambda gemm: gemm.__name__)
 @pytest.mark.parametrize("rows", [1, 15, 16, 37, 300])
-def test_an_int8_bf16_row_does_not_depend_on_its_batch_mates(rows):
+def test_an_onednn_int8_row_does_not_depend_on_its_batch_mates(rows, gemm):
     """Each row has its own scale: a row's output is the same, bit for bit, alone or beside
     rows a thousand times larger (one scale for the batch would flatten the small row's
     values into a few steps) at any row count (oneDNN runs other kernels at other counts)."""
+    if not ONEDNN_INT8[gemm]:
+        pytest.skip(f"{gemm.__name__} does not run on this CPU")
     generator = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(40, 72, generator=generator), torch.randn(40, generator=generator)
-    layer = Int8Bf16Linear(weight, bias, "relu")
-    x = torch.randn(rows, 72, generator=generator).bfloat16()
+    layer = gemm(weight, bias, "relu")
+    x = torch.randn(rows, 72, generator=generator).to(gemm.activation_dtype)
     x[1:] *= 1000
     alone = layer(x[:1])
     torch.testing.assert_close(layer(x)[:1], alone, rtol=0, atol=0)
@@ -248,6 +261,14 @@ def test_a_feed_forward_block_passes_its_hidden_layer_unwritten(activation):
     assert error <= 1.1 * unfused_error, (error, unfused_error)
 
 
+def test_float32_activations_are_quantized_per_tensor_in_fbgemm_without_vnni(monkeypatch):
+    """oneDNN's int8 kernels for CPUs without VNNI are not its fast ones: fbgemm's there."""
+    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: False)
+    assert any("no AVX-512 VNNI" in reason for reason in int8_vnni_supported("cpu"))
+    assert int8_linear(torch.float32) is Int8Linear
+    assert int8_linear(torch.bfloat16) is Int8Bf16Linear
+
+
 def test_a_zero_weight_row_gives_its_bias():
     weight = torch.randn(4, 16)
     weight[2] = 0
@@ -307,7 +328,7 @@ def test_a_quantized_model_keeps_its_state_dict_and_predictions(overrides, dtype
             quantize_int8(model)
         return
     quantized, step, last = _packed_outputs(model, quantize_int8)
-    assert isinstance(model.packed_output, INT8_LINEARS[dtype])
+    assert isinstance(model.packed_output, int8_linear(dtype))
     # The yardstick: the same model with bf16 weights (int8 measured 2.7x to 2.8x its error;
     # int8 between bf16 activations, up to 3.5x).
     error, bf16_error = ((x.float() - exact).abs().max() for x in (quantized, bf16))
@@ -321,7 +342,7 @@ def test_other_models_get_every_linear_layer_quantized():
     x = torch.randn(5, 8)
     exact = model(x)
     quantize_int8(model)
-    assert all(isinstance(model[i], Int8Linear) for i in (0, 2))
+    assert all(isinstance(model[i], int8_linear(torch.float32)) for i in (0, 2))
     torch.testing.assert_close(model(x), exact, rtol=0.05, atol=0.05)
 
 
@@ -330,6 +351,7 @@ def test_refusals_are_one_line():
         quantize_int8(_model().to(torch.float16))
     assert int8_supported("cpu") == []
     assert "CPUs" in int8_supported("cuda")[0]
+    assert "CPUs, not on cuda" in int8_vnni_supported("cuda")[0]
     with pytest.raises(ValueError, match="relu, gelu, silu or None"):
         Int8Linear(torch.randn(2, 2), None, "tanh")
 
@@ -342,7 +364,7 @@ def test_the_translator_translates_in_int8(tmp_path):
     refusal = "int8 GEMMs run on CPUs" if torch.cuda.is_available() else "CUDA"
     with pytest.raises(ValueError, match=refusal):
         Translator.from_checkpoint(directory, precision="int8", device="cuda")
-    assert isinstance(int8.model.packed_output, INT8_LINEARS[int8_activation_dtype("cpu")])
+    assert isinstance(int8.model.packed_output, int8_linear(int8_activation_dtype("cpu")))
     lines = ["a small test", "another line of text here", ""]
     translated = int8.translate_full(lines, beam=2)
     assert [len(t.candidates) for t in translated] == [1, 1, 0]
