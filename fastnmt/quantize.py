@@ -14,8 +14,8 @@ GEMMs (attention, LayerNorm and the logits at half the memory traffic) and oneDN
 multiply 1.7-1.8x as fast as its bf16 ones at decoding shapes on an AVX512-BF16 CPU without AMX
 (1,024 x 256 x 1,024: 1,690 against 1,000 GFLOP/s on 2 cores). Each row of x has its own scale
 (CTranslate2's scheme): s_x[m] = max_k |x[m, k]| / 127 around the fixed zero point z = 128, so a
-sentence translates the same whatever else is in its batch (one scale per batch would let its
-largest row coarsen every other row's steps, and cost BLEU). oneDNN takes one
+row's result, bit for bit, never depends on the other rows of its batch (one scale per batch
+would let its largest row coarsen every other row's steps, and cost BLEU). oneDNN takes one
 activation scale per call, so the GEMM runs at scale 1 and writes s_w[n] sum_k ...; each row is
 then multiplied by its s_x[m] and the bias added (``fastnmt::scale_rows_``), or, between the
 feed-forward block's two GEMMs, on the way into the second's quantizer (``then``).
