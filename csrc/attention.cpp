@@ -578,51 +578,6 @@ struct Panels {
   }
 };
 
-template <typename T>
-void forward_kernel(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
-                    const at::Tensor& cache_rows, const KeyMask& mask, float scale,
-                    const DropoutStream& drop, at::Tensor& out_, at::Tensor& lse_) {
-  const Shape n(q_, v_);
-  const Rows<T> q(q_), k(k_, cache_rows), v(v_, cache_rows);
-  const OutRows<T> out(out_);
-  float* lse = lse_.data_ptr<float>();
-  const int64_t blocks = (n.lq + kBlockM - 1) / kBlockM;
-  const int64_t lk_vectors = whole_vectors(n.lk), dv_vectors = whole_vectors(n.dv);
-  const int64_t units = n.batch * n.heads * blocks;
-  const bool read_words = reads_words<T>(q_, k_);
-  run_workers([&](const auto& next) {
-    Panels panels(n, read_words);
-    // Workspace: scores, bias, factors, O.
-    std::vector<float> work(kBlockM * lk_vectors + 2 * lk_vectors + kBlockM * dv_vectors);
-    float* s = work.data();
-    float* bias = s + kBlockM * lk_vectors;
-    float* factors = bias + lk_vectors;
-    float* o = factors + lk_vectors;
-    int64_t loaded_bh = -1;
-    for (int64_t t = next(); t < units; t = next()) {
-      const int64_t bh = t / blocks, b = bh / n.heads, h = bh % n.heads;
-      const int64_t i0 = (t % blocks) * kBlockM, rows = std::min(kBlockM, n.lq - i0);
-      const int64_t keys = mask.keys_of_block(b, i0 + rows), width = whole_vectors(keys);
-      if (bh != loaded_bh) {  // the blocks of one (b, h) share its panels
-        panels.load(k, v, b, h, mask.key_end[b], n);
-        loaded_bh = bh;
-      }
-      mask.bias(b, bias, width);
-      panels.scores(q, b, h, i0, rows, n, s, width);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t i = i0 + r;
-        lse[bh * n.lq + i] = softmax_row(s + r * lk_vectors, bias, width, i, scale, mask.causal,
-                                         drop, element_index(bh, i, n.lq, n.lk), factors);
-      }
-      if (keys > 0) {
-        panels.values<T>(s, rows, keys, o);
-      } else {
-        std::fill(o, o + rows * dv_vectors, 0.0f);
-      }
-      store_rows(o, dv_vectors, out, b, h, i0, rows, i0 + rows, n.dv);
-    }
-  }, n.lq * n.lk <= kShortBlock ? short_units_grain(units) : 1);
-}
 
 // Up to this many vectors of q/k and of v per row (head dims of 256 with AVX-512, 128 with AVX2)
 // take forward_few_queries; wider heads, forward_kernel.
@@ -666,6 +621,45 @@ float few_queries_row(const T* q_row, const KeyAt& key_at, const ValueAt& value_
   return lse;
 }
 
+// Whether forward_few_queries' rows can take the head dims of n.
+inline bool few_queries_fit(const Shape& n) {
+  return std::max(n.d, n.dv) <= kFewQueriesVectors * kLanes;
+}
+
+// Queries [i0, i1) of (b, h) = bh, each by few_queries_row, written to out and lse. Workspace: s,
+// bias and factors of whole_vectors(n.lk) floats, o of whole_vectors(n.dv).
+template <typename T>
+void few_queries_rows(const Rows<T>& q, const Rows<T>& k, const Rows<T>& v, const KeyMask& mask,
+                      const Shape& n, int64_t bh, int64_t i0, int64_t i1, float scale,
+                      const DropoutStream& drop, float* s, float* bias, float* factors, float* o,
+                      const OutRows<T>& out, float* lse) {
+  const int64_t b = bh / n.heads, h = bh % n.heads;
+  const int64_t widest = whole_vectors(std::max(n.d, n.dv)) / kLanes;
+  // The common head dims (the same for q, k and v, whole vectors) without bounds checks.
+  const int64_t exact = n.d == n.dv && n.d % kLanes == 0 ? n.d / kLanes : 0;
+  mask.bias(b, bias, whole_vectors(mask.key_end[b]));
+  const auto key_at = [&](int64_t j) { return k.at(b, h, j); };
+  const auto value_at = [&](int64_t j) { return v.at(b, h, j); };
+  for (int64_t i = i0; i < i1; ++i) {
+    const auto row = [&](auto vectors, auto exact) {
+      return few_queries_row<decltype(vectors)::value, decltype(exact)::value>(
+          q.at(b, h, i), key_at, value_at, n, mask.keys_of_block(b, i + 1), bias, i, scale,
+          mask.causal, drop, element_index(bh, i, n.lq, n.lk), s, factors, o);
+    };
+    using Exact = std::true_type;
+    using Checked = std::false_type;
+    lse[bh * n.lq + i] =
+        exact == 1   ? row(std::integral_constant<int, 1>{}, Exact{})
+        : exact == 2 ? row(std::integral_constant<int, 2>{}, Exact{})
+        : exact == 4 ? row(std::integral_constant<int, 4>{}, Exact{})
+        : exact == 8 ? row(std::integral_constant<int, 8>{}, Exact{})
+        : widest <= 4 ? row(std::integral_constant<int, 4>{}, Checked{})
+        : widest <= 8 ? row(std::integral_constant<int, 8>{}, Checked{})
+                      : row(std::integral_constant<int, kFewQueriesVectors>{}, Checked{});
+    store_rows(o, whole_vectors(n.dv), out, b, h, i, 1, i + 1, n.dv);
+  }
+}
+
 // Few queries per (b, h) (decoding: the new token of each hypothesis against its cache, or the
 // K beams of a sentence against its source): transposing K and V into panels would cost more
 // than the products, so each score is a dot product of q_i with a key row read in place, and O_i
@@ -680,44 +674,21 @@ void forward_few_queries(const at::Tensor& q_, const at::Tensor& k_, const at::T
   const Rows<T> q(q_), k(k_, cache_rows), v(v_, cache_rows);
   const OutRows<T> out(out_);
   float* lse = lse_.data_ptr<float>();
-  const int64_t lk_vectors = whole_vectors(n.lk), dv_vectors = whole_vectors(n.dv);
-  const int64_t widest = whole_vectors(std::max(n.d, n.dv)) / kLanes;
-  // The common head dims (the same for q, k and v, whole vectors) without bounds checks.
-  const int64_t exact = n.d == n.dv && n.d % kLanes == 0 ? n.d / kLanes : 0;
+  const int64_t lk_vectors = whole_vectors(n.lk);
   const int64_t grain = short_units_grain(n.batch * n.heads);
   run_workers([&](const auto& next) {
     // Workspace: one query's scores, bias, dropout factors and output row.
-    std::vector<float> work(3 * lk_vectors + dv_vectors);
+    std::vector<float> work(3 * lk_vectors + whole_vectors(n.dv));
     float* s = work.data();
     float* bias = s + lk_vectors;
     float* factors = bias + lk_vectors;
     float* o = factors + lk_vectors;
     for (int64_t bh = next(); bh < n.batch * n.heads; bh = next()) {
-      const int64_t b = bh / n.heads, h = bh % n.heads;
-      mask.bias(b, bias, whole_vectors(mask.key_end[b]));
-      const auto key_at = [&](int64_t j) { return k.at(b, h, j); };
-      const auto value_at = [&](int64_t j) { return v.at(b, h, j); };
-      for (int64_t i = 0; i < n.lq; ++i) {
-        const auto row = [&](auto vectors, auto exact) {
-          return few_queries_row<decltype(vectors)::value, decltype(exact)::value>(
-              q.at(b, h, i), key_at, value_at, n, mask.keys_of_block(b, i + 1), bias, i, scale,
-              mask.causal, drop, element_index(bh, i, n.lq, n.lk), s, factors, o);
-        };
-        using Exact = std::true_type;
-        using Checked = std::false_type;
-        lse[bh * n.lq + i] =
-            exact == 1   ? row(std::integral_constant<int, 1>{}, Exact{})
-            : exact == 2 ? row(std::integral_constant<int, 2>{}, Exact{})
-            : exact == 4 ? row(std::integral_constant<int, 4>{}, Exact{})
-            : exact == 8 ? row(std::integral_constant<int, 8>{}, Exact{})
-            : widest <= 4 ? row(std::integral_constant<int, 4>{}, Checked{})
-            : widest <= 8 ? row(std::integral_constant<int, 8>{}, Checked{})
-                          : row(std::integral_constant<int, kFewQueriesVectors>{}, Checked{});
-        store_rows(o, dv_vectors, out, b, h, i, 1, i + 1, n.dv);
-      }
+      few_queries_rows(q, k, v, mask, n, bh, 0, n.lq, scale, drop, s, bias, factors, o, out, lse);
     }
   }, grain);
 }
+
 
 template <typename T>
 void backward_kernel(const at::Tensor& grad_out_, const float* grad_lse, const at::Tensor& q_,
@@ -812,6 +783,58 @@ void backward_kernel(const at::Tensor& grad_out_, const float* grad_lse, const a
 
 // The arguments of the Triton ops fastnmt::attention_forward / attention_backward, in their
 // order, so that one autograd registration serves both backends.
+template <typename T>
+void forward_kernel(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
+                    const at::Tensor& cache_rows, const KeyMask& mask, float scale,
+                    const DropoutStream& drop, at::Tensor& out_, at::Tensor& lse_) {
+  const Shape n(q_, v_);
+  const Rows<T> q(q_), k(k_, cache_rows), v(v_, cache_rows);
+  const OutRows<T> out(out_);
+  float* lse = lse_.data_ptr<float>();
+  const int64_t blocks = (n.lq + kBlockM - 1) / kBlockM;
+  const int64_t lk_vectors = whole_vectors(n.lk), dv_vectors = whole_vectors(n.dv);
+  const int64_t units = n.batch * n.heads * blocks;
+  const bool read_words = reads_words<T>(q_, k_);
+  const bool few_keys = few_queries_fit(n);
+  run_workers([&](const auto& next) {
+    Panels panels(n, read_words);
+    // Workspace: scores, bias, factors, O.
+    std::vector<float> work(kBlockM * lk_vectors + 2 * lk_vectors + kBlockM * dv_vectors);
+    float* s = work.data();
+    float* bias = s + kBlockM * lk_vectors;
+    float* factors = bias + lk_vectors;
+    float* o = factors + lk_vectors;
+    int64_t loaded_bh = -1;
+    for (int64_t t = next(); t < units; t = next()) {
+      const int64_t bh = t / blocks, b = bh / n.heads, h = bh % n.heads;
+      const int64_t i0 = (t % blocks) * kBlockM, rows = std::min(kBlockM, n.lq - i0);
+      if (few_keys && mask.key_end[b] <= kFewQueries) {  // see attention_cpp
+        few_queries_rows(q, k, v, mask, n, bh, i0, i0 + rows, scale, drop, s, bias, factors, o,
+                         out, lse);
+        continue;
+      }
+      const int64_t keys = mask.keys_of_block(b, i0 + rows), width = whole_vectors(keys);
+      if (bh != loaded_bh) {  // the blocks of one (b, h) share its panels
+        panels.load(k, v, b, h, mask.key_end[b], n);
+        loaded_bh = bh;
+      }
+      mask.bias(b, bias, width);
+      panels.scores(q, b, h, i0, rows, n, s, width);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t i = i0 + r;
+        lse[bh * n.lq + i] = softmax_row(s + r * lk_vectors, bias, width, i, scale, mask.causal,
+                                         drop, element_index(bh, i, n.lq, n.lk), factors);
+      }
+      if (keys > 0) {
+        panels.values<T>(s, rows, keys, o);
+      } else {
+        std::fill(o, o + rows * dv_vectors, 0.0f);
+      }
+      store_rows(o, dv_vectors, out, b, h, i0, rows, i0 + rows, n.dv);
+    }
+  }, n.lq * n.lk <= kShortBlock ? short_units_grain(units) : 1);
+}
+
 std::tuple<at::Tensor, at::Tensor> attention_cpp(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const c10::optional<at::Tensor>& key_lengths,
@@ -829,7 +852,10 @@ std::tuple<at::Tensor, at::Tensor> attention_cpp(
   const auto rows = checked_cache_rows(cache_rows, k.size(0));
   dispatch_float(q.scalar_type(), "attention_cpp", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    if (n.lq <= kFewQueries && std::max(n.d, n.dv) <= kFewQueriesVectors * kLanes) {
+    // A sentence of up to kFewQueries tokens is attended by forward_few_queries' rows whatever
+    // the batch's longest (its keys, not the padded query count, decide): padded among longer
+    // sentences, it gets the same bits as alone (the two kernels sum in other orders).
+    if (n.lq <= kFewQueries && few_queries_fit(n)) {
       forward_few_queries<T>(q, k, v, rows, mask, static_cast<float>(scale), drop, out, lse);
     } else {
       forward_kernel<T>(q, k, v, rows, mask, static_cast<float>(scale), drop, out, lse);

@@ -374,18 +374,15 @@ def test_the_translator_translates_in_int8(tmp_path):
 @pytest.mark.skipif(not INT8_BF16, reason="int8 between bf16 activations does not run here")
 def test_an_int8_translation_does_not_depend_on_its_batch(tmp_path):
     """Each sentence translates as it does alone, in a batch of any size (the server batches
-    concurrent requests together), n-best scores included. Sentences of more than 8 pieces: the
-    attention kernel for up to 8 queries sums in another order than the one for more, so a
-    shorter sentence padded past 8 can differ in its last bits from itself alone (and a random
-    model's near-ties turn those into other tokens)."""
+    concurrent requests together), n-best scores included: short sentences among long ones too
+    (attention's kernel for up to 8 queries takes them whatever the batch's longest)."""
     directory = tiny_checkpoint(tmp_path / "ckpt", output_bias=True)
     translator = Translator.from_checkpoint(directory, precision="int8", device="cpu")
     lines = [
-        "two young dogs play together in the deep snow .", "a man in a red shirt is riding a "
-        "bike down a busy city street past a very long row of parked cars .",
-        "a group of people stand in front of an old building .",
+        "two young dogs play together in the deep snow .", "a small test", "", "a man in a red "
+        "shirt is riding a bike down a busy city street past a very long row of parked cars .",
+        "hello", "a group of people stand in front of an old building .",
     ]  # fmt: skip
-    assert min(map(len, translator.vocab.encode(lines))) > 8
     batched = translator.translate_full(lines, beam=3, nbest=2)
     translator.max_sentences = 1
     alone = translator.translate_full(lines, beam=3, nbest=2)

@@ -774,6 +774,26 @@ class TestCpp:
         for grad, expected_grad in zip(grads, expected_grads, strict=True):
             assert torch.equal(grad, expected_grad)
 
+    @pytest.mark.parametrize("head_dim", [64, 40])
+    @pytest.mark.parametrize("causal", [False, True])
+    @pytest.mark.parametrize("dtype", [FP32, BF16])
+    def test_a_short_sentence_gets_the_same_bits_alone_and_padded_among_longer_ones(
+        self, dtype, causal, head_dim
+    ):
+        """A sentence of up to 8 keys is attended by the few-queries rows whatever the padded
+        query count (the panel kernel sums in another order): its self-attention alone and in
+        a batch padded to 23 (and 70: two query blocks) gives the same bits, so int8 and bf16
+        translations do not depend on a sentence's batch mates."""
+        for lq in (23, 70):
+            q, k, v = _qkv(4, 2, lq, lq, head_dim, dtype)
+            lengths = torch.tensor([7, lq, 1, 8])
+            batched = _forced("cpp", q, k, v, 0.0, causal, key_lengths=lengths)
+            for b, length in enumerate(lengths.tolist()):
+                alone_inputs = (x[b : b + 1, :, :length] for x in (q, k, v))
+                alone = _forced("cpp", *alone_inputs, 0.0, causal, key_lengths=lengths[b : b + 1])
+                assert torch.equal(batched[0][b : b + 1, :, :length], alone[0]), (lq, b)
+                assert torch.equal(batched[1][b : b + 1, :, :length], alone[1]), (lq, b)
+
     @pytest.mark.parametrize(
         "lq, lk, head_dim, value_dim, causal",
         [(20, 20, 64, 64, False), (33, 19, 64, 48, False), (70, 21, 32, 20, True)],
