@@ -689,6 +689,58 @@ void forward_few_queries(const at::Tensor& q_, const at::Tensor& k_, const at::T
   }, grain);
 }
 
+template <typename T>
+void forward_kernel(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
+                    const at::Tensor& cache_rows, const KeyMask& mask, float scale,
+                    const DropoutStream& drop, at::Tensor& out_, at::Tensor& lse_) {
+  const Shape n(q_, v_);
+  const Rows<T> q(q_), k(k_, cache_rows), v(v_, cache_rows);
+  const OutRows<T> out(out_);
+  float* lse = lse_.data_ptr<float>();
+  const int64_t blocks = (n.lq + kBlockM - 1) / kBlockM;
+  const int64_t lk_vectors = whole_vectors(n.lk), dv_vectors = whole_vectors(n.dv);
+  const int64_t units = n.batch * n.heads * blocks;
+  const bool read_words = reads_words<T>(q_, k_);
+  const bool few_keys = few_queries_fit(n);
+  run_workers([&](const auto& next) {
+    Panels panels(n, read_words);
+    // Workspace: scores, bias, factors, O.
+    std::vector<float> work(kBlockM * lk_vectors + 2 * lk_vectors + kBlockM * dv_vectors);
+    float* s = work.data();
+    float* bias = s + kBlockM * lk_vectors;
+    float* factors = bias + lk_vectors;
+    float* o = factors + lk_vectors;
+    int64_t loaded_bh = -1;
+    for (int64_t t = next(); t < units; t = next()) {
+      const int64_t bh = t / blocks, b = bh / n.heads, h = bh % n.heads;
+      const int64_t i0 = (t % blocks) * kBlockM, rows = std::min(kBlockM, n.lq - i0);
+      if (few_keys && mask.key_end[b] <= kFewQueries) {  // see attention_cpp
+        few_queries_rows(q, k, v, mask, n, bh, i0, i0 + rows, scale, drop, s, bias, factors, o,
+                         out, lse);
+        continue;
+      }
+      const int64_t keys = mask.keys_of_block(b, i0 + rows), width = whole_vectors(keys);
+      if (bh != loaded_bh) {  // the blocks of one (b, h) share its panels
+        panels.load(k, v, b, h, mask.key_end[b], n);
+        loaded_bh = bh;
+      }
+      mask.bias(b, bias, width);
+      panels.scores(q, b, h, i0, rows, n, s, width);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t i = i0 + r;
+        lse[bh * n.lq + i] = softmax_row(s + r * lk_vectors, bias, width, i, scale, mask.causal,
+                                         drop, element_index(bh, i, n.lq, n.lk), factors);
+      }
+      if (keys > 0) {
+        panels.values<T>(s, rows, keys, o);
+      } else {
+        std::fill(o, o + rows * dv_vectors, 0.0f);
+      }
+      store_rows(o, dv_vectors, out, b, h, i0, rows, i0 + rows, n.dv);
+    }
+  }, n.lq * n.lk <= kShortBlock ? short_units_grain(units) : 1);
+}
+
 
 template <typename T>
 void backward_kernel(const at::Tensor& grad_out_, const float* grad_lse, const at::Tensor& q_,
@@ -783,58 +835,6 @@ void backward_kernel(const at::Tensor& grad_out_, const float* grad_lse, const a
 
 // The arguments of the Triton ops fastnmt::attention_forward / attention_backward, in their
 // order, so that one autograd registration serves both backends.
-template <typename T>
-void forward_kernel(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
-                    const at::Tensor& cache_rows, const KeyMask& mask, float scale,
-                    const DropoutStream& drop, at::Tensor& out_, at::Tensor& lse_) {
-  const Shape n(q_, v_);
-  const Rows<T> q(q_), k(k_, cache_rows), v(v_, cache_rows);
-  const OutRows<T> out(out_);
-  float* lse = lse_.data_ptr<float>();
-  const int64_t blocks = (n.lq + kBlockM - 1) / kBlockM;
-  const int64_t lk_vectors = whole_vectors(n.lk), dv_vectors = whole_vectors(n.dv);
-  const int64_t units = n.batch * n.heads * blocks;
-  const bool read_words = reads_words<T>(q_, k_);
-  const bool few_keys = few_queries_fit(n);
-  run_workers([&](const auto& next) {
-    Panels panels(n, read_words);
-    // Workspace: scores, bias, factors, O.
-    std::vector<float> work(kBlockM * lk_vectors + 2 * lk_vectors + kBlockM * dv_vectors);
-    float* s = work.data();
-    float* bias = s + kBlockM * lk_vectors;
-    float* factors = bias + lk_vectors;
-    float* o = factors + lk_vectors;
-    int64_t loaded_bh = -1;
-    for (int64_t t = next(); t < units; t = next()) {
-      const int64_t bh = t / blocks, b = bh / n.heads, h = bh % n.heads;
-      const int64_t i0 = (t % blocks) * kBlockM, rows = std::min(kBlockM, n.lq - i0);
-      if (few_keys && mask.key_end[b] <= kFewQueries) {  // see attention_cpp
-        few_queries_rows(q, k, v, mask, n, bh, i0, i0 + rows, scale, drop, s, bias, factors, o,
-                         out, lse);
-        continue;
-      }
-      const int64_t keys = mask.keys_of_block(b, i0 + rows), width = whole_vectors(keys);
-      if (bh != loaded_bh) {  // the blocks of one (b, h) share its panels
-        panels.load(k, v, b, h, mask.key_end[b], n);
-        loaded_bh = bh;
-      }
-      mask.bias(b, bias, width);
-      panels.scores(q, b, h, i0, rows, n, s, width);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t i = i0 + r;
-        lse[bh * n.lq + i] = softmax_row(s + r * lk_vectors, bias, width, i, scale, mask.causal,
-                                         drop, element_index(bh, i, n.lq, n.lk), factors);
-      }
-      if (keys > 0) {
-        panels.values<T>(s, rows, keys, o);
-      } else {
-        std::fill(o, o + rows * dv_vectors, 0.0f);
-      }
-      store_rows(o, dv_vectors, out, b, h, i0, rows, i0 + rows, n.dv);
-    }
-  }, n.lq * n.lk <= kShortBlock ? short_units_grain(units) : 1);
-}
-
 std::tuple<at::Tensor, at::Tensor> attention_cpp(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const c10::optional<at::Tensor>& key_lengths,
