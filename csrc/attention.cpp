@@ -621,6 +621,24 @@ float few_queries_row(const T* q_row, const KeyAt& key_at, const ValueAt& value_
   return lse;
 }
 
+// One forward call's operands, as both kernels read them.
+template <typename T>
+struct Forward {
+  Shape n;
+  Rows<T> q, k, v;
+  OutRows<T> out;
+  float* lse;
+  const KeyMask& mask;
+  float scale;
+  const DropoutStream& drop;
+
+  Forward(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
+          const at::Tensor& cache_rows, const KeyMask& mask_, float scale_,
+          const DropoutStream& drop_, at::Tensor& out_, at::Tensor& lse_)
+      : n(q_, v_), q(q_), k(k_, cache_rows), v(v_, cache_rows), out(out_),
+        lse(lse_.data_ptr<float>()), mask(mask_), scale(scale_), drop(drop_) {}
+};
+
 // Whether forward_few_queries' rows can take the head dims of n.
 inline bool few_queries_fit(const Shape& n) {
   return std::max(n.d, n.dv) <= kFewQueriesVectors * kLanes;
@@ -629,26 +647,24 @@ inline bool few_queries_fit(const Shape& n) {
 // Queries [i0, i1) of (b, h) = bh, each by few_queries_row, written to out and lse. Workspace: s,
 // bias and factors of whole_vectors(n.lk) floats, o of whole_vectors(n.dv).
 template <typename T>
-void few_queries_rows(const Rows<T>& q, const Rows<T>& k, const Rows<T>& v, const KeyMask& mask,
-                      const Shape& n, int64_t bh, int64_t i0, int64_t i1, float scale,
-                      const DropoutStream& drop, float* s, float* bias, float* factors, float* o,
-                      const OutRows<T>& out, float* lse) {
-  const int64_t b = bh / n.heads, h = bh % n.heads;
-  const int64_t widest = whole_vectors(std::max(n.d, n.dv)) / kLanes;
+void few_queries_rows(const Forward<T>& f, int64_t bh, int64_t i0, int64_t i1, float* s,
+                      float* bias, float* factors, float* o) {
+  const int64_t b = bh / f.n.heads, h = bh % f.n.heads;
+  const int64_t widest = whole_vectors(std::max(f.n.d, f.n.dv)) / kLanes;
   // The common head dims (the same for q, k and v, whole vectors) without bounds checks.
-  const int64_t exact = n.d == n.dv && n.d % kLanes == 0 ? n.d / kLanes : 0;
-  mask.bias(b, bias, whole_vectors(mask.key_end[b]));
-  const auto key_at = [&](int64_t j) { return k.at(b, h, j); };
-  const auto value_at = [&](int64_t j) { return v.at(b, h, j); };
+  const int64_t exact = f.n.d == f.n.dv && f.n.d % kLanes == 0 ? f.n.d / kLanes : 0;
+  f.mask.bias(b, bias, whole_vectors(f.mask.key_end[b]));
+  const auto key_at = [&](int64_t j) { return f.k.at(b, h, j); };
+  const auto value_at = [&](int64_t j) { return f.v.at(b, h, j); };
   for (int64_t i = i0; i < i1; ++i) {
     const auto row = [&](auto vectors, auto exact) {
       return few_queries_row<decltype(vectors)::value, decltype(exact)::value>(
-          q.at(b, h, i), key_at, value_at, n, mask.keys_of_block(b, i + 1), bias, i, scale,
-          mask.causal, drop, element_index(bh, i, n.lq, n.lk), s, factors, o);
+          f.q.at(b, h, i), key_at, value_at, f.n, f.mask.keys_of_block(b, i + 1), bias, i,
+          f.scale, f.mask.causal, f.drop, element_index(bh, i, f.n.lq, f.n.lk), s, factors, o);
     };
     using Exact = std::true_type;
     using Checked = std::false_type;
-    lse[bh * n.lq + i] =
+    f.lse[bh * f.n.lq + i] =
         exact == 1   ? row(std::integral_constant<int, 1>{}, Exact{})
         : exact == 2 ? row(std::integral_constant<int, 2>{}, Exact{})
         : exact == 4 ? row(std::integral_constant<int, 4>{}, Exact{})
@@ -656,7 +672,7 @@ void few_queries_rows(const Rows<T>& q, const Rows<T>& k, const Rows<T>& v, cons
         : widest <= 4 ? row(std::integral_constant<int, 4>{}, Checked{})
         : widest <= 8 ? row(std::integral_constant<int, 8>{}, Checked{})
                       : row(std::integral_constant<int, kFewQueriesVectors>{}, Checked{});
-    store_rows(o, whole_vectors(n.dv), out, b, h, i, 1, i + 1, n.dv);
+    store_rows(o, whole_vectors(f.n.dv), f.out, b, h, i, 1, i + 1, f.n.dv);
   }
 }
 
@@ -667,43 +683,31 @@ void few_queries_rows(const Rows<T>& q, const Rows<T>& k, const Rows<T>& v, cons
 // (one fp32 copy shared by a sentence's beams was 1.05-1.3x slower once bf16 loads widened in
 // one instruction).
 template <typename T>
-void forward_few_queries(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
-                         const at::Tensor& cache_rows, const KeyMask& mask, float scale,
-                         const DropoutStream& drop, at::Tensor& out_, at::Tensor& lse_) {
-  const Shape n(q_, v_);
-  const Rows<T> q(q_), k(k_, cache_rows), v(v_, cache_rows);
-  const OutRows<T> out(out_);
-  float* lse = lse_.data_ptr<float>();
-  const int64_t lk_vectors = whole_vectors(n.lk);
-  const int64_t grain = short_units_grain(n.batch * n.heads);
+void forward_few_queries(const Forward<T>& f) {
+  const int64_t lk_vectors = whole_vectors(f.n.lk);
+  const int64_t grain = short_units_grain(f.n.batch * f.n.heads);
   run_workers([&](const auto& next) {
     // Workspace: one query's scores, bias, dropout factors and output row.
-    std::vector<float> work(3 * lk_vectors + whole_vectors(n.dv));
+    std::vector<float> work(3 * lk_vectors + whole_vectors(f.n.dv));
     float* s = work.data();
     float* bias = s + lk_vectors;
     float* factors = bias + lk_vectors;
     float* o = factors + lk_vectors;
-    for (int64_t bh = next(); bh < n.batch * n.heads; bh = next()) {
-      few_queries_rows(q, k, v, mask, n, bh, 0, n.lq, scale, drop, s, bias, factors, o, out, lse);
+    for (int64_t bh = next(); bh < f.n.batch * f.n.heads; bh = next()) {
+      few_queries_rows(f, bh, 0, f.n.lq, s, bias, factors, o);
     }
   }, grain);
 }
 
+// read_words: reads_words<T>(q, k).
 template <typename T>
-void forward_kernel(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
-                    const at::Tensor& cache_rows, const KeyMask& mask, float scale,
-                    const DropoutStream& drop, at::Tensor& out_, at::Tensor& lse_) {
-  const Shape n(q_, v_);
-  const Rows<T> q(q_), k(k_, cache_rows), v(v_, cache_rows);
-  const OutRows<T> out(out_);
-  float* lse = lse_.data_ptr<float>();
-  const int64_t blocks = (n.lq + kBlockM - 1) / kBlockM;
-  const int64_t lk_vectors = whole_vectors(n.lk), dv_vectors = whole_vectors(n.dv);
-  const int64_t units = n.batch * n.heads * blocks;
-  const bool read_words = reads_words<T>(q_, k_);
-  const bool few_keys = few_queries_fit(n);
+void forward_kernel(const Forward<T>& f, bool read_words) {
+  const int64_t blocks = (f.n.lq + kBlockM - 1) / kBlockM;
+  const int64_t lk_vectors = whole_vectors(f.n.lk), dv_vectors = whole_vectors(f.n.dv);
+  const int64_t units = f.n.batch * f.n.heads * blocks;
+  const bool few_keys = few_queries_fit(f.n);
   run_workers([&](const auto& next) {
-    Panels panels(n, read_words);
+    Panels panels(f.n, read_words);
     // Workspace: scores, bias, factors, O.
     std::vector<float> work(kBlockM * lk_vectors + 2 * lk_vectors + kBlockM * dv_vectors);
     float* s = work.data();
@@ -712,33 +716,33 @@ void forward_kernel(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor
     float* o = factors + lk_vectors;
     int64_t loaded_bh = -1;
     for (int64_t t = next(); t < units; t = next()) {
-      const int64_t bh = t / blocks, b = bh / n.heads, h = bh % n.heads;
-      const int64_t i0 = (t % blocks) * kBlockM, rows = std::min(kBlockM, n.lq - i0);
-      if (few_keys && mask.key_end[b] <= kFewQueries) {  // see attention_cpp
-        few_queries_rows(q, k, v, mask, n, bh, i0, i0 + rows, scale, drop, s, bias, factors, o,
-                         out, lse);
+      const int64_t bh = t / blocks, b = bh / f.n.heads, h = bh % f.n.heads;
+      const int64_t i0 = (t % blocks) * kBlockM, rows = std::min(kBlockM, f.n.lq - i0);
+      if (few_keys && f.mask.key_end[b] <= kFewQueries) {  // see attention_cpp
+        few_queries_rows(f, bh, i0, i0 + rows, s, bias, factors, o);
         continue;
       }
-      const int64_t keys = mask.keys_of_block(b, i0 + rows), width = whole_vectors(keys);
+      const int64_t keys = f.mask.keys_of_block(b, i0 + rows), width = whole_vectors(keys);
       if (bh != loaded_bh) {  // the blocks of one (b, h) share its panels
-        panels.load(k, v, b, h, mask.key_end[b], n);
+        panels.load(f.k, f.v, b, h, f.mask.key_end[b], f.n);
         loaded_bh = bh;
       }
-      mask.bias(b, bias, width);
-      panels.scores(q, b, h, i0, rows, n, s, width);
+      f.mask.bias(b, bias, width);
+      panels.scores(f.q, b, h, i0, rows, f.n, s, width);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = i0 + r;
-        lse[bh * n.lq + i] = softmax_row(s + r * lk_vectors, bias, width, i, scale, mask.causal,
-                                         drop, element_index(bh, i, n.lq, n.lk), factors);
+        f.lse[bh * f.n.lq + i] =
+            softmax_row(s + r * lk_vectors, bias, width, i, f.scale, f.mask.causal, f.drop,
+                        element_index(bh, i, f.n.lq, f.n.lk), factors);
       }
       if (keys > 0) {
         panels.values<T>(s, rows, keys, o);
       } else {
         std::fill(o, o + rows * dv_vectors, 0.0f);
       }
-      store_rows(o, dv_vectors, out, b, h, i0, rows, i0 + rows, n.dv);
+      store_rows(o, dv_vectors, f.out, b, h, i0, rows, i0 + rows, f.n.dv);
     }
-  }, n.lq * n.lk <= kShortBlock ? short_units_grain(units) : 1);
+  }, f.n.lq * f.n.lk <= kShortBlock ? short_units_grain(units) : 1);
 }
 
 
@@ -855,10 +859,11 @@ std::tuple<at::Tensor, at::Tensor> attention_cpp(
     // A sentence of up to kFewQueries tokens is attended by forward_few_queries' rows whatever
     // the batch's longest (its keys, not the padded query count, decide): padded among longer
     // sentences, it gets the same bits as alone (the two kernels sum in other orders).
+    const Forward<T> f(q, k, v, rows, mask, static_cast<float>(scale), drop, out, lse);
     if (n.lq <= kFewQueries && few_queries_fit(n)) {
-      forward_few_queries<T>(q, k, v, rows, mask, static_cast<float>(scale), drop, out, lse);
+      forward_few_queries(f);
     } else {
-      forward_kernel<T>(q, k, v, rows, mask, static_cast<float>(scale), drop, out, lse);
+      forward_kernel(f, reads_words<T>(q, k));
     }
   });
   return {out, lse};
