@@ -21,11 +21,10 @@ then multiplied by its s_x[m] and the bias added (``fastnmt::scale_rows_``), or,
 feed-forward block's two GEMMs, on the way into the second's quantizer (``then``).
 
 A float32 model's GEMMs run the same way, with float32 outputs, where the CPU has VNNI
-(``Int8VnniLinear``). Elsewhere they run in fbgemm (``Int8Linear``), on weights prepacked once
-into its GEMM layout, its activations quantized per tensor to uint8 over [min x, max x] (scale
-s_x, zero point z).
-Either way activations use 7 bits (``reduce_range``: 63 steps either side of z = 64 per row)
-where the CPU lacks VNNI: without it the u8 x s8 multiply-add (vpmaddubsw) saturates its int16
+(``Int8VnniLinear``). Elsewhere they run in fbgemm (``Int8Linear``), on weights prepacked once into
+its GEMM layout, its activations quantized per tensor to uint8 over [min x, max x] (scale s_x, zero
+point z). Either way activations use 7 bits (``reduce_range``: 63 steps either side of z = 64 per
+row) where the CPU lacks VNNI: without it the u8 x s8 multiply-add (vpmaddubsw) saturates its int16
 pair sums at 8 bits; 7 bits cannot saturate (fbgemm always uses 7).
 
 bf16: the same GEMM as ``F.linear`` on bf16 tensors (oneDNN's, fp32 accumulation; equal results),
@@ -94,7 +93,7 @@ def int8_vnni_supported(device: torch.device | str) -> list[str]:
 
 def int8_activation_dtype(device: torch.device | str) -> torch.dtype:
     """The dtype a model quantized for ``device`` runs its activations in: bf16 (oneDNN's int8
-    GEMMs, ``Int8Bf16Linear``) where they can run, else float32 (fbgemm's)."""
+    GEMMs, ``Int8Bf16Linear``) where they can run, else float32 (``int8_linear``'s GEMMs)."""
     return torch.float32 if int8_bf16_supported(device) else torch.bfloat16
 
 
@@ -203,8 +202,9 @@ class OnednnInt8Linear(PackedLinear):
         return self._finished(y, scales, x.shape[:-1])
 
     def then(self, second: PackedLinear, x: torch.Tensor) -> torch.Tensor:
-        """``second(self(x))``; when ``second`` is int8 too, this layer's output is scaled,
-        biased and activated on the way into ``second``'s quantizer (one pass over it less)."""
+        """``second(self(x))``; when ``second`` is a oneDNN int8 layer too, this layer's output
+        is scaled, biased and activated on the way into ``second``'s quantizer (one pass over it
+        less)."""
         if not isinstance(second, OnednnInt8Linear) or self.activation is not None:
             return second(self(x))
         rows = x.numel() // self.in_features
