@@ -192,7 +192,7 @@ class OnednnInt8Linear(PackedLinear):
         self.relu = activation == "relu"
         self.activation = _ACTIVATIONS[activation]
         self.reduce_range = not torch.cpu._is_vnni_supported()
-        self.zero_point = 64 if self.reduce_range else 128
+        self.zero_point = 64 if self.reduce_range else 128  # quantize_rows' z (h + 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
