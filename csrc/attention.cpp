@@ -578,7 +578,6 @@ struct Panels {
   }
 };
 
-
 // Up to this many vectors of q/k and of v per row (head dims of 256 with AVX-512, 128 with AVX2)
 // take forward_few_queries; wider heads, forward_kernel.
 constexpr int64_t kFewQueriesVectors = 16;
@@ -744,7 +743,6 @@ void forward_kernel(const Forward<T>& f, bool read_words) {
     }
   }, f.n.lq * f.n.lk <= kShortBlock ? short_units_grain(units) : 1);
 }
-
 
 template <typename T>
 void backward_kernel(const at::Tensor& grad_out_, const float* grad_lse, const at::Tensor& q_,

@@ -149,4 +149,14 @@ inline void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
 }
 
+// The data of `scales`, one float32 per row of `rows` (an int8 GEMM's row scales,
+// fastnmt/quantize.py), checked.
+inline const float* row_scales_data(const at::Tensor& scales, int64_t rows, const char* op,
+                                    const char* name) {
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 1 &&
+                  scales.size(0) == rows && scales.is_contiguous(),
+              op, ": ", name, " must be contiguous float32 (", rows, ",)");
+  return scales.data_ptr<float>();
+}
+
 }  // namespace fastnmt

@@ -165,25 +165,24 @@ at::Tensor cross_entropy_rows(at::Tensor logits, const at::Tensor& target, doubl
                 "target ", gold_ids[i], " at row ", i, " is outside [0, ", vocab,
                 ") and is not ignore_index (", ignore_index, ")");
   }
+  const float* scales = nullptr;
   if (row_scales.has_value()) {
-    TORCH_CHECK(row_scales->scalar_type() == at::kFloat && row_scales->dim() == 1 &&
-                    row_scales->size(0) == count && row_scales->is_contiguous(),
-                "row_scales must be contiguous float32 of shape (", count, ",)");
+    scales = row_scales_data(*row_scales, count, "cross_entropy_rows", "row_scales");
     TORCH_CHECK(!compute_grad, "row_scales (an int8 GEMM's logits) give no gradient");
   }
   auto stats = at::empty({count, 3}, logits.options().dtype(at::kFloat));
   dispatch_float(logits.scalar_type(), "cross_entropy_rows", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    const auto run = [&](auto scaled, const float* scales) {
+    const auto run = [&](auto scaled) {
       rows<decltype(scaled)::value>(logits.data_ptr<T>(), gold_ids, stats.data_ptr<float>(),
                                     count, vocab, static_cast<float>(label_smoothing),
                                     ignore_index, compute_grad, static_cast<float>(grad_scale),
                                     scales);
     };
-    if (row_scales.has_value()) {
-      run(std::true_type{}, row_scales->data_ptr<float>());
+    if (scales != nullptr) {
+      run(std::true_type{});
     } else {
-      run(std::false_type{}, nullptr);
+      run(std::false_type{});
     }
   });
   return stats;

@@ -52,7 +52,7 @@ struct InputRow {
   }
 };
 
-// body(row) for each row m in [begin, end) of x (width values each), as an InputRow of the
+// body(m, row) for each row m in [begin, end) of x (width values each), as an InputRow of the
 // transform the arguments ask for.
 template <typename T, typename Body>
 void for_input_rows(const T* x, int64_t width, const float* scale, const float* bias, bool relu,
@@ -122,14 +122,6 @@ const float* bias_data(const c10::optional<at::Tensor>& bias, int64_t n, const c
   return bias->data_ptr<float>();
 }
 
-// Each row's scale (scales (rows,), float32), checked.
-const float* row_scales(const at::Tensor& scales, int64_t rows, const char* op, const char* name) {
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 1 &&
-                  scales.size(0) == rows && scales.is_contiguous(),
-              op, ": ", name, " must be contiguous float32 (", rows, ",)");
-  return scales.data_ptr<float>();
-}
-
 std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x_, int64_t padded_rows,
                                                  bool reduce_range,
                                                  const c10::optional<at::Tensor>& x_scales,
@@ -145,8 +137,9 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x_, int64_t p
   const auto x = x_.contiguous();
   const int64_t rows = x.size(0), width = x.size(1);
   const float* in_shift = bias_data(x_bias, width, "quantize_rows", "x_bias");
-  const float* in_scale =
-      x_scales.has_value() ? row_scales(*x_scales, rows, "quantize_rows", "x_scales") : nullptr;
+  const float* in_scale = x_scales.has_value()
+                              ? row_scales_data(*x_scales, rows, "quantize_rows", "x_scales")
+                              : nullptr;
   const float half = reduce_range ? 63.0f : 127.0f, zero_point = half + 1.0f;
   auto q = at::empty({padded_rows, width}, x.options().dtype(at::kByte));
   auto scales = at::empty({rows}, x.options().dtype(at::kFloat));
@@ -178,7 +171,7 @@ at::Tensor& scale_rows_(at::Tensor& y, const at::Tensor& scales,
   TORCH_CHECK(scales.dim() == 1 && scales.size(0) <= y.size(0),
               "scale_rows_: scales must have at most y's ", y.size(0), " rows");
   const int64_t rows = scales.size(0), width = y.size(1);
-  const float* scale = row_scales(scales, rows, "scale_rows_", "scales");
+  const float* scale = row_scales_data(scales, rows, "scale_rows_", "scales");
   const float* shift = bias_data(bias, width, "scale_rows_", "bias");
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, y.scalar_type(), "scale_rows_", [&] {
     scalar_t* out = y.data_ptr<scalar_t>();

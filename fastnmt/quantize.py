@@ -196,9 +196,7 @@ class OnednnInt8Linear(PackedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        y, scales = self._unscaled(torch.ops.fastnmt.quantize_rows(
-            x.reshape(rows, self.in_features), padded_rows(rows), self.reduce_range
-        ))  # fmt: skip
+        y, scales = self._gemm(x.reshape(rows, self.in_features), padded_rows(rows))
         return self._finished(y, scales, x.shape[:-1])
 
     def then(self, second: PackedLinear, x: torch.Tensor) -> torch.Tensor:
@@ -209,13 +207,11 @@ class OnednnInt8Linear(PackedLinear):
             return second(self(x))
         rows = x.numel() // self.in_features
         padded = padded_rows(rows)
-        y, scales = self._unscaled(torch.ops.fastnmt.quantize_rows(
-            x.reshape(rows, self.in_features), padded, self.reduce_range
-        ))  # fmt: skip
+        y, scales = self._gemm(x.reshape(rows, self.in_features), padded)
         quantized = torch.ops.fastnmt.quantize_rows(
             y[:rows], padded, second.reduce_range, scales, self.packed_bias, self.relu
         )
-        return second._finished(*second._unscaled(quantized), x.shape[:-1])
+        return second._finished(*second._gemm_of(quantized), x.shape[:-1])
 
     def unscaled(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x (M, K) -> (y, scales): the layer's output is y (M, N) times each row's scale, or y
@@ -224,12 +220,14 @@ class OnednnInt8Linear(PackedLinear):
         if self.packed_bias is not None or self.relu or self.activation is not None:
             return self(x), None
         rows = x.shape[0]
-        y, scales = self._unscaled(
-            torch.ops.fastnmt.quantize_rows(x, padded_rows(rows), self.reduce_range)
-        )
-        return y[:rows], scales
+        y, scales = self._gemm(x, padded_rows(rows))
+        return (y if y.shape[0] == rows else y[:rows]), scales
 
-    def _unscaled(self, quantized: tuple[torch.Tensor, torch.Tensor]):
+    def _gemm(self, x: torch.Tensor, padded: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (rows, K) quantized row by row and multiplied: ``_gemm_of``'s (y, scales)."""
+        return self._gemm_of(torch.ops.fastnmt.quantize_rows(x, padded, self.reduce_range))
+
+    def _gemm_of(self, quantized: tuple[torch.Tensor, torch.Tensor]):
         """The GEMM of rows quantized by ``quantize_rows``: (y, their scales), y (padded rows,
         N) still to be multiplied by each row's scale (the weight's are applied)."""
         q, scales = quantized
@@ -240,9 +238,10 @@ class OnednnInt8Linear(PackedLinear):
         return y, scales
 
     def _finished(self, y: torch.Tensor, scales: torch.Tensor, lead: torch.Size) -> torch.Tensor:
-        """The layer's output (*lead, N) from ``_unscaled``'s."""
+        """The layer's output (*lead, N) from ``_gemm_of``'s."""
         torch.ops.fastnmt.scale_rows_(y, scales, self.packed_bias, self.relu)
-        y = y[: scales.shape[0]].view(*lead, self.out_features)
+        rows = scales.shape[0]
+        y = (y if y.shape[0] == rows else y[:rows]).view(*lead, self.out_features)
         return y if self.activation is None else self.activation(y)
 
 

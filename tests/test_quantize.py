@@ -110,6 +110,20 @@ def test_onednn_int8_linear_is_within_the_quantization_bound(shape, activation, 
 
 
 @pytest.mark.skipif(not INT8_BF16, reason="int8 between bf16 activations does not run here")
+def test_an_int8_bf16_call_is_one_quantizer_one_gemm_and_one_scale_pass():
+    """The host path of a call: its quantizer, oneDNN's GEMM and the rows' scaling, once each;
+    a row count the GEMM runs unpadded slices nothing (decoding calls these every step)."""
+    layer = Int8Bf16Linear(torch.randn(64, 256), torch.randn(64), "relu")
+    for rows, sliced in ((32, False), (18, True)):  # 18 rows run as 32
+        with HostOps() as host:
+            layer(torch.randn(2, rows // 2, 256).bfloat16())
+        for op in ("quantize_rows", "qlinear_pointwise", "scale_rows_"):
+            assert host.aten.count(op) == 1, host.aten
+        assert ("slice" in host.aten) == sliced, host.aten
+        assert "copy_" not in host.aten, host.aten
+
+
+@pytest.mark.skipif(not INT8_BF16, reason="int8 between bf16 activations does not run here")
 def test_an_int8_bf16_layer_hands_over_its_unscaled_rows_when_it_has_no_bias():
     """``unscaled(x)``: (y, scales) with the layer's output y * scales (the rows as the GEMM
     wrote them, before the bf16 rounding of the scaled values); a layer with a bias or an

@@ -497,7 +497,10 @@ def test_cpp_rows_apply_row_scales_as_they_read_the_logits(dtype):
     torch.testing.assert_close(got, expected, rtol=2e-6, atol=2e-5)
     for bad, reason in [
         ((True, scales), "give no gradient"),
-        ((False, scales[:5]), "row_scales must be contiguous float32 of shape \\(37,\\)"),
+        (
+            (False, scales[:5]),
+            "cross_entropy_rows: row_scales must be contiguous float32 \\(37,\\)",
+        ),
     ]:
         with pytest.raises(RuntimeError, match=reason) as error:
             rows(raw.clone(), target, 0.1, IGNORE, *bad)
