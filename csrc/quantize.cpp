@@ -14,7 +14,9 @@
 // One pass over each row's values for its maximum, one to quantize them (the row is in L1 by
 // then). Values round half up (after the shift, where they are >= 0); 0.0 is exactly z. q has
 // `padded_rows` rows (>= rows), those past x's left unset: the GEMM's output rows for them are
-// never read.
+// never read. With `as_float`, q holds q - z in float32 instead (integers in [-h, h]): the input
+// of a GEMM that quantizes float activations itself (fbgemm's, given scale 1 and zero point z,
+// which then reproduces these bytes exactly).
 #include "common.h"
 #include "vec.h"
 
@@ -95,19 +97,23 @@ float row_abs_max(const Row& row, int64_t width) {
   return horizontal_max(a > b ? a : b);
 }
 
-// q = round(v / scale) + z with |v| <= max |v| = h scale: within [1, 2h + 1], no clamping.
-template <typename Row>
-void quantize_row(const Row& row, int64_t width, float inverse_scale, float zero_point,
-                  uint8_t* q) {
+// q = round(v / scale) + z with |v| <= max |v| = h scale: within [1, 2h + 1], no clamping; as
+// bytes (Out uint8_t), or q - z as floats (Out float).
+template <typename Out, typename Row>
+void quantize_row(const Row& row, int64_t width, float inverse_scale, float zero_point, Out* q) {
   for (int64_t k = 0; k < width; k += kLanes) {
     const int64_t lanes = std::min(kLanes, width - k);
     const Vec v = row.values(k, lanes) * inverse_scale + (zero_point + 0.5f);
-    // Truncation rounds (v >= 0); the narrowing to bytes is one instruction with AVX-512.
-    const ByteVec bytes = __builtin_convertvector(__builtin_convertvector(v, IntVec), ByteVec);
-    if (lanes == kLanes) {
-      __builtin_memcpy(q + k, &bytes, sizeof bytes);
-    } else {
-      for (int64_t l = 0; l < lanes; ++l) q[k + l] = bytes[l];
+    const IntVec rounded = __builtin_convertvector(v, IntVec);  // truncation rounds: v >= 0
+    if constexpr (std::is_same_v<Out, float>) {
+      store_float(q + k, __builtin_convertvector(rounded, Vec) - zero_point, lanes);
+    } else {  // the narrowing to bytes is one instruction with AVX-512
+      const ByteVec bytes = __builtin_convertvector(rounded, ByteVec);
+      if (lanes == kLanes) {
+        __builtin_memcpy(q + k, &bytes, sizeof bytes);
+      } else {
+        for (int64_t l = 0; l < lanes; ++l) q[k + l] = bytes[l];
+      }
     }
   }
 }
@@ -126,7 +132,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x_, int64_t p
                                                  bool reduce_range,
                                                  const c10::optional<at::Tensor>& x_scales,
                                                  const c10::optional<at::Tensor>& x_bias,
-                                                 bool relu) {
+                                                 bool relu, bool as_float) {
   TORCH_CHECK(x_.dim() == 2, "quantize_rows: x must be (rows, K), got ", x_.dim(), " dims");
   TORCH_CHECK(x_.scalar_type() == at::kFloat || x_.scalar_type() == at::kBFloat16,
               "quantize_rows: x must be float32 or bfloat16, got ", x_.scalar_type());
@@ -141,25 +147,31 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x_, int64_t p
                               ? row_scales_data(*x_scales, rows, "quantize_rows", "x_scales")
                               : nullptr;
   const float half = reduce_range ? 63.0f : 127.0f, zero_point = half + 1.0f;
-  auto q = at::empty({padded_rows, width}, x.options().dtype(at::kByte));
+  auto q = at::empty({padded_rows, width}, x.options().dtype(as_float ? at::kFloat : at::kByte));
   auto scales = at::empty({rows}, x.options().dtype(at::kFloat));
   float* scale = scales.data_ptr<float>();
-  uint8_t* out = q.data_ptr<uint8_t>();
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "quantize_rows", [&] {
-    const scalar_t* in = x.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
-      for_input_rows(in, width, in_scale, in_shift, relu, begin, end, [&](int64_t m, auto row) {
-        const float high = row_abs_max(row, width);
-        if (high > 0.0f && std::isfinite(high)) {
-          scale[m] = high / half;
-          quantize_row(row, width, half / high, zero_point, out + m * width);
-        } else {  // all zeros (or an infinity): every value z, the GEMM's output row 0
-          scale[m] = 1.0f;
-          std::fill(out + m * width, out + (m + 1) * width, static_cast<uint8_t>(zero_point));
-        }
+  auto quantize = [&](auto* out, auto zero) {  // zero: z as out holds it
+    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "quantize_rows", [&] {
+      const scalar_t* in = x.data_ptr<scalar_t>();
+      at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
+        for_input_rows(in, width, in_scale, in_shift, relu, begin, end, [&](int64_t m, auto row) {
+          const float high = row_abs_max(row, width);
+          if (high > 0.0f && std::isfinite(high)) {
+            scale[m] = high / half;
+            quantize_row(row, width, half / high, zero_point, out + m * width);
+          } else {  // all zeros (or an infinity): every value z, the GEMM's output row 0
+            scale[m] = 1.0f;
+            std::fill(out + m * width, out + (m + 1) * width, zero);
+          }
+        });
       });
     });
-  });
+  };
+  if (as_float) {
+    quantize(q.data_ptr<float>(), 0.0f);
+  } else {
+    quantize(q.data_ptr<uint8_t>(), static_cast<uint8_t>(zero_point));
+  }
   return {q, scales};
 }
 
@@ -193,7 +205,7 @@ at::Tensor& scale_rows_(at::Tensor& y, const at::Tensor& scales,
 TORCH_LIBRARY_FRAGMENT(fastnmt, m) {
   m.def(
       "quantize_rows(Tensor x, int padded_rows, bool reduce_range, Tensor? x_scales=None, "
-      "Tensor? x_bias=None, bool relu=False) -> (Tensor, Tensor)");
+      "Tensor? x_bias=None, bool relu=False, bool as_float=False) -> (Tensor, Tensor)");
   m.def("scale_rows_(Tensor(a!) y, Tensor scales, Tensor? bias, bool relu) -> Tensor(a!)");
 }
 

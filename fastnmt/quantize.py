@@ -20,12 +20,12 @@ activation scale per call, so the GEMM runs at scale 1 and writes s_w[n] sum_k .
 then multiplied by its s_x[m] and the bias added (``fastnmt::scale_rows_``), or, between the
 feed-forward block's two GEMMs, on the way into the second's quantizer (``then``).
 
-A float32 model's GEMMs run the same way, with float32 outputs, where the CPU has VNNI
-(``Int8VnniLinear``). Elsewhere they run in fbgemm (``Int8Linear``), on weights prepacked once into
-its GEMM layout, its activations quantized per tensor to uint8 over [min x, max x] (scale s_x, zero
-point z). Either way activations use 7 bits (``reduce_range``: 63 steps either side of z = 64 per
-row) where the CPU lacks VNNI: without it the u8 x s8 multiply-add (vpmaddubsw) saturates its int16
-pair sums at 8 bits; 7 bits cannot saturate (fbgemm always uses 7).
+A float32 model's GEMMs run the same way, with float32 outputs: in oneDNN where the CPU has VNNI
+(``Int8VnniLinear``), elsewhere in fbgemm (``Int8Linear``, on weights prepacked once into its GEMM
+layout), whose GEMM of float inputs, given each row's q - z at scale 1 and zero point z,
+reproduces ``quantize_rows``' bytes. Without VNNI activations use 7 bits (``reduce_range``: 63
+steps either side of z = 64 per row): there the u8 x s8 multiply-add (vpmaddubsw) saturates its
+int16 pair sums at 8 bits; 7 bits cannot saturate.
 
 bf16: the same GEMM as ``F.linear`` on bf16 tensors (oneDNN's, fp32 accumulation; equal results),
 but ``F.linear`` reorders the (N, K) weight into oneDNN's blocked layout at every call, which the
@@ -48,7 +48,7 @@ from fastnmt.attention import MultiheadAttention
 from fastnmt.model import FeedForward, Transformer
 from fastnmt.ops.extension import extension_available, extension_status
 
-# Post-GEMM activations; fbgemm fuses ReLU into the GEMM's output stage.
+# Post-GEMM activations; ReLU is applied with the int8 GEMMs' row scales (scale_rows_).
 _ACTIVATIONS = {"relu": None, "gelu": F.gelu, "silu": F.silu, None: None}
 # oneDNN's fused output stages (torch.ops.mkldnn._linear_pointwise's attr, scalars, algorithm).
 _ONEDNN_ACTIVATIONS = {
@@ -158,59 +158,45 @@ def _int8_weight(weight: torch.Tensor) -> torch.Tensor:
         return torch.quantize_per_channel(weight, scales.double(), zero_points, 0, torch.qint8)
 
 
-class Int8Linear(PackedLinear):
-    """An int8 GEMM (fbgemm); x (..., K) float32 -> (..., N) float32."""
-
-    def _pack(self, weight, bias, activation) -> None:
-        """fbgemm's prepacked per-channel int8 weight (and fp32 bias)."""
-        bias = None if bias is None else bias.float()
-        self.packed = torch.ops.quantized.linear_prepack(_int8_weight(weight), bias)
-        self.fused_relu = activation == "relu"
-        self.activation = _ACTIVATIONS[activation]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        quantized = torch.ops.quantized
-        gemm = quantized.linear_relu_dynamic if self.fused_relu else quantized.linear_dynamic
-        y = gemm(x.float(), self.packed, True)
-        return y if self.activation is None else self.activation(y)
-
-
-class OnednnInt8Linear(PackedLinear):
-    """An int8 GEMM (oneDNN) between activations of ``activation_dtype`` (a subclass's): x
-    (..., K) -> (..., N), the input quantized row by row at every call
-    (``fastnmt::quantize_rows``), ReLU applied with the rows' scales."""
+class RowInt8Linear(PackedLinear):
+    """An int8 GEMM between activations of ``activation_dtype``: x (..., K) -> (..., N), the input
+    quantized row by row at every call (``fastnmt::quantize_rows``), the rows' scales, the bias
+    and ReLU applied after the GEMM (``fastnmt::scale_rows_``). A subclass packs the weight
+    (``_pack_weight``) and multiplies (``_gemm_of``)."""
 
     activation_dtype: torch.dtype
+    as_float = False  # whether the GEMM takes q - z as float32 (fbgemm's) rather than bytes
 
     def _pack(self, weight, bias, activation) -> None:
-        """Int8Linear's per-channel int8 weight in oneDNN's layout, and the fp32 bias."""
-        quantized = _int8_weight(weight)
-        self.packed = torch.ops.onednn.qlinear_prepack(quantized.int_repr(), None)
-        self.scales = quantized.q_per_channel_scales().float()
-        self.zero_points = quantized.q_per_channel_zero_points()
+        """The per-channel int8 weight (``_pack_weight``) and the fp32 bias."""
+        self._pack_weight(_int8_weight(weight))
         self.packed_bias = None if bias is None else bias.float()
         self.relu = activation == "relu"
         self.activation = _ACTIVATIONS[activation]
         self.reduce_range = not torch.cpu._is_vnni_supported()
         self.zero_point = 64 if self.reduce_range else 128  # quantize_rows' z (h + 1)
 
+    def _pack_weight(self, quantized: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _padded_rows(self, rows: int) -> int:
+        """The row count the GEMM runs ``rows`` rows at."""
+        return padded_rows(rows)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        y, scales = self._gemm(x.reshape(rows, self.in_features), padded_rows(rows))
+        y, scales = self._gemm(x.reshape(rows, self.in_features))
         return self._finished(y, scales, x.shape[:-1])
 
     def then(self, second: PackedLinear, x: torch.Tensor) -> torch.Tensor:
-        """``second(self(x))``; when ``second`` is a oneDNN int8 layer too, this layer's output
-        is scaled, biased and activated on the way into ``second``'s quantizer (one pass over it
+        """``second(self(x))``; when ``second`` quantizes rows too, this layer's output is
+        scaled, biased and activated on the way into ``second``'s quantizer (one pass over it
         less)."""
-        if not isinstance(second, OnednnInt8Linear) or self.activation is not None:
+        if not isinstance(second, RowInt8Linear) or self.activation is not None:
             return second(self(x))
         rows = x.numel() // self.in_features
-        padded = padded_rows(rows)
-        y, scales = self._gemm(x.reshape(rows, self.in_features), padded)
-        quantized = torch.ops.fastnmt.quantize_rows(
-            y[:rows], padded, second.reduce_range, scales, self.packed_bias, self.relu
-        )
+        y, scales = self._gemm(x.reshape(rows, self.in_features))
+        quantized = second._quantize(_unpadded(y, rows), scales, self.packed_bias, self.relu)
         return second._finished(*second._gemm_of(quantized), x.shape[:-1])
 
     def unscaled(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -219,30 +205,73 @@ class OnednnInt8Linear(PackedLinear):
         applies the scales as it reads y (scoring's row kernel), one pass over y less."""
         if self.packed_bias is not None or self.relu or self.activation is not None:
             return self(x), None
-        rows = x.shape[0]
-        y, scales = self._gemm(x, padded_rows(rows))
-        return (y if y.shape[0] == rows else y[:rows]), scales
+        y, scales = self._gemm(x)
+        return _unpadded(y, x.shape[0]), scales
 
-    def _gemm(self, x: torch.Tensor, padded: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _quantize(self, x: torch.Tensor, scales=None, bias=None, relu=False):
+        """x (rows, K) quantized row by row (after act(x scales + bias), a previous GEMM's
+        unscaled output, when ``scales`` is given): (q, the rows' scales) for ``_gemm_of``."""
+        padded = self._padded_rows(x.shape[0])
+        quantize = torch.ops.fastnmt.quantize_rows
+        return quantize(x, padded, self.reduce_range, scales, bias, relu, self.as_float)
+
+    def _gemm(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (rows, K) quantized row by row and multiplied: ``_gemm_of``'s (y, scales)."""
-        return self._gemm_of(torch.ops.fastnmt.quantize_rows(x, padded, self.reduce_range))
+        return self._gemm_of(self._quantize(x))
 
     def _gemm_of(self, quantized: tuple[torch.Tensor, torch.Tensor]):
-        """The GEMM of rows quantized by ``quantize_rows``: (y, their scales), y (padded rows,
-        N) still to be multiplied by each row's scale (the weight's are applied)."""
+        """The GEMM of ``_quantize``'s rows: (y, their scales), y (padded rows, N) still to be
+        multiplied by each row's scale (the weight's are applied)."""
+        raise NotImplementedError
+
+    def _finished(self, y: torch.Tensor, scales: torch.Tensor, lead: torch.Size) -> torch.Tensor:
+        """The layer's output (*lead, N) from ``_gemm_of``'s."""
+        torch.ops.fastnmt.scale_rows_(y, scales, self.packed_bias, self.relu)
+        y = _unpadded(y, scales.shape[0]).view(*lead, self.out_features)
+        return y if self.activation is None else self.activation(y)
+
+
+def _unpadded(y: torch.Tensor, rows: int) -> torch.Tensor:
+    """A padded GEMM's output's first ``rows`` rows (y itself when it has no more)."""
+    return y if y.shape[0] == rows else y[:rows]
+
+
+class Int8Linear(RowInt8Linear):
+    """An int8 GEMM (fbgemm) between float32 activations (CPUs without VNNI). fbgemm's GEMM of
+    float inputs quantizes them itself: given the rows' q - z (integers) at scale 1 and zero
+    point z, it rebuilds ``quantize_rows``' bytes exactly."""
+
+    activation_dtype = torch.float32
+    as_float = True
+
+    def _pack_weight(self, quantized: torch.Tensor) -> None:
+        self.packed = torch.ops.quantized.linear_prepack(quantized, None)
+
+    def _padded_rows(self, rows: int) -> int:
+        return rows  # fbgemm compiles no kernel per row count
+
+    def _gemm_of(self, quantized: tuple[torch.Tensor, torch.Tensor]):
+        q, scales = quantized
+        gemm = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
+        return gemm(q, 1.0, self.zero_point, self.packed), scales
+
+
+class OnednnInt8Linear(RowInt8Linear):
+    """An int8 GEMM (oneDNN) between activations of ``activation_dtype`` (a subclass's)."""
+
+    def _pack_weight(self, quantized: torch.Tensor) -> None:
+        """The weight in oneDNN's layout."""
+        self.packed = torch.ops.onednn.qlinear_prepack(quantized.int_repr(), None)
+        self.scales = quantized.q_per_channel_scales().float()
+        self.zero_points = quantized.q_per_channel_zero_points()
+
+    def _gemm_of(self, quantized: tuple[torch.Tensor, torch.Tensor]):
         q, scales = quantized
         y = torch.ops.onednn.qlinear_pointwise(
             q, 1.0, self.zero_point, self.packed, self.scales, self.zero_points, None,
             1.0, 0, self.activation_dtype, "none", [], "",
         )  # fmt: skip
         return y, scales
-
-    def _finished(self, y: torch.Tensor, scales: torch.Tensor, lead: torch.Size) -> torch.Tensor:
-        """The layer's output (*lead, N) from ``_gemm_of``'s."""
-        torch.ops.fastnmt.scale_rows_(y, scales, self.packed_bias, self.relu)
-        rows = scales.shape[0]
-        y = (y if y.shape[0] == rows else y[:rows]).view(*lead, self.out_features)
-        return y if self.activation is None else self.activation(y)
 
 
 class Int8Bf16Linear(OnednnInt8Linear):
@@ -259,8 +288,8 @@ class Int8VnniLinear(OnednnInt8Linear):
 
 def int8_linear(dtype: torch.dtype) -> type[PackedLinear]:
     """The int8 GEMM of a model whose activations are ``dtype`` (``int8_activation_dtype``):
-    float32 ones quantized row by row where oneDNN has VNNI kernels (beam 4 1.03-1.17x as fast
-    as fbgemm's on a Zen 5 EPYC, and BLEU as with bf16 ones), else per tensor in fbgemm."""
+    float32 ones multiplied by oneDNN where it has VNNI kernels (beam 4 1.03-1.17x as fast as
+    fbgemm's on a Zen 5 EPYC), else by fbgemm."""
     if dtype == torch.bfloat16:
         return Int8Bf16Linear
     return Int8Linear if int8_vnni_supported("cpu") else Int8VnniLinear

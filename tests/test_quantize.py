@@ -28,18 +28,14 @@ from .helpers import HostOps, assert_error_within, tiny_checkpoint
 ACTIVATIONS = {None: lambda y: y, "relu": F.relu, "gelu": F.gelu, "silu": F.silu}
 
 
-def quantization_bound(x, weight, steps=127, per_row=False):
+def quantization_bound(x, weight, steps):
     """Largest |int8 GEMM - exact| per output (M, N): per-channel symmetric weights (step s_w),
-    activations per tensor over [min, max] in ``steps`` steps (7 bits: 127), or (``per_row``)
-    each row symmetrically, max |x| in ``steps`` steps each side (s_x), each rounded by at most
-    half a step: |x dW + dx W + dx dW| summed over K."""
+    each row of activations symmetric, max |x| in ``steps`` steps each side (s_x), each value
+    rounded by at most half a step: |x dW + dx W + dx dW| summed over K."""
     x = x.reshape(-1, x.shape[-1]).double()
     weight = weight.double()
     s_w = weight.abs().amax(dim=1) / 127  # (N,)
-    if per_row:
-        s_x = x.abs().amax(dim=1, keepdim=True) / steps
-    else:
-        s_x = (x.max().clamp_min(0) - x.min().clamp_max(0)) / steps
+    s_x = x.abs().amax(dim=1, keepdim=True) / steps
     k = x.shape[1]
     return (
         0.5 * x.abs().sum(1, keepdim=True) * s_w
@@ -48,37 +44,25 @@ def quantization_bound(x, weight, steps=127, per_row=False):
     )
 
 
-@pytest.mark.parametrize("activation", list(ACTIVATIONS))
-@pytest.mark.parametrize("shape", [(1, 1, 8), (3, 5, 37), (2, 70, 256)])
-def test_int8_linear_is_within_the_quantization_bound(shape, activation):
-    *lead, k = shape
-    n = 51
-    x, weight, bias = torch.randn(*lead, k) * 2, torch.randn(n, k) / k**0.5, torch.randn(n)
-    layer = Int8Linear(weight, bias, activation)
-    out = layer(x)
-    exact = ACTIVATIONS[activation](F.linear(x.double(), weight.double(), bias.double()))
-    # ReLU, GELU and SiLU change by at most 1.13x what their input changes (GELU's steepest).
-    bound = 1.13 * quantization_bound(x, weight).view(*lead, n) + 1e-5
-    error = (out.double() - exact).abs()
-    assert out.shape == (*lead, n) and out.dtype == torch.float32
-    assert (error <= bound).all(), f"error {error.max():.3g} over the bound"
-    assert error.max() > 0  # really quantized, not an fp32 GEMM
-
-
 # int8 GEMMs between bf16 activations run where the CPU computes in bf16 (and fastnmt's C++
 # kernels, which quantize their inputs, are built); elsewhere quantize_int8 refuses a bf16 model.
 INT8_BF16 = not int8_bf16_supported("cpu")
 
 
-# oneDNN's int8 GEMMs (rows quantized one by one) between each activation dtype, and whether
-# they run here: bf16 where the CPU computes it natively, float32 where it has VNNI.
-ONEDNN_INT8 = {Int8Bf16Linear: INT8_BF16, Int8VnniLinear: not int8_vnni_supported("cpu")}
+# The int8 GEMMs (rows quantized one by one) and whether they run here: oneDNN's between bf16
+# activations where the CPU computes bf16 natively, between float32 ones where it has VNNI;
+# fbgemm's (float32) everywhere (``int8_linear`` picks it where the CPU lacks VNNI).
+ROW_INT8 = {
+    Int8Bf16Linear: INT8_BF16,
+    Int8VnniLinear: not int8_vnni_supported("cpu"),
+    Int8Linear: True,
+}
 
 
-@pytest.mark.parametrize("gemm", list(ONEDNN_INT8), ids=lambda gemm: gemm.__name__)
+@pytest.mark.parametrize("gemm", list(ROW_INT8), ids=lambda gemm: gemm.__name__)
 @pytest.mark.parametrize("activation", list(ACTIVATIONS))
 @pytest.mark.parametrize("shape", [(1, 1, 8), (3, 5, 37), (2, 70, 256)])
-def test_onednn_int8_linear_is_within_the_quantization_bound(shape, activation, gemm):
+def test_int8_linear_is_within_the_quantization_bound(shape, activation, gemm):
     *lead, k = shape
     n = 51
     x = (torch.randn(*lead, k) * 2).to(gemm.activation_dtype)
@@ -87,19 +71,20 @@ def test_onednn_int8_linear_is_within_the_quantization_bound(shape, activation, 
         with pytest.raises(ValueError, match="quantize_int8: "):
             quantize_int8(nn.Sequential(nn.Linear(k, n).bfloat16()))
         return
-    if not ONEDNN_INT8[gemm]:
+    if not ROW_INT8[gemm]:
         assert int8_linear(torch.float32) is Int8Linear
         return
     layer = gemm(weight, bias, activation)
     out = layer(x)
     product = F.linear(x.double(), weight.double())
     exact = ACTIVATIONS[activation](product + bias.double())
-    # The quantization's bound, then bf16's rounding of the GEMM's unscaled output and of the
-    # result (each at most 2^-9 relative), the activations changing by at most 1.13x their
-    # input's.
+    # The quantization's bound, then the activation dtype's rounding of the GEMM's unscaled
+    # output and of the result (each at most half its epsilon, relative), the activations
+    # changing by at most 1.13x their input's.
     steps = 63 if layer.reduce_range else 127
-    bound = quantization_bound(x, weight, steps, per_row=True).view(*lead, n)
-    bound = 1.13 * (bound + 2**-9 * (product.abs() + bound)) + 2**-9 * exact.abs() + 1e-5
+    rounding = torch.finfo(gemm.activation_dtype).eps / 2
+    bound = quantization_bound(x, weight, steps).view(*lead, n)
+    bound = 1.13 * (bound + rounding * (product.abs() + bound)) + rounding * exact.abs() + 1e-5
     error = (out.double() - exact).abs()
     assert out.shape == (*lead, n) and out.dtype == gemm.activation_dtype
     assert (error <= bound).all(), f"error {error.max():.3g} over the bound"
@@ -109,17 +94,27 @@ def test_onednn_int8_linear_is_within_the_quantization_bound(shape, activation, 
     torch.testing.assert_close(narrow(x), out[..., rows], rtol=0, atol=0)
 
 
-@pytest.mark.skipif(not INT8_BF16, reason="int8 between bf16 activations does not run here")
-def test_an_int8_bf16_call_is_one_quantizer_one_gemm_and_one_scale_pass():
-    """The host path of a call: its quantizer, oneDNN's GEMM and the rows' scaling, once each;
-    a row count the GEMM runs unpadded slices nothing (decoding calls these every step)."""
-    layer = Int8Bf16Linear(torch.randn(64, 256), torch.randn(64), "relu")
-    for rows, sliced in ((32, False), (18, True)):  # 18 rows run as 32
+# Each row-quantizing GEMM's aten op, and whether it runs some row counts padded.
+GEMM_OPS = {
+    Int8Bf16Linear: ("qlinear_pointwise", True),
+    Int8Linear: ("linear_with_input_q_dq_qweight_dq_output_fp32", False),
+}
+
+
+@pytest.mark.parametrize("gemm", list(GEMM_OPS), ids=lambda gemm: gemm.__name__)
+def test_an_int8_call_is_one_quantizer_one_gemm_and_one_scale_pass(gemm):
+    """The host path of a call: its quantizer, the GEMM and the rows' scaling, once each; a row
+    count the GEMM runs unpadded slices nothing (decoding calls these every step)."""
+    if not ROW_INT8[gemm]:
+        pytest.skip(f"{gemm.__name__} does not run on this CPU")
+    op, pads = GEMM_OPS[gemm]
+    layer = gemm(torch.randn(64, 256), torch.randn(64), "relu")
+    for rows in (32, 18):  # oneDNN runs 18 rows as 32
         with HostOps() as host:
-            layer(torch.randn(2, rows // 2, 256).bfloat16())
-        for op in ("quantize_rows", "qlinear_pointwise", "scale_rows_"):
-            assert host.aten.count(op) == 1, host.aten
-        assert ("slice" in host.aten) == sliced, host.aten
+            layer(torch.randn(2, rows // 2, 256).to(gemm.activation_dtype))
+        for name in ("quantize_rows", op, "scale_rows_"):
+            assert host.aten.count(name) == 1, host.aten
+        assert ("slice" in host.aten) == (pads and rows == 18), host.aten
         assert "copy_" not in host.aten, host.aten
 
 
@@ -142,13 +137,13 @@ def test_an_int8_bf16_layer_hands_over_its_unscaled_rows_when_it_has_no_bias():
         torch.testing.assert_close(out, biased(x), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("gemm", list(ONEDNN_INT8), ids=lambda gemm: gemm.__name__)
+@pytest.mark.parametrize("gemm", list(ROW_INT8), ids=lambda gemm: gemm.__name__)
 @pytest.mark.parametrize("rows", [1, 15, 16, 37, 300])
-def test_an_onednn_int8_row_does_not_depend_on_its_batch_mates(rows, gemm):
+def test_an_int8_row_does_not_depend_on_its_batch_mates(rows, gemm):
     """Each row has its own scale: a row's output is the same, bit for bit, alone or beside
     rows a thousand times larger (one scale for the batch would flatten the small row's
     values into a few steps) at any row count (oneDNN runs other kernels at other counts)."""
-    if not ONEDNN_INT8[gemm]:
+    if not ROW_INT8[gemm]:
         pytest.skip(f"{gemm.__name__} does not run on this CPU")
     generator = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(40, 72, generator=generator), torch.randn(40, generator=generator)
@@ -196,6 +191,10 @@ def test_activations_are_quantized_row_by_row_to_within_half_a_step(
     q, scales = torch.ops.fastnmt.quantize_rows(x, padded, reduce_range)
     assert q.shape == (padded, shape[1]) and q.dtype == torch.uint8
     assert scales.shape == (shape[0],) and scales.dtype == torch.float32
+    centered, same = torch.ops.fastnmt.quantize_rows(x, padded, reduce_range, as_float=True)
+    assert centered.shape == (padded, shape[1]) and centered.dtype == torch.float32
+    assert torch.equal(centered[: shape[0]], q[: shape[0]].float() - (half + 1))
+    assert torch.equal(same, scales)
     expected_scales, expected_q = _rows_oracle(x, half)
     torch.testing.assert_close(scales, expected_scales, rtol=1e-6, atol=0)
     q = q[: shape[0]].double()
@@ -219,6 +218,8 @@ def test_a_gemms_unscaled_output_is_scaled_on_the_way_in(width, bias, relu):
     finished = y[:7].float() * scales[:, None] + (0 if shift is None else shift)
     finished = finished.relu() if relu else finished
     q, out_scales = torch.ops.fastnmt.quantize_rows(y[:7], 7, False, scales, shift, relu)
+    centered, _ = torch.ops.fastnmt.quantize_rows(y[:7], 7, False, scales, shift, relu, True)
+    assert torch.equal(centered, q.float() - 128)
     expected_scales, expected_q = _rows_oracle(finished, 127)
     torch.testing.assert_close(out_scales, expected_scales, rtol=1e-6, atol=0)
     assert (q.double() - expected_q.double()).abs().max() <= 1
@@ -275,7 +276,21 @@ def test_a_feed_forward_block_passes_its_hidden_layer_unwritten(activation):
     assert error <= 1.1 * unfused_error, (error, unfused_error)
 
 
-def test_float32_activations_are_quantized_per_tensor_in_fbgemm_without_vnni(monkeypatch):
+@pytest.mark.skipif(not ROW_INT8[Int8VnniLinear], reason="oneDNN's VNNI kernels do not run here")
+@pytest.mark.parametrize("activation", ["relu", None])
+@pytest.mark.parametrize("shape", [(1, 8, 3), (37, 72, 51), (300, 256, 1024)], ids=str)
+def test_fbgemm_and_onednn_give_a_float32_model_the_same_bits(shape, activation):
+    """The same quantized rows and exact int32 sums, scaled alike: a float32 model's int8
+    translation does not depend on which library multiplies."""
+    rows, k, n = shape
+    generator = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(n, k, generator=generator) / 8, torch.randn(n, generator=generator)
+    x = torch.randn(rows, k, generator=generator)
+    fbgemm, onednn = (gemm(weight, bias, activation) for gemm in (Int8Linear, Int8VnniLinear))
+    torch.testing.assert_close(fbgemm(x), onednn(x), rtol=0, atol=0)
+
+
+def test_float32_activations_are_multiplied_in_fbgemm_without_vnni(monkeypatch):
     """oneDNN's int8 kernels for CPUs without VNNI are not its fast ones: fbgemm's there."""
     monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: False)
     assert any("no AVX-512 VNNI" in reason for reason in int8_vnni_supported("cpu"))
