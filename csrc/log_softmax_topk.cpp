@@ -13,6 +13,9 @@
 // member's row is loaded and banned as above and its log-normaliser summed in one pass; one more
 // pass sums the members' probabilities per column and keeps the top k of those sums, whose logs
 // (less log M) are the values. Still no (rows x V) tensor is written.
+//
+// row_scales (one model's logits only): the logits are logits[i] * row_scales[i], an int8 output
+// layer's unscaled rows (fastnmt/quantize.py), scaled as they are loaded.
 #include "common.h"
 #include "row_softmax.h"
 #include "vec.h"
@@ -24,14 +27,15 @@ namespace fastnmt {
 namespace {
 
 template <typename T>
-void rows(const T* logits, const int64_t* banned, int64_t banned_count, float* values,
-          int64_t* indices, int64_t count, int64_t vocab, int64_t k) {
+void rows(const T* logits, const float* row_scales, const int64_t* banned, int64_t banned_count,
+          float* values, int64_t* indices, int64_t count, int64_t vocab, int64_t k) {
   const int64_t padded = whole_vectors(vocab);
   at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> buffer(padded);
     float* x = buffer.data();
     for (int64_t i = begin; i < end; ++i) {
-      const float row_max = load_row(logits + i * vocab, vocab, padded, x);
+      const float scale = row_scales == nullptr ? 1.0f : row_scales[i];
+      const float row_max = load_row(logits + i * vocab, vocab, padded, x, scale);
       const float banned_total = ban(x, banned, banned_count, row_max);
       TopK top(values + i * k, indices + i * k, k);
       const float lse =
@@ -85,8 +89,9 @@ void ensemble_rows(const T* logits, int64_t members, const int64_t* banned, int6
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> log_softmax_topk(const at::Tensor& logits_in, int64_t k,
-                                                    const at::Tensor& banned_in) {
+std::tuple<at::Tensor, at::Tensor> log_softmax_topk(
+    const at::Tensor& logits_in, int64_t k, const at::Tensor& banned_in,
+    const c10::optional<at::Tensor>& row_scales) {
   check_cpu(logits_in, "logits");
   check_cpu(banned_in, "banned");
   TORCH_CHECK(logits_in.dim() == 2 || logits_in.dim() == 3,
@@ -100,6 +105,12 @@ std::tuple<at::Tensor, at::Tensor> log_softmax_topk(const at::Tensor& logits_in,
   const auto logits = logits_in.contiguous();
   const auto banned = banned_in.to(at::kLong).contiguous();
   const auto* banned_ids = banned.data_ptr<int64_t>();
+  TORCH_CHECK(!ensemble || !row_scales.has_value(),
+              "row_scales apply to one model's logits (rows, V), not an ensemble's");
+  const auto scale_rows = row_scales.has_value() ? row_scales->contiguous() : at::Tensor();
+  const float* scales = scale_rows.defined() ? row_scales_data(scale_rows, count,
+                                                               "log_softmax_topk", "row_scales")
+                                             : nullptr;
   for (int64_t b = 0; b < banned.numel(); ++b) {
     TORCH_CHECK(banned_ids[b] >= 0 && banned_ids[b] < vocab, "banned id ", banned_ids[b],
                 " is outside [0, ", vocab, ")");
@@ -112,7 +123,7 @@ std::tuple<at::Tensor, at::Tensor> log_softmax_topk(const at::Tensor& logits_in,
       ensemble_rows(logits.data_ptr<T>(), members, banned_ids, banned.numel(),
                     values.data_ptr<float>(), indices.data_ptr<int64_t>(), count, vocab, k);
     } else {
-      rows(logits.data_ptr<T>(), banned_ids, banned.numel(), values.data_ptr<float>(),
+      rows(logits.data_ptr<T>(), scales, banned_ids, banned.numel(), values.data_ptr<float>(),
            indices.data_ptr<int64_t>(), count, vocab, k);
     }
   });
@@ -122,7 +133,9 @@ std::tuple<at::Tensor, at::Tensor> log_softmax_topk(const at::Tensor& logits_in,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fastnmt, m) {
-  m.def("log_softmax_topk_cpp(Tensor logits, int k, Tensor banned) -> (Tensor, Tensor)");
+  m.def(
+      "log_softmax_topk_cpp(Tensor logits, int k, Tensor banned, Tensor? row_scales=None) -> "
+      "(Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fastnmt, CPU, m) { m.impl("log_softmax_topk_cpp", log_softmax_topk); }

@@ -41,13 +41,14 @@ class TopK {
   int64_t size_ = 0;
 };
 
-// Row row (V logits) -> x (fp32, whole vectors; the padding lanes -inf), returning its max.
+// Row row (V logits) times `scale` (an int8 GEMM's row scale: its output rows come unscaled;
+// 1 is exact) -> x (fp32, whole vectors; the padding lanes -inf), returning its max.
 template <typename T>
-inline float load_row(const T* row, int64_t vocab, int64_t padded, float* x) {
+inline float load_row(const T* row, int64_t vocab, int64_t padded, float* x, float scale = 1.0f) {
   Vec running_max = splat(-kInf);
   for (int64_t j = 0; j < padded; j += kLanes) {
     const int64_t n = std::min(kLanes, vocab - j);
-    const Vec v = n == kLanes ? load_float(row + j) : load_float(row + j, n);
+    const Vec v = (n == kLanes ? load_float(row + j) : load_float(row + j, n)) * scale;
     store(x + j, v);
     running_max = v > running_max ? v : running_max;
   }

@@ -11,6 +11,7 @@ from fastnmt.quantize import (
     Int8Bf16Linear,
     Int8Linear,
     Int8VnniLinear,
+    RowInt8Linear,
     bf16_packing_supported,
     int8_activation_dtype,
     int8_bf16_supported,
@@ -400,13 +401,28 @@ def test_the_translator_translates_in_int8(tmp_path):
     assert len(fp32.translate(lines, beam=2)) == 3
 
 
-@pytest.mark.skipif(not INT8_BF16, reason="int8 between bf16 activations does not run here")
-def test_an_int8_translation_does_not_depend_on_its_batch(tmp_path):
+# The int8 models a Translator builds: bf16 activations where the CPU computes bf16 natively,
+# float32 ones (oneDNN's GEMMs with VNNI, fbgemm's without) everywhere.
+INT8_MODELS = {torch.bfloat16: INT8_BF16, torch.float32: True}
+
+
+@pytest.fixture(params=list(INT8_MODELS), ids=str)
+def int8_activations(request, monkeypatch):
+    """Each int8 activation dtype the Translator can run here (others skipped)."""
+    if not INT8_MODELS[request.param]:
+        pytest.skip("int8 between bf16 activations does not run here")
+    monkeypatch.setattr("fastnmt.translator.int8_activation_dtype", lambda _: request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("output_bias", [False, True])
+def test_an_int8_translation_does_not_depend_on_its_batch(tmp_path, int8_activations, output_bias):
     """Each sentence translates as it does alone, in a batch of any size (the server batches
     concurrent requests together), n-best scores included: short sentences among long ones too
     (attention's kernel for up to 8 queries takes them whatever the batch's longest)."""
-    directory = tiny_checkpoint(tmp_path / "ckpt", output_bias=True)
+    directory = tiny_checkpoint(tmp_path / "ckpt", output_bias=output_bias)
     translator = Translator.from_checkpoint(directory, precision="int8", device="cpu")
+    assert translator.model.packed_output.activation_dtype == int8_activations
     lines = [
         "two young dogs play together in the deep snow .", "a small test", "", "a man in a red "
         "shirt is riding a bike down a busy city street past a very long row of parked cars .",
@@ -416,6 +432,27 @@ def test_an_int8_translation_does_not_depend_on_its_batch(tmp_path):
     translator.max_sentences = 1
     alone = translator.translate_full(lines, beam=3, nbest=2)
     assert [t.candidates for t in alone] == [t.candidates for t in batched]
+
+
+def test_a_beam_step_reads_the_int8_logits_unscaled(tmp_path, int8_activations, monkeypatch):
+    """A bias-free int8 output layer hands its rows and their scales to ``log_softmax_topk``:
+    one scaling pass less a step; float32 logits translate bit for bit as when scaled first
+    (bf16 ones skip a rounding to bf16, which moves this random model's near-ties)."""
+    directory = tiny_checkpoint(tmp_path / "ckpt")
+    translator = Translator.from_checkpoint(directory, precision="int8", device="cpu")
+    lines = ["two young dogs play together in the deep snow .", "a small test", "hello"]
+
+    def translated_and_scaling_passes():
+        with HostOps() as host:  # one step
+            translator.translate(lines[1:2], beam=2, max_len_a=0, max_len_b=1)
+        return translator.translate_full(lines, beam=3, nbest=2), host.aten.count("scale_rows_")
+
+    fused, passes = translated_and_scaling_passes()
+    monkeypatch.delattr(RowInt8Linear, "unscaled")  # the logits scaled first
+    scaled_first, more_passes = translated_and_scaling_passes()
+    assert more_passes == passes + 1
+    if int8_activations == torch.float32:
+        assert [t.candidates for t in fused] == [t.candidates for t in scaled_first]
 
 
 # Packed bf16 GEMMs run where the CPU computes in bf16; elsewhere pack_bf16 refuses in one line

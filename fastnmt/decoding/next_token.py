@@ -136,14 +136,19 @@ def candidates(
     banned: torch.Tensor,
     *,
     rules: Sequence[Rule] = (),
+    scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The k best next tokens of every row: fp32 log-probabilities and their columns, (N, k)
     each, best first; k None: every column in order (columns None). ``logits``: one (N, V)
-    tensor per ensemble member; ``banned`` ids (n,) and the ``rules`` are never chosen. Without
-    rules, ``log_softmax_topk`` (an ensemble's logits stacked) never writes the (N, V)
-    log-probabilities."""
+    tensor per ensemble member; ``banned`` ids (n,) and the ``rules`` are never chosen;
+    ``scales`` (N,) (one model): its logits are logits[0] times each row's scale (an int8 output
+    layer's unscaled rows). Without rules, ``log_softmax_topk`` (an ensemble's logits stacked)
+    never writes the (N, V) log-probabilities, nor the scaled logits."""
     if not rules and k is not None and k < logits[0].shape[1]:
-        return log_softmax_topk(logits[0] if len(logits) == 1 else torch.stack(logits), k, banned)
+        stacked = logits[0] if len(logits) == 1 else torch.stack(logits)
+        return log_softmax_topk(stacked, k, banned, row_scales=scales)
+    if scales is not None:
+        logits = [logits[0].float() * scales[:, None]]
     log_probs = masked_log_probs(logits, banned, rules)
     return (log_probs, None) if k is None else log_probs.topk(k, dim=1)
 

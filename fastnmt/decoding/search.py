@@ -89,14 +89,18 @@ class _Member:
         self.caches = model.new_caches(steps) if incremental else None
         self.output_layer = model.output_layer(vocabulary)  # once per search
 
-    def logits(self, history, cached: int, src_lengths) -> torch.Tensor:
-        """(N, V) logits after ``history`` (N, step + 1), of which ``cached`` are cached."""
+    def logits(self, history, cached: int, src_lengths, unscaled: bool = False):
+        """(N, V) logits after ``history`` (N, step + 1), of which ``cached`` are cached, and
+        None; ``unscaled``: from an output layer that hands over its rows unscaled
+        (``fastnmt.quantize``'s int8 ones), those rows and their (N,) scales."""
         if self.caches is None:  # recompute the whole prefix: the baseline the cache is for
             states = self.model.decode(history, self.memory, src_lengths)
         else:  # the positions not yet cached: the start and any forced prefix, then one a step
             new = history[:, cached:]
             states = self.model.decode(new, self.memory, src_lengths, self.caches, start=cached)
-        return self.output_layer(states[:, -1])
+        if unscaled and hasattr(self.output_layer, "unscaled"):
+            return self.output_layer.unscaled(states[:, -1])
+        return self.output_layer(states[:, -1]), None
 
     def keep_sentences(self, kept: torch.Tensor) -> None:
         if self.caches is None:  # else the cross-attention caches hold all the memory says
@@ -186,13 +190,12 @@ class _Batch:
         """The k most probable next tokens of every hypothesis: float32 log-probabilities and
         token ids, both (N, k), best first; k None: every scored token, in id order (ids None
         when that is the whole vocabulary)."""
-        logits = self._logits()
+        rules = self._rules(self.history.shape[0])
+        # One model's top k: its int8 output layer's row scales go to the row kernel.
+        logits, scales = self._logits(unscaled=k is not None and not rules)
         vocab = logits[0].shape[1]
         found = candidates(
-            logits,
-            None if k is None else min(k, vocab),
-            self.banned,
-            rules=self._rules(len(logits[0])),
+            logits, None if k is None else min(k, vocab), self.banned, rules=rules, scales=scales
         )
         log_probs, ids = found
         if self.vocabulary is None:
@@ -206,16 +209,21 @@ class _Batch:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every hypothesis' next token drawn by ``sampling`` with ``uniforms`` (N,): its
         float32 log-probability and token id, (N,) each (``next_token.drawn``)."""
-        logits = self._logits()
+        logits, _ = self._logits()
         rules = self._rules(len(logits[0]))
         log_probs, columns = drawn(logits, self.banned, sampling, uniforms, rules=rules)
         return log_probs, columns if self.vocabulary is None else self.vocabulary[columns]
 
-    def _logits(self) -> list[torch.Tensor]:
-        """Each member's (N, V) logits of the step (the cache then holds the whole history)."""
-        logits = [m.logits(self.history, self.cached, self.src_lengths) for m in self.members]
+    def _logits(self, unscaled: bool = False) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Each member's (N, V) logits of the step (the cache then holds the whole history),
+        and None; ``unscaled`` (honoured for one model): its int8 output layer's unscaled rows
+        and their (N,) scales (``_Member.logits``)."""
+        unscaled = unscaled and len(self.members) == 1
+        outputs = [
+            m.logits(self.history, self.cached, self.src_lengths, unscaled) for m in self.members
+        ]
         self.cached = self.history.shape[1]
-        return logits
+        return [logits for logits, _ in outputs], outputs[0][1]
 
     def _rules(self, rows: int) -> list:
         """The step's masks of (N, V) log-probabilities."""

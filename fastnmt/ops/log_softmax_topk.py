@@ -27,6 +27,10 @@ rule), each member normalised over every column:
 
 so the members' log-probabilities are never written either.
 
+``row_scales`` (N,) (one model's logits): the logits are z_i * row_scales[i], an int8 output
+layer's rows as its GEMM wrote them (``fastnmt.quantize``'s ``unscaled``), scaled as they are
+read: the (N, V) scaled logits are never written.
+
 Banned ids must lie in [0, V). The op checks this only under ``FASTNMT_CHECK_VALUES=1`` (a host
 sync per decoding step otherwise; the search bans fixed ids: pad, bos). Unchecked, a wrong id
 still reads and writes nothing out of bounds: the C++ kernel checks the ids, which are on the CPU
@@ -55,8 +59,10 @@ _CPP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # ---------------------------------------------------------------------------------------------
 
 
-def log_softmax_topk_reference(logits, k, banned):
+def log_softmax_topk_reference(logits, k, banned, row_scales=None):
     z = logits.float()  # (N, V), or an ensemble's (M, N, V)
+    if row_scales is not None:
+        z = z * row_scales[:, None]
     lse = torch.logsumexp(z, dim=-1, keepdim=True)  # (..., N, 1), banned columns included
     if z.dim() == 3:  # the members' average probability, as log-probabilities (N, V)
         z = torch.where(lse > float("-inf"), z - lse, float("-inf"))
@@ -72,9 +78,9 @@ def log_softmax_topk_reference(logits, k, banned):
 # ---------------------------------------------------------------------------------------------
 
 
-def log_softmax_topk_cpp(logits, k, banned):
+def log_softmax_topk_cpp(logits, k, banned, row_scales=None):
     banned = logits.new_empty(0, dtype=torch.int64) if banned is None else banned.long()
-    return torch.ops.fastnmt.log_softmax_topk_cpp(logits, k, banned)
+    return torch.ops.fastnmt.log_softmax_topk_cpp(logits, k, banned, row_scales)
 
 
 def _cpp_unsupported(logits, **_):
@@ -85,12 +91,12 @@ def _cpp_unsupported(logits, **_):
 if extension_available():
 
     @torch.library.register_fake("fastnmt::log_softmax_topk_cpp")
-    def _cpp_fake(logits, k, banned):
+    def _cpp_fake(logits, k, banned, row_scales=None):
         values = logits.new_empty((logits.shape[-2], k), dtype=torch.float32)
         return values, logits.new_empty((logits.shape[-2], k), dtype=torch.int64)
 
 
-def _prepare(logits, k, banned=None):
+def _prepare(logits, k, banned=None, row_scales=None):
     checks.tensor("logits", logits, floating=True)
     if logits.dim() not in (2, 3):
         raise ValueError(
@@ -105,7 +111,16 @@ def _prepare(logits, k, banned=None):
             raise TypeError(f"banned must hold int64 or int32 token ids, got {banned.dtype}")
         checks.same_device("banned", banned, "logits", logits)
         _check_banned_range(banned, vocab)
-    return logits.device, dict(logits=logits, k=k, banned=banned)
+    if row_scales is not None:
+        checks.tensor("row_scales", row_scales, ndim=1)
+        rows = logits.shape[0] if logits.dim() == 2 else None
+        if row_scales.dtype != torch.float32 or row_scales.shape[0] != rows:
+            raise ValueError(
+                "row_scales must be float32 (N,) for one model's (N, V) logits, got "
+                f"{row_scales.dtype} {tuple(row_scales.shape)} for logits {tuple(logits.shape)}"
+            )
+        checks.same_device("row_scales", row_scales, "logits", logits)
+    return logits.device, dict(logits=logits, k=k, banned=banned, row_scales=row_scales)
 
 
 def _check_banned_range(banned, vocab: int) -> None:
@@ -124,7 +139,9 @@ LOG_SOFTMAX_TOPK.register("reference")(log_softmax_topk_reference)
 LOG_SOFTMAX_TOPK.register("torch")(log_softmax_topk_reference)
 
 
-def log_softmax_topk(logits, k: int, banned=None) -> tuple[torch.Tensor, torch.Tensor]:
+def log_softmax_topk(
+    logits, k: int, banned=None, row_scales=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest log-probabilities of each row and their columns, best first.
 
     Args:
@@ -133,10 +150,12 @@ def log_softmax_topk(logits, k: int, banned=None) -> tuple[torch.Tensor, torch.T
         k: how many per row, 1 <= k <= V.
         banned: optional int (n,) column ids never chosen (e.g. pad and bos); they stay in the
             softmax's normaliser, as in fairseq's and transformers' beam search.
+        row_scales: optional float32 (N,): the logits are ``logits * row_scales[:, None]``
+            (an int8 output layer's unscaled rows), (N, V) logits only.
 
     Returns:
         values: (N, k) fp32 log-probabilities, descending (-inf for banned columns when k
             exceeds the allowed ones). indices: (N, k) int64 columns; ties go to the lower
             column on the C++ backend, in ``torch.topk``'s order on the reference.
     """
-    return LOG_SOFTMAX_TOPK(logits, k, banned)
+    return LOG_SOFTMAX_TOPK(logits, k, banned, row_scales)

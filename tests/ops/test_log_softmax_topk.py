@@ -90,6 +90,44 @@ def test_an_ensemble_averages_its_members_probabilities(backend, dtype, members,
     torch.testing.assert_close(indices[finite], expected_indices[finite], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(("rows", "vocab", "k"), [(1, 1, 1), (5, 33, 4), (37, 8003, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["cpp", "reference"])
+def test_row_scales_are_applied_as_the_logits_are_read(backend, dtype, rows, vocab, k):
+    """An int8 output layer's unscaled rows and their scales: as the scaled logits against
+    float64, and on the C++ kernel, bit for bit as the logits scaled first in float32 (one
+    rounding either way); a row of scale 0 is uniform."""
+    require_backend(backend)
+    logits = (torch.randn(rows, vocab) * 400).to(dtype)
+    scales = torch.rand(rows) / 100
+    scales[-1] = 0.0
+    banned = torch.tensor([0, min(2, vocab - 1)])
+    with fastnmt.backend(backend):
+        values, indices = log_softmax_topk(logits, k, banned, row_scales=scales)
+        scaled_first = log_softmax_topk(logits.float() * scales[:, None], k, banned)
+    expected_values, expected_indices = _oracle(logits.double() * scales[:, None], k, banned)
+    torch.testing.assert_close(values.double(), expected_values, rtol=1e-5, atol=1e-5)
+    if backend == "cpp":
+        torch.testing.assert_close((values, indices), scaled_first, rtol=0, atol=0)
+        torch.testing.assert_close(indices, expected_indices, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("logits", "scales", "match"),
+    [
+        (torch.randn(3, 5), torch.ones(4), r"row_scales must be float32 \(N,\).*\(4,\)"),
+        (torch.randn(3, 5), torch.ones(3).double(), "row_scales must be float32"),
+        (torch.randn(2, 3, 5), torch.ones(3), "one model's"),
+    ],
+)
+@pytest.mark.parametrize("backend", ["cpp", "reference"])
+def test_bad_row_scales_are_named(backend, logits, scales, match):
+    require_backend(backend)
+    with fastnmt.backend(backend), pytest.raises(ValueError, match=match) as raised:
+        log_softmax_topk(logits, 2, None, row_scales=scales)
+    assert "\n" not in str(raised.value)
+
+
 def test_ties_go_to_the_lower_column_first(cpp):
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0, 2.0] * 5])
     values, indices = log_softmax_topk(logits, 5)
