@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from fastnmt.ops import log_softmax_topk, sample_token
+from fastnmt.ops.sample_token import MIN_TEMPERATURE
 
 NEG_INF = float("-inf")
 SAMPLING_METHODS = ("topk", "topp")
@@ -52,8 +53,11 @@ class Sampling:
             raise ValueError(f"topk must be at least 1, got {self.topk}")
         if not 0.0 < self.topp <= 1.0:
             raise ValueError(f"topp must be in (0, 1], got {self.topp}")
-        if not 0.0 < self.temperature < math.inf:
-            raise ValueError(f"temperature must be positive, got {self.temperature}")
+        if not MIN_TEMPERATURE <= self.temperature < math.inf:
+            raise ValueError(
+                f"temperature must be >= {MIN_TEMPERATURE} (lower: greedy search), got "
+                f"{self.temperature}"
+            )
         if self.samples < 1:
             raise ValueError(f"samples must be at least 1, got {self.samples}")
         if self.seed is not None and not 0 <= self.seed < 1 << 63:

@@ -40,6 +40,11 @@ from fastnmt.ops import checks, dispatch
 from fastnmt.ops.extension import extension_available
 
 NEG_INF = float("-inf")
+# The lowest temperature: the kernels divide logits by T in float32, where below about 1e-38 the
+# quotients overflow and the draw and its log-probability turn NaN. Far above that, so that
+# (z - max z) / T stays finite for any logits a model makes (|z| < 1e30): 1e-6 is greedy search
+# in all but ties within a millionth.
+MIN_TEMPERATURE = 1e-6
 _CPP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -132,8 +137,11 @@ def _prepare(logits, uniforms, banned=None, temperature=1.0, topk=None, topp=Non
         if banned.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"banned must hold int64 or int32 token ids, got {banned.dtype}")
         checks.same_device("banned", banned, "logits", logits)
-    if isinstance(temperature, bool) or not 0.0 < temperature < math.inf:
-        raise ValueError(f"temperature must be a positive number, got {temperature!r}")
+    if isinstance(temperature, bool) or not MIN_TEMPERATURE <= temperature < math.inf:
+        raise ValueError(
+            f"temperature must be a number >= {MIN_TEMPERATURE} (lower: greedy search), "
+            f"got {temperature!r}"
+        )
     if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int) or topk < 1):
         raise ValueError(f"topk must be None or an int >= 1, got {topk!r}")
     if topp is not None and (isinstance(topp, bool) or not 0.0 < topp <= 1.0):

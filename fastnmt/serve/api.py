@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fastnmt.decoding.next_token import SAMPLING_METHODS, Sampling
+from fastnmt.ops.sample_token import MIN_TEMPERATURE
 from fastnmt.translator import Translation, Translator
 
 MAX_BEAM = 16
@@ -103,8 +104,9 @@ class TranslateRequest(BaseModel):
         None, gt=0.0, le=1.0, allow_inf_nan=False, description="topp: P (default 0.9)"
     )
     temperature: float | None = Field(
-        None, gt=0.0, allow_inf_nan=False, description="softmax(logits / T) (default 1)"
-    )
+        None, ge=MIN_TEMPERATURE, allow_inf_nan=False,
+        description="softmax(logits / T) (default 1; lower than 1e-6: use beam 1)",
+    )  # fmt: skip
     seed: int | None = Field(
         None, ge=0, lt=1 << 63, description="The same seed and sentences, the same samples"
     )

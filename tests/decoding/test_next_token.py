@@ -150,8 +150,9 @@ def test_bad_sampling_values_are_one_line_errors():
         (dict(topk=0), "topk must be at least 1"),
         (dict(topp=0.0), r"topp must be in \(0, 1\]"),
         (dict(topp=1.01), r"topp must be in \(0, 1\]"),
-        (dict(temperature=0.0), "temperature must be positive"),
-        (dict(temperature=float("nan")), "temperature must be positive"),
+        (dict(temperature=0.0), r"temperature must be >= 1e-06 \(lower: greedy search\)"),
+        (dict(temperature=1e-40), "temperature must be >= 1e-06"),  # NaN draws in float32
+        (dict(temperature=float("nan")), "temperature must be >= 1e-06"),
         (dict(samples=0), "samples must be at least 1"),
         (dict(seed=-1), "seed must be a non-negative"),
     ):

@@ -2,6 +2,7 @@
 exhaustive enumeration of every output over a two-word vocabulary."""
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import fastnmt
 from fastnmt.decoding.next_token import Sampling
 from fastnmt.decoding.search import LengthPenalty, Rules, beam_search, greedy, sample
 from fastnmt.model import ModelConfig, Transformer
+from fastnmt.ops.sample_token import MIN_TEMPERATURE
 from tests.helpers import TRITON_DEVICE, HostOps, count_host_syncs, require_backend
 
 SMALL = ModelConfig(vocab_size=50, d_model=32, heads=2, d_ff=64, encoder_layers=1, decoder_layers=1)
@@ -304,12 +306,14 @@ def test_sampling_towards_zero_temperature_is_greedy():
     src, src_lengths = _sources(SMALL)
     max_lens = torch.tensor([6, 9, 3, 6])
     expected = [[h.tokens] for h in greedy(model, src, src_lengths, max_lens)]
-    for method in ("topk", "topp"):
-        cold = Sampling(method, temperature=1e-4, samples=3)
+    for method, temperature in itertools.product(("topk", "topp"), (1e-4, MIN_TEMPERATURE)):
+        cold = Sampling(method, temperature=temperature, samples=3)
         found = sample(model, src, src_lengths, max_lens, sampling=cold)
         assert [sorted({tuple(t) for t in s}) for s in _tokens(found)] == [
             [tuple(e[0])] for e in expected
         ]
+        # the lowest temperature keeps log-probabilities finite (they go into JSON answers)
+        assert all(math.isfinite(h.log_prob) for s in found for h in s)
 
 
 def test_a_seed_draws_the_same_samples_in_any_batch_and_its_stream_others():
