@@ -183,6 +183,18 @@ def test_a_translator_takes_its_model_s_device_unless_told(translator):
     assert Translator(model, translator.vocab, device="cpu", static=False).device.type == "cpu"
 
 
+def test_a_cpu_translator_keeps_freed_memory_for_its_steps(translator, monkeypatch):
+    """On a CPU (only), malloc keeps freed blocks: decoding's per-step tensors are not
+    page-faulted in afresh at every step."""
+    calls = []
+    monkeypatch.setattr("fastnmt.translator.keep_freed_memory", lambda: calls.append(1))
+    Translator(translator.model, translator.vocab, static=False)
+    assert calls == [1]
+    model = copy.deepcopy(translator.model).to("meta")
+    Translator(model, translator.vocab, static=False)
+    assert calls == [1]
+
+
 @pytest.mark.parametrize(
     ("capability", "expected"), [((7, 5), torch.float16), ((8, 0), torch.bfloat16)]
 )
