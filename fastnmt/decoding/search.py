@@ -88,6 +88,8 @@ class _Member:
         self.memory = model.encode(src, src_lengths)  # (A, S, E)
         self.caches = model.new_caches(steps) if incremental else None
         self.output_layer = model.output_layer(vocabulary)  # once per search
+        # (rows, scales) of an int8 output layer (``fastnmt.quantize``): None for others
+        self.unscaled_output = getattr(self.output_layer, "unscaled", None)
 
     def logits(self, history, cached: int, src_lengths, unscaled: bool = False):
         """(N, V) logits after ``history`` (N, step + 1), of which ``cached`` are cached, and
@@ -98,8 +100,8 @@ class _Member:
         else:  # the positions not yet cached: the start and any forced prefix, then one a step
             new = history[:, cached:]
             states = self.model.decode(new, self.memory, src_lengths, self.caches, start=cached)
-        if unscaled and hasattr(self.output_layer, "unscaled"):
-            return self.output_layer.unscaled(states[:, -1])
+        if unscaled and self.unscaled_output is not None:
+            return self.unscaled_output(states[:, -1])
         return self.output_layer(states[:, -1]), None
 
     def keep_sentences(self, kept: torch.Tensor) -> None:
