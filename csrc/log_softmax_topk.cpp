@@ -107,10 +107,12 @@ std::tuple<at::Tensor, at::Tensor> log_softmax_topk(
   const auto* banned_ids = banned.data_ptr<int64_t>();
   TORCH_CHECK(!ensemble || !row_scales.has_value(),
               "row_scales apply to one model's logits (rows, V), not an ensemble's");
-  const auto scale_rows = row_scales.has_value() ? row_scales->contiguous() : at::Tensor();
-  const float* scales = scale_rows.defined() ? row_scales_data(scale_rows, count,
-                                                               "log_softmax_topk", "row_scales")
-                                             : nullptr;
+  const auto contiguous_scales =
+      row_scales.has_value() ? row_scales->contiguous() : at::Tensor();
+  const float* scales =
+      contiguous_scales.defined()
+          ? row_scales_data(contiguous_scales, count, "log_softmax_topk", "row_scales")
+          : nullptr;
   for (int64_t b = 0; b < banned.numel(); ++b) {
     TORCH_CHECK(banned_ids[b] >= 0 && banned_ids[b] < vocab, "banned id ", banned_ids[b],
                 " is outside [0, ", vocab, ")");
