@@ -1,5 +1,6 @@
 """python -m fastnmt.train on small slices of Multi30k: outputs, exact resume, DDP, bad input."""
 
+import contextlib
 import json
 import os
 import random
@@ -177,6 +178,58 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# Three updates of the tiny model take seconds on two ranks; a job still running after this long
+# is hung (a collective one rank never reaches), and waiting longer tells nothing more.
+HANG_SECONDS = 240
+
+
+def _torchrun(*arguments: str, agents: int = 1) -> str:
+    """The output of ``agents`` torchrun agents run with ``arguments``, each asserted to exit 0.
+    A hung job fails the test with its processes' Python stacks: they get SIGABRT, and
+    faulthandler prints the stacks as they abort."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", *arguments]
+    started = [
+        subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
+        for _ in range(agents)
+    ]
+    deadline = time.monotonic() + HANG_SECONDS
+    try:
+        outputs = [p.communicate(timeout=max(deadline - time.monotonic(), 1))[0] for p in started]
+    except subprocess.TimeoutExpired:
+        workers = [pid for p in started for pid in _descendants(p.pid)]
+        _signal(workers, signal.SIGABRT)  # the agents then report their failed workers
+        try:
+            stacks = "".join(p.communicate(timeout=60)[0] for p in started)
+        finally:
+            _signal([*workers, *(p.pid for p in started)], signal.SIGKILL)
+        pytest.fail(f"torchrun hung for {HANG_SECONDS} s; the stacks:\n{stacks[-30000:]}")
+    assert [p.returncode for p in started] == [0] * agents, outputs
+    return "".join(outputs)
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes under ``pid`` (torchrun's ranks start sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):  # the process has ended
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(stat.parent.name))
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [child for parent in frontier for child in children.get(parent, [])]
+        found += frontier
+    return found
+
+
+def _signal(pids: list[int], number: signal.Signals) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):  # it has ended
+            os.kill(pid, number)
+
+
 def _assert_close_weights(expected, actual) -> None:
     for name in expected:
         torch.testing.assert_close(actual[name], expected[name], atol=2e-5, rtol=1e-4)
@@ -187,38 +240,25 @@ def test_ddp_with_two_gloo_processes_equals_one_process_on_the_combined_batches(
     corpus, tmp_path, single_process, extra
 ):
     """Through DDP, or (shape buckets) the static programs' own gradient all-reduce."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+    log = _torchrun(
+        "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
         "-m", "fastnmt.train",
         *_arguments(corpus, tmp_path, *NO_DROPOUT, "--check-replicas", *extra),
-    ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
-    assert result.returncode == 0, result.stderr
-    assert "parameters identical on all 2 ranks" in result.stderr
+    )  # fmt: skip
+    assert "parameters identical on all 2 ranks" in log
     _assert_close_weights(single_process, _weights(tmp_path))
 
 
 def test_two_nodes_through_the_c10d_rendezvous(corpus, tmp_path, single_process):
     """Two torchrun agents ("nodes" on 127.0.0.1) meet through the c10d rendezvous; node 0's
     rank prepares the data, node 1's maps it."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+    log = _torchrun(
+        "--nnodes", "2", "--nproc-per-node", "1",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
         "--rdzv-id", f"fastnmt-{os.getpid()}", "--local-addr", "127.0.0.1",
         "-m", "fastnmt.train", *_arguments(corpus, tmp_path, *NO_DROPOUT, "--check-replicas"),
-    ]  # fmt: skip
-    nodes = [
-        subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-        )
-        for _ in range(2)
-    ]
-    outputs = [node.communicate(timeout=600)[0] for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], outputs
-    log = "".join(outputs)
+        agents=2,
+    )  # fmt: skip
     assert "batches per epoch per rank x 2" in log, log
     assert "parameters identical on all 2 ranks" in log
     _assert_close_weights(single_process, _weights(tmp_path))
@@ -379,14 +419,9 @@ def test_ddp_with_two_nccl_processes_equals_one_process(corpus, tmp_path):
     single, ddp = tmp_path / "single", tmp_path / "ddp"
     result = _run([*_arguments(corpus, single, "--update-freq", "2"), *gpu])
     assert result.returncode == 0, result.stderr
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+    log = _torchrun(
+        "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
         "-m", "fastnmt.train", *_arguments(corpus, ddp, "--check-replicas"), *gpu,
-    ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr
-    assert "parameters identical on all 2 ranks" in result.stderr
-    expected, actual = _weights(single), _weights(ddp)
-    for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], atol=2e-5, rtol=1e-4)
+    )  # fmt: skip
+    assert "parameters identical on all 2 ranks" in log
+    _assert_close_weights(_weights(single), _weights(ddp))
