@@ -386,28 +386,31 @@ class _Reader:
 
 class _Progress:
     """Input bytes read over the passes of a preparation: a tqdm bar (rate, ETA) on a terminal,
-    nothing otherwise (the log lines say when each pass ends)."""
+    nothing otherwise (the log lines say when each pass ends). No bar is made when none is
+    shown: any tqdm, a disabled one too, starts a monitor thread that outlives it, and the
+    training process forks its data loader's workers later (a fork copies no other thread, but
+    any lock one of them holds)."""
 
     def __init__(self, source: Source, passes: int, enabled: bool):
         self.pass_size = sum(_stat(path).st_size for path in source.paths)
         shown = enabled and sys.stderr.isatty()
-        self.bar = tqdm(
-            total=passes * self.pass_size,
-            unit="B",
-            unit_scale=True,
-            desc="preprocess",
-            disable=not shown,
+        self.bar = (
+            tqdm(total=passes * self.pass_size, unit="B", unit_scale=True, desc="preprocess")
+            if shown
+            else None
         )
         self.done = 0  # bytes of the passes already finished
 
     def update(self, reader: _Reader) -> None:
-        self.bar.update(self.done + reader.bytes_read - self.bar.n)
+        if self.bar is not None:
+            self.bar.update(self.done + reader.bytes_read - self.bar.n)
 
     def end_pass(self) -> None:
         self.done += self.pass_size
 
     def close(self) -> None:
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
 
 
 # ---------------------------------------------------------------------------------------------

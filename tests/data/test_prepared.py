@@ -5,6 +5,8 @@ import gzip
 import json
 import os
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -70,6 +72,28 @@ def test_round_trip_equals_encoding_in_memory(text, tmp_path, monkeypatch):
     assert sum(manifest["pairs"]["dropped"].values()) == expected.dropped > 0
     assert all(manifest["pairs"]["dropped"].values())  # every reason occurred
     assert f"{len(expected):,} training pairs kept" in prepared.summary()
+
+
+def test_no_thread_outlives_a_preparation_off_a_terminal(text, tmp_path):
+    """The training process forks its data loader's workers after preparing, and a fork copies
+    no other thread but any lock one holds: no thread of the preparation (tqdm's monitor, which
+    even a disabled bar starts; its encoding workers' pool) may be alive then. In a fresh
+    process, as a thread of an earlier test would hide one."""
+    write_parallel(tmp_path / "text", *text)
+    script = f"""
+import sys, threading
+from pathlib import Path
+from fastnmt.data import prepared
+d = Path(sys.argv[1])
+source = prepared.Source((d / "train.en", d / "train.de"), str(d / "train"))
+options = prepared.Options(vocab_size={VOCAB}, max_len=100)
+prepared.prepare(source, d / "prepared", options, workers=2, progress=True)
+print(*(thread.name for thread in threading.enumerate()))
+"""
+    command = [sys.executable, "-c", script, str(tmp_path / "text")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["MainThread"]
 
 
 def test_tsv_gives_the_same_arrays(text, tmp_path):
