@@ -1,11 +1,13 @@
 """What the ``python -m fastnmt.*`` commands share: the one UsageError, reporting bad input as one
-line on stderr with exit status 2, and the model, search and sampling arguments of the commands
-that translate (translate, evaluate, score, export)."""
+line on stderr with exit status 2, the check of the paths they write, and the model, search and
+sampling arguments of the commands that translate (translate, evaluate, score, export)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
+from pathlib import Path
 
 import fastnmt
 from fastnmt.checkpoint import CheckpointError
@@ -27,6 +29,28 @@ def report_error(error: Exception) -> int:
     """Print ``error: MESSAGE`` on stderr; returns the exit status for bad input."""
     print(f"error: {error}", file=sys.stderr)
     return BAD_INPUT
+
+
+def check_output_path(path: str | Path | None, argument: str, *, folder: bool = False) -> None:
+    """Refuse, before any work, a path a command is to write (a file, or with ``folder`` a
+    folder) that it cannot: one of the other kind, or under a file, or where nothing can be
+    created. Creating is probed (a temporary folder, removed) in the folder itself or its
+    nearest existing ancestor, as permissions alone do not tell (root, read-only mounts)."""
+    if not path:
+        return
+    path = Path(path)
+    kind, other = ("folder", "file") if folder else ("file", "folder")
+    if path.exists() and path.is_dir() != folder:
+        raise UsageError(f"{argument} {path} is a {other}, expected a {kind}")
+    place = path if path.is_dir() else path.parent
+    while not place.exists():
+        place = place.parent
+    if not place.is_dir():
+        raise UsageError(f"{argument} {path}: {place} is a file, not a folder")
+    try:
+        tempfile.TemporaryDirectory(dir=place).cleanup()
+    except OSError as error:
+        raise UsageError(f"{argument} {path}: cannot write in {place} ({error.strerror})") from None
 
 
 def run_command(run_args, parser: argparse.ArgumentParser, argv: list[str] | None) -> int:

@@ -20,6 +20,7 @@ from fastnmt import checkpoint, metrics
 from fastnmt.cli import (
     UsageError,
     add_search_arguments,
+    check_output_path,
     forced_backend,
     load_translator,
     run_command,
@@ -91,6 +92,7 @@ def default_languages(args) -> None:
 
 def evaluate(args) -> int:
     options = search_options(args)
+    check_output_path(args.output, "--output")
     default_languages(args)
     corpus = load_corpus(args)
     translator = load_translator(args, **search_translator_options(args))

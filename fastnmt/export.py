@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from fastnmt.cli import UsageError, run_command
+from fastnmt.cli import UsageError, check_output_path, run_command
 from fastnmt.data import Vocabulary
 from fastnmt.model import ModelConfig, position_table
 from fastnmt.translator import is_pretrained_directory, load_checkpoint
@@ -246,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
+    check_output_path(args.output, "--output", folder=True)
     if args.format == "huggingface":
         if args.quantization != "float32":
             raise UsageError("--quantization is for --format ctranslate2")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from fastnmt.cli import UsageError, report_error
+from fastnmt.cli import UsageError, check_output_path, report_error
 from fastnmt.data import MULTI30K_LANGS, DataError, find_side, multi30k_file
 from fastnmt.data.prepared import DEFAULT_SAMPLE, Options, Source, available_cores, prepare
 
@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     try:
         check_corpus_arguments(args)
+        check_output_path(args.prepared_dir, "--prepared-dir", folder=True)
         prepared = prepare(
             source_from_arguments(args),
             Path(args.prepared_dir),

@@ -17,6 +17,7 @@ from fastnmt.cli import (
     UsageError,
     add_length_penalty_arguments,
     add_model_arguments,
+    check_output_path,
     forced_backend,
     load_translator,
     run_command,
@@ -39,6 +40,7 @@ def run(args) -> int:
     for flag, value in (("--max-tokens", args.max_tokens), ("--max-sentences", args.max_sentences)):
         if value < 1:
             raise UsageError(f"{flag} must be positive, got {value}")
+    check_output_path(args.output, "--output")
     pairs = read_parallel(args.source, args.target)  # one-line error when the counts differ
     translator = load_translator(args)
     started = time.perf_counter()

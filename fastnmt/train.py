@@ -29,7 +29,7 @@ from tqdm import tqdm
 import fastnmt
 from fastnmt import checkpoint, preprocess
 from fastnmt.checkpoint import CheckpointError
-from fastnmt.cli import UsageError, forced_backend, report_error
+from fastnmt.cli import UsageError, check_output_path, forced_backend, report_error
 from fastnmt.data import (
     DataError,
     Vocabulary,
@@ -204,6 +204,12 @@ def check_arguments(args) -> None:
         raise UsageError(f"--shape-buckets must be >= 0, got {args.shape_buckets}")
     if args.tensorboard:
         require_tensorboard()
+    for flag, folder in (
+        ("--output-dir", args.output_dir),
+        ("--prepared-dir", args.prepared_dir),
+        ("--tensorboard", args.tensorboard),
+    ):
+        check_output_path(folder, flag, folder=True)
     for flag, value in (
         ("--max-tokens", args.max_tokens),
         ("--update-freq", args.update_freq),

@@ -25,6 +25,7 @@ from fastnmt import metrics
 from fastnmt.cli import (
     UsageError,
     add_search_arguments,
+    check_output_path,
     forced_backend,
     load_translator,
     run_command,
@@ -228,6 +229,9 @@ def check_arguments(args) -> dict:
         parse_line_ranges(args.plot_lines)
     if args.input and not Path(args.input).is_file():
         raise UsageError(f"--input: {args.input} is not a file")
+    check_output_path(args.output, "--output")
+    check_output_path(args.alignments, "--alignments")
+    check_output_path(args.plot_attention, "--plot-attention", folder=True)
     return options
 
 
