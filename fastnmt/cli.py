@@ -5,6 +5,7 @@ sampling arguments of the commands that translate (translate, evaluate, score, e
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import tempfile
 from pathlib import Path
@@ -25,10 +26,27 @@ class UsageError(ValueError):
     """A bad command-line value; the message is one line."""
 
 
+# What a command reports in one line with exit status BAD_INPUT: a bad value, bad data, a bad
+# checkpoint, or a --backend forced onto calls it cannot run.
+BAD_INPUT_ERRORS = (UsageError, DataError, CheckpointError, dispatch.BackendUnavailableError)
+
+
 def report_error(error: Exception) -> int:
     """Print ``error: MESSAGE`` on stderr; returns the exit status for bad input."""
     print(f"error: {error}", file=sys.stderr)
     return BAD_INPUT
+
+
+def finite_float(text: str) -> float:
+    """argparse's type of a float argument: a finite number (nan or inf would pass every range
+    check written as a comparison, and reach the arithmetic)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
 
 
 def check_output_path(path: str | Path | None, argument: str, *, folder: bool = False) -> None:
@@ -60,7 +78,7 @@ def run_command(run_args, parser: argparse.ArgumentParser, argv: list[str] | Non
     args = parser.parse_args(argv)
     try:
         return run_args(args)
-    except (UsageError, DataError, CheckpointError) as error:
+    except BAD_INPUT_ERRORS as error:
         return report_error(error)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
@@ -101,8 +119,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
 
 
 def add_length_penalty_arguments(group) -> None:
-    group.add_argument("--lenpen", type=float, default=1.0, help="score / length**lenpen")
-    group.add_argument("--alpha", type=float, help="GNMT length penalty ((5+len)/6)**alpha")
+    group.add_argument("--lenpen", type=finite_float, default=1.0, help="score / length**lenpen")
+    group.add_argument("--alpha", type=finite_float, help="GNMT length penalty ((5+len)/6)**alpha")
 
 
 def add_search_arguments(parser: argparse.ArgumentParser) -> None:
@@ -111,7 +129,9 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
     search = parser.add_argument_group("search")
     search.add_argument("--beam", type=int, default=4, help="beam size; 1 = greedy (default 4)")
     add_length_penalty_arguments(search)
-    search.add_argument("--max-len-a", type=float, default=1.2, help="max length = a*src + b")
+    search.add_argument(
+        "--max-len-a", type=finite_float, default=1.2, help="max length = a*src + b"
+    )
     search.add_argument("--max-len-b", type=int, default=10)
     search.add_argument(
         "--no-repeat-ngram", type=int, default=0, help="no n-gram of N tokens twice in an output"
@@ -119,8 +139,12 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
     sampling = parser.add_argument_group("sampling (instead of beam search)")
     sampling.add_argument("--sampling", choices=SAMPLING_METHODS, help="sample the output")
     sampling.add_argument("--sampling-topk", type=int, help="from the K best (default: all)")
-    sampling.add_argument("--sampling-topp", type=float, help="from the P nucleus (default 0.9)")
-    sampling.add_argument("--temperature", type=float, help="softmax(logits / T) (default 1)")
+    sampling.add_argument(
+        "--sampling-topp", type=finite_float, help="from the P nucleus (default 0.9)"
+    )
+    sampling.add_argument(
+        "--temperature", type=finite_float, help="softmax(logits / T) (default 1)"
+    )
     sampling.add_argument("--seed", type=int, help="the same seed, the same samples")
     sampling.add_argument("--samples", type=int, help="samples per sentence (default 1)")
     run.add_argument("--shortlist", help="score only the words this file lists (fastnmt.shortlist)")

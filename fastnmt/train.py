@@ -29,7 +29,14 @@ from tqdm import tqdm
 import fastnmt
 from fastnmt import checkpoint, preprocess
 from fastnmt.checkpoint import CheckpointError
-from fastnmt.cli import UsageError, check_output_path, forced_backend, report_error
+from fastnmt.cli import (
+    BAD_INPUT_ERRORS,
+    UsageError,
+    check_output_path,
+    finite_float,
+    forced_backend,
+    report_error,
+)
 from fastnmt.data import (
     DataError,
     Vocabulary,
@@ -124,15 +131,15 @@ def build_parser() -> argparse.ArgumentParser:
         ("--d-model", int),
         ("--heads", int),
         ("--d-ff", int),
-        ("--dropout", float),
-        ("--attention-dropout", float),
-        ("--activation-dropout", float),
+        ("--dropout", finite_float),
+        ("--attention-dropout", finite_float),
+        ("--activation-dropout", finite_float),
     ):
         model.add_argument(flag, type=kind, help="override the preset's value")
     optim = p.add_argument_group("optimisation")
     optim.add_argument(
         "--lr",
-        type=float,
+        type=finite_float,
         help=f"peak learning rate (default {fine_tune.SCRATCH_LR}; "
         f"{fine_tune.FINE_TUNE_LR} with --init-from)",
     )
@@ -142,8 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"linear warmup steps (default {fine_tune.SCRATCH_WARMUP}; "
         f"{fine_tune.FINE_TUNE_WARMUP} with --init-from)",
     )
-    optim.add_argument("--label-smoothing", type=float, default=0.1)
-    optim.add_argument("--clip-norm", type=float, default=0.0, help="0 = no clipping")
+    optim.add_argument("--label-smoothing", type=finite_float, default=0.1)
+    optim.add_argument("--clip-norm", type=finite_float, default=0.0, help="0 = no clipping")
     optim.add_argument("--update-freq", type=int, default=1, help="batches per update")
     optim.add_argument(
         "--precision", default="auto", choices=["auto", *PRECISIONS], help=AUTO_HELP["training"]
@@ -202,6 +209,8 @@ def check_arguments(args) -> None:
         raise UsageError(f"--valid-interval must be >= 0, got {args.valid_interval}")
     if args.shape_buckets < 0:
         raise UsageError(f"--shape-buckets must be >= 0, got {args.shape_buckets}")
+    if args.clip_norm < 0:  # a negative norm would turn every gradient around
+        raise UsageError(f"--clip-norm must be >= 0 (0: no clipping), got {args.clip_norm}")
     if args.tensorboard:
         require_tensorboard()
     for flag, folder in (
@@ -431,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return train(args)
-    except (UsageError, DataError, CheckpointError) as error:
+    except BAD_INPUT_ERRORS as error:
         return report_error(error)
     finally:
         if dist.is_initialized():

@@ -1,11 +1,14 @@
-"""fastnmt.cli: the paths a command writes are checked before any work, each refused in one line
-(exit 2) naming its argument."""
+"""fastnmt.cli: bad input is refused in one line with exit status 2, naming the argument: the
+paths a command writes (checked before any work), non-finite numbers, a forced backend that
+cannot run."""
 
 import tempfile
 
 import pytest
 
 from fastnmt import cli, evaluate, export, preprocess, score, train, translate
+from fastnmt.ops.dispatch import BackendUnavailableError
+from fastnmt.serve import command as serve_command
 
 # Each command's arguments up to the path under test; the checkpoint is never loaded, as the
 # path is refused first. {text}: a text file; {run}: a training run's folder.
@@ -81,3 +84,49 @@ def test_a_writable_path_passes_and_the_check_leaves_nothing(tmp_path, folder):
         cli.check_output_path(path, "--output", folder=folder)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.txt"]
     cli.check_output_path(None, "--output")  # not given: nothing to check
+
+
+@pytest.mark.parametrize("text", ["nan", "inf", "-inf", "NaN", "1e999"])
+def test_finite_float_refuses_what_is_no_finite_number(text):
+    with pytest.raises(cli.argparse.ArgumentTypeError, match="expected a finite number"):
+        cli.finite_float(text)
+
+
+def test_finite_float_reads_numbers_and_names_what_is_none():
+    assert cli.finite_float("-0.5") == -0.5 and cli.finite_float("1e-6") == 1e-6
+    with pytest.raises(cli.argparse.ArgumentTypeError, match="expected a number, got 'x'"):
+        cli.finite_float("x")
+
+
+@pytest.mark.parametrize("module", [translate, score, evaluate, train])
+def test_every_float_argument_is_a_finite_float(module):
+    """A range check written as a comparison lets nan through (nan <= 0 is False): every float
+    argument is parsed by finite_float instead."""
+    actions = module.build_parser()._actions
+    assert not [a.dest for a in actions if a.type is float]
+    assert any(a.type is cli.finite_float for a in actions)
+
+
+@pytest.mark.parametrize(
+    "flag", ["--max-wait-ms", "--shutdown-timeout", "--max-length-penalty", "--request-timeout"]
+)
+def test_the_servers_numbers_are_finite(flag, capsys):
+    with pytest.raises(SystemExit) as exit:
+        serve_command.parse_args(["--checkpoint", "none", flag, "inf"])
+    assert exit.value.code == cli.BAD_INPUT
+    assert f"argument {flag}: expected a finite number, got 'inf'" in capsys.readouterr().err
+
+
+def test_a_forced_backend_that_cannot_run_is_one_line(capsys):
+    def run(args):
+        raise BackendUnavailableError("backend 'triton' was forced but cannot run x: on cpu")
+
+    assert (
+        cli.run_command(
+            run, score.build_parser(), ["--checkpoint", "c", "--source", "s", "--target", "t"]
+        )
+        == cli.BAD_INPUT
+    )
+    assert capsys.readouterr().err == (
+        "error: backend 'triton' was forced but cannot run x: on cpu\n"
+    )

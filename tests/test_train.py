@@ -345,6 +345,8 @@ class TestBadInput:
         assert "--dropout must be in [0, 1)" in message
         message = self._error(_arguments(corpus, tmp_path, "--valid-interval", "-1"))
         assert "--valid-interval must be >= 0" in message
+        message = self._error(_arguments(corpus, tmp_path, "--clip-norm", "-1"))
+        assert "--clip-norm must be >= 0 (0: no clipping), got -1.0" in message
         assert "--precision fp16 needs a GPU" in self._error(
             _arguments(corpus, tmp_path, "--precision", "fp16")
         )

@@ -20,6 +20,7 @@ same algorithm on fixed shapes, with ``Hypothesis``, ``LengthPenalty``, ``Rules`
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -55,6 +56,11 @@ class LengthPenalty:
 
     lenpen: float = 1.0
     alpha: float | None = None
+
+    def __post_init__(self):
+        for name, value in (("lenpen", self.lenpen), ("alpha", self.alpha)):
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
 
     def __call__(self, length: int) -> float:
         if self.alpha is not None:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import uvicorn
 from fastapi import FastAPI
 
+from fastnmt.cli import finite_float
 from fastnmt.serve.api import Limits, check_limits, one_line
 from fastnmt.serve.app import ACCESS_LOG, Server
 from fastnmt.serve.metrics import MULTIPROCESS
@@ -48,7 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "divided among the workers)",
     )  # fmt: skip
     processes.add_argument(
-        "--shutdown-timeout", type=float, default=30.0,
+        "--shutdown-timeout", type=finite_float, default=30.0,
         help="on SIGTERM, seconds to finish accepted requests before closing them",
     )  # fmt: skip
     processes.add_argument("--no-access-log", action="store_true", help="no line per request")
@@ -58,7 +59,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="a batch's source tokens, padded to its longest sentence, times the beam",
     )  # fmt: skip
     batching.add_argument(
-        "--max-wait-ms", type=float, default=10.0, help="a sentence waits for more this long"
+        "--max-wait-ms", type=finite_float, default=10.0, help="a sentence waits for more this long"
     )
     batching.add_argument("--no-batching", action="store_true", help="each request alone")
     limits = p.add_argument_group("limits")
@@ -70,10 +71,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     limits.add_argument(
         "--max-output-tokens", type=int, help="a request's max_length (default: the model's)"
     )
-    limits.add_argument("--max-length-penalty", type=float, default=Limits.max_length_penalty)
+    limits.add_argument(
+        "--max-length-penalty", type=finite_float, default=Limits.max_length_penalty
+    )
     limits.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes)
     limits.add_argument(
-        "--request-timeout", type=float, default=Limits.request_timeout,
+        "--request-timeout", type=finite_float, default=Limits.request_timeout,
         help="seconds from a request's arrival to its answer, else 504",
     )  # fmt: skip
     args = p.parse_args(argv)

@@ -132,6 +132,13 @@ def test_narrow_beam_scores_its_outputs_exactly_and_ranks_them():
         assert h.score == pytest.approx(log_prob / penalty(len(ids)), abs=1e-4)
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("name", ["lenpen", "alpha"])
+def test_a_length_penalty_is_a_finite_number(name, value):
+    with pytest.raises(ValueError, match=f"{name} must be a finite number, got {value}"):
+        LengthPenalty(**{name: value})
+
+
 def test_length_penalty_formulas_and_effect():
     assert LengthPenalty(0.0)(7) == 1.0 and LengthPenalty(1.0)(7) == 7.0
     assert LengthPenalty(0.5)(4) == 2.0
