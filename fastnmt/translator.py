@@ -216,6 +216,16 @@ class Score:
         return self.log_prob / self.tokens
 
 
+def _check_texts(texts, name: str, kinds: tuple[type, ...] = (str,)) -> None:
+    """TypeError unless ``texts`` is a sequence of ``kinds``: a single string would pass for a
+    sequence of one-character sentences, each translated."""
+    if isinstance(texts, str | bytes):
+        raise TypeError(f"{name} must be a list of strings, got one {type(texts).__name__}")
+    for i, text in enumerate(texts):
+        if not isinstance(text, kinds):
+            raise TypeError(f"{name}[{i}] must be a str, got {type(text).__name__}")
+
+
 class Translator:
     """A model (or an ensemble of models sharing a vocabulary) and its vocabulary ready to
     translate and to score.
@@ -392,9 +402,11 @@ class Translator:
         translation is final, before the call returns: where the search allows (greedy and beam
         search, without attention), while the rest of its batch is still searched.
         """
-        if max_len_a < 0 or max_len_b < 0 or max_len_a * 1 + max_len_b < 1:
+        _check_texts(sentences, "sentences", (str, Translation))
+        room = max_len_a + max_len_b  # the limit of a one-token source (eos)
+        if not (math.isfinite(max_len_a) and max_len_a >= 0 and max_len_b >= 0 and room >= 1):
             raise ValueError(
-                f"max_len_a and max_len_b must be >= 0 with room for a token, got "
+                f"max_len_a and max_len_b must be finite and >= 0 with room for a token, got "
                 f"{max_len_a}, {max_len_b}"
             )
         if sampling is not None and not 1 <= nbest <= sampling.samples:
@@ -463,6 +475,7 @@ class Translator:
         if isinstance(prefix, str) or len(prefix) != count:
             given = "a string" if isinstance(prefix, str) else f"{len(prefix)}"
             raise ValueError(f"prefix must hold one text per sentence ({count}), got {given}")
+        _check_texts(prefix, "prefix", (str, type(None)))
         texts = [text if text and text.strip() else "" for text in prefix]
         encoded = iter(self.vocab.encode_target([t for t in texts if t]))
         forced = [next(encoded) if text else [] for text in texts]
@@ -505,6 +518,8 @@ class Translator:
         through the fused loss: the sum over the target's tokens and eos, and with ``lenpen`` /
         ``alpha`` the search's length-normalised score. Too long sides are truncated, with a
         warning naming the line (``first_line``: that of sources[0])."""
+        _check_texts(sources, "sources")
+        _check_texts(targets, "targets")
         if len(sources) != len(targets):
             raise ValueError(
                 f"sources and targets must pair up, got {len(sources)} and {len(targets)}"

@@ -119,8 +119,26 @@ def test_each_translation_is_handed_over_once_and_final(translator, options):
 def test_length_limit_follows_max_len_a_and_b(translator):
     [translation] = translator.translate_full([SENTENCES[2]], beam=2, max_len_a=0, max_len_b=3)
     assert all(len(c.tokens) + c.ended <= 3 for c in translation.candidates)
-    with pytest.raises(ValueError, match="max_len_a and max_len_b"):
-        translator.translate(["x"], max_len_a=0, max_len_b=0)
+    for a, b in ((0, 0), (float("nan"), 10), (float("inf"), 10), (-1.0, 10)):
+        with pytest.raises(ValueError, match="max_len_a and max_len_b must be finite and >= 0"):
+            translator.translate(["x"], max_len_a=a, max_len_b=b)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda t: t.translate("A dog runs."), "sentences must be a list of strings, got one str"),
+        (lambda t: t.translate(["A dog.", None]), r"sentences\[1\] must be a str, got NoneType"),
+        (lambda t: t.translate([b"A dog."]), r"sentences\[0\] must be a str, got bytes"),
+        (lambda t: t.score("A dog.", "Hund."), "sources must be a list of strings, got one str"),
+        (lambda t: t.score(["A dog."], [5]), r"targets\[0\] must be a str, got int"),
+        (lambda t: t.translate(["A dog."], prefix=[3]), r"prefix\[0\] must be a str, got int"),
+    ],
+)
+def test_texts_that_are_no_list_of_strings_are_refused(translator, call, message):
+    """A single string would pass for a list of one-character sentences, each translated."""
+    with pytest.raises(TypeError, match=message):
+        call(translator)
 
 
 def test_long_input_is_truncated_with_a_warning_naming_the_line(tmp_path):

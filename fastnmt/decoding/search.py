@@ -21,6 +21,7 @@ same algorithm on fixed shapes, with ``Hypothesis``, ``LengthPenalty``, ``Rules`
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -323,8 +324,8 @@ def check_arguments(
     max_lens, src, beam: int, nbest: int, prefix: Sequence[int], rules: Rules = Rules()
 ) -> None:
     """The search settings and length limits every search takes (one-line ValueErrors)."""
-    if beam < 1:
-        raise ValueError(f"beam must be at least 1, got {beam}")
+    if isinstance(beam, bool) or not isinstance(beam, numbers.Integral) or beam < 1:
+        raise ValueError(f"beam must be an int >= 1, got {beam!r}")
     if not 1 <= nbest <= beam:
         raise ValueError(f"nbest must be between 1 and beam ({beam}), got {nbest}")
     check_no_repeat_ngram(rules.no_repeat_ngram)

@@ -252,8 +252,9 @@ def test_bad_arguments_are_named():
     model = _model(SMALL)
     src, src_lengths = _sources(SMALL)
     max_lens = torch.tensor([3] * 4)
-    with pytest.raises(ValueError, match="beam must be at least 1"):
-        beam_search(model, src, src_lengths, max_lens, beam=0)
+    for beam in (0, 1.5, True):
+        with pytest.raises(ValueError, match=f"beam must be an int >= 1, got {beam!r}"):
+            beam_search(model, src, src_lengths, max_lens, beam=beam)
     with pytest.raises(ValueError, match="nbest must be between 1 and beam"):
         beam_search(model, src, src_lengths, max_lens, beam=2, nbest=3)
     with pytest.raises(ValueError, match="max_lens must be"):
