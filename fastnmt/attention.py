@@ -244,8 +244,12 @@ class MultiheadAttention(nn.Module):
         """
         batched = query.dim() == 3
         query, key, value = (
-            self._batch_first(x, name, batched)
-            for name, x in (("query", query), ("key", key), ("value", value))
+            self._batch_first(x, name, batched, features)
+            for name, x, features in (
+                ("query", query, "embed_dim"),
+                ("key", key, "kdim"),
+                ("value", value, "vdim"),
+            )
         )
         if not batched:
             key_padding_mask = None if key_padding_mask is None else key_padding_mask[None]
@@ -333,14 +337,20 @@ class MultiheadAttention(nn.Module):
         batch, _, length, _ = out.shape
         return self.out_proj(out.transpose(1, 2).reshape(batch, length, self.embed_dim))
 
-    def _batch_first(self, x, name: str, batched: bool) -> torch.Tensor:
-        """(B, L, E) view of an input given in the module's layout."""
+    def _batch_first(self, x, name: str, batched: bool, features: str) -> torch.Tensor:
+        """(B, L, E) view of an input given in the module's layout, whose last dimension must
+        be the module's attribute ``features`` (its projection's input features)."""
         checks.tensor(name, x, floating=True)
         if x.dim() != (3 if batched else 2):
             layout = "(N, L, E)" if self.batch_first else "(L, N, E)"
             raise ValueError(
                 f"{name} must be {layout} (3 dimensions) or unbatched (L, E), like query; got "
                 f"shape {tuple(x.shape)}"
+            )
+        if x.shape[-1] != getattr(self, features):
+            raise ValueError(
+                f"{name} must have {features} = {getattr(self, features)} features in its last "
+                f"dimension, got shape {tuple(x.shape)}"
             )
         if not batched:
             return x[None]

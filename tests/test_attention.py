@@ -297,6 +297,12 @@ BAD_MODULE_INPUTS = [
         "key_padding_mask must have shape",
     ),
     (dict(key_lengths=torch.tensor([9, 1])), ValueError, "key_lengths must lie in"),
+    (
+        dict(query=torch.randn(2, 5, E + 1)),
+        ValueError,
+        rf"query must have embed_dim = {E} features in its last dimension, got shape \(2, 5,",
+    ),
+    (dict(value=torch.randn(2, 5, E - 1)), ValueError, f"value must have vdim = {E} features"),
 ]
 
 
