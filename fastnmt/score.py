@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from fastnmt.cli import (
     UsageError,
@@ -22,7 +23,8 @@ from fastnmt.cli import (
     load_translator,
     run_command,
 )
-from fastnmt.data import read_parallel
+from fastnmt.data import PairReader
+from fastnmt.translator import Score
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,29 +35,59 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--source", required=True, help="source sentences, one a line")
     io.add_argument("--target", required=True, help="their targets, line for line")
     io.add_argument("--output", help="scores file (default: stdout)")
+    io.add_argument(
+        "--buffer-size", type=int, default=10000,
+        help="pairs read, sorted by length and scored together (the files are never read whole)",
+    )  # fmt: skip
     return p
 
 
 def run(args) -> int:
-    for flag, value in (("--max-tokens", args.max_tokens), ("--max-sentences", args.max_sentences)):
+    for flag, value in (
+        ("--max-tokens", args.max_tokens),
+        ("--max-sentences", args.max_sentences),
+        ("--buffer-size", args.buffer_size),
+    ):
         if value < 1:
             raise UsageError(f"{flag} must be positive, got {value}")
     check_output_path(args.output, "--output")
-    pairs = read_parallel(args.source, args.target)  # one-line error when the counts differ
+    paths = (Path(args.source), Path(args.target))
+    _check_pairs(paths, args.buffer_size)
     translator = load_translator(args)
-    started = time.perf_counter()
-    with forced_backend(args.backend):
-        scores = translator.score(pairs.src, pairs.tgt, lenpen=args.lenpen, alpha=args.alpha)
-    seconds = time.perf_counter() - started
-    lines = "".join(f"{s.log_prob:.4f}\t{s.per_token:.4f}\t{s.normalised:.4f}\n" for s in scores)
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as output:
-            output.write(lines)
-    else:
-        sys.stdout.write(lines)
-    rate = len(scores) / max(seconds, 1e-9)
-    print(f"Scored {len(scores):,} pairs in {seconds:.1f} s ({rate:,.1f} pairs/s)", file=sys.stderr)
+    output = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout  # noqa: SIM115
+    scored, seconds = 0, 0.0
+    try:
+        with forced_backend(args.backend):
+            for chunk in PairReader(paths, args.buffer_size).chunks():
+                started = time.perf_counter()
+                scores = translator.score(
+                    *chunk.texts(),
+                    lenpen=args.lenpen,
+                    alpha=args.alpha,
+                    first_line=chunk.first_line,
+                )
+                seconds += time.perf_counter() - started
+                output.write("".join(map(_line, scores)))
+                output.flush()  # a chunk's scores are kept whatever happens to the next ones
+                scored += len(scores)
+    finally:
+        if output is not sys.stdout:
+            output.close()
+    rate = scored / max(seconds, 1e-9)
+    print(f"Scored {scored:,} pairs in {seconds:.1f} s ({rate:,.1f} pairs/s)", file=sys.stderr)
     return 0
+
+
+def _check_pairs(paths: tuple[Path, Path], pairs: int) -> None:
+    """Every line of the files read and decoded once before any pair is scored (fast next to
+    scoring): a line-count mismatch, an empty file or a line that is not UTF-8 is an error at
+    once, not after the pairs before it were scored."""
+    for chunk in PairReader(paths, pairs).chunks():
+        chunk.texts()
+
+
+def _line(score: Score) -> str:
+    return f"{score.log_prob:.4f}\t{score.per_token:.4f}\t{score.normalised:.4f}\n"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,6 +46,38 @@ def test_one_line_per_pair_with_the_translator_s_scores(checkpoint_dir, pairs, c
     assert all(row[0] < 0 for row in rows)
 
 
+def test_the_files_are_scored_a_buffer_at_a_time_with_the_same_scores(
+    checkpoint_dir, pairs, capsys, tmp_path
+):
+    """--buffer-size 4: two buffers of the six pairs (the last one short), each written as it
+    is scored; the scores are those of the pairs scored together."""
+    outputs = []
+    for size in (10000, 4):
+        code, out, err = _main(
+            capsys, "--checkpoint", checkpoint_dir, "--source", pairs[0], "--target", pairs[1],
+            "--buffer-size", size, "--precision", "fp32",
+        )  # fmt: skip
+        assert code == 0, err
+        outputs.append([[float(x) for x in line.split("\t")] for line in out.splitlines()])
+    assert len(outputs[1]) == len(SENTENCES)
+    for together, buffered in zip(*outputs, strict=True):
+        assert buffered == pytest.approx(together, abs=1e-4)
+
+
+def test_a_bad_line_anywhere_is_refused_before_any_scoring(checkpoint_dir, pairs, capsys, tmp_path):
+    """The last line is not UTF-8: the error comes before the first buffer is scored, and
+    the output file is never opened."""
+    pairs[1].write_bytes(pairs[1].read_bytes().rstrip(b"\n") + b"\xff\n")
+    output = tmp_path / "scores.tsv"
+    code, out, err = _main(
+        capsys, "--checkpoint", checkpoint_dir, "--source", pairs[0], "--target", pairs[1],
+        "--buffer-size", 2, "--output", output,
+    )  # fmt: skip
+    assert code == 2 and out == ""
+    assert err == f"error: {pairs[1]}:{len(TARGETS)}: not valid UTF-8 (byte 0xff)\n"
+    assert not output.exists()
+
+
 def test_an_ensemble_of_one_checkpoint_twice_scores_as_it(checkpoint_dir, pairs, capsys, tmp_path):
     outputs = []
     for checkpoints in ([checkpoint_dir], [checkpoint_dir, checkpoint_dir]):

@@ -43,6 +43,8 @@ from fastnmt.data.multi30k import (
 from fastnmt.data.text import (
     DataError,
     InputFile,
+    PairChunk,
+    PairReader,
     ParallelCorpus,
     find_side,
     not_utf8,
@@ -73,6 +75,8 @@ __all__ = [
     "InputFile",
     "MappedFile",
     "MarianVocabulary",
+    "PairChunk",
+    "PairReader",
     "ParallelCorpus",
     "TokenArray",
     "TokenBatches",

@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +47,7 @@ from fastnmt.data.corpus import (
     nothing_kept,
 )
 from fastnmt.data.files import fsync_tree, swap_in
-from fastnmt.data.text import DataError, InputFile, not_utf8, split_tsv_line, unreadable
+from fastnmt.data.text import DataError, PairChunk, PairReader, unreadable
 from fastnmt.data.vocabulary import (
     Vocabulary,
     load_vocabulary,
@@ -279,111 +279,6 @@ def _open(directory: Path, manifest: dict) -> Prepared:
     return Prepared(directory, manifest, vocab, EncodedCorpus(*sides, dropped=dropped))
 
 
-# ---------------------------------------------------------------------------------------------
-# Reading the text in chunks
-
-
-class _Lines:
-    """The lines of one input file as raw bytes without their terminator ("\\n", and a "\\r"
-    before it), read a chunk at a time."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.count = 0  # lines read so far
-        self.bytes_read = 0
-        self._file = InputFile(path)
-
-    def take(self, count: int) -> list[bytes]:
-        lines = self._file.lines(count)
-        self.count += len(lines)
-        self.bytes_read = self._file.bytes_read  # compressed bytes, for a gzip file
-        return [line.removesuffix(b"\n").removesuffix(b"\r") for line in lines]
-
-    def count_rest(self) -> int:
-        """Read to the end, counting (for the line-count mismatch message)."""
-        while self.take(CHUNK_PAIRS):
-            pass
-        return self.count
-
-    def close(self) -> None:
-        self._file.close()
-
-
-@dataclass
-class _Chunk:
-    """Consecutive pairs as raw lines: one list per input file."""
-
-    paths: tuple[Path, ...]
-    first_line: int  # line number of the first pair
-    lines: tuple[list[bytes], ...]
-
-    def __len__(self) -> int:
-        return len(self.lines[0])
-
-    def texts(self, rows=None) -> tuple[list[str], list[str]]:
-        """Source and target sentences of the pairs ``rows`` (default all), decoded; a line that
-        is not UTF-8, or a TSV line without exactly one tab, is a DataError naming its line."""
-        rows = range(len(self)) if rows is None else rows
-        if len(self.paths) == 2:
-            return self._decoded(0, rows), self._decoded(1, rows)
-        path = self.paths[0]
-        pairs = [
-            split_tsv_line(line, path, self.first_line + row)
-            for row, line in zip(rows, self._decoded(0, rows), strict=True)
-        ]
-        return [source for source, _ in pairs], [target for _, target in pairs]
-
-    def _decoded(self, side: int, rows) -> list[str]:
-        lines, decoded = self.lines[side], []
-        for row in rows:
-            try:
-                decoded.append(lines[row].decode("utf-8"))
-            except UnicodeDecodeError as error:
-                line_number = self.first_line + int(row)
-                raise not_utf8(self.paths[side], line_number, lines[row][error.start]) from None
-        return decoded
-
-
-class _Reader:
-    """A source read a chunk of pairs at a time, with its progress in input bytes."""
-
-    def __init__(self, source: Source):
-        self.source = source
-        self.files = [_Lines(path) for path in source.paths]
-
-    def chunks(self) -> Iterator[_Chunk]:
-        first_line = 1
-        try:
-            while True:
-                lines = tuple(file.take(CHUNK_PAIRS) for file in self.files)
-                if len({len(side) for side in lines}) > 1:
-                    self._mismatch()
-                if not lines[0]:
-                    break
-                yield _Chunk(self.source.paths, first_line, lines)
-                first_line += len(lines[0])
-            for file in self.files:
-                if not file.count:
-                    raise DataError(f"{file.path}: file is empty")
-        finally:
-            for file in self.files:
-                file.close()
-
-    def _mismatch(self):
-        counts = [file.count_rest() for file in self.files]
-        for file, count in zip(self.files, counts, strict=True):
-            if not count:
-                raise DataError(f"{file.path}: file is empty")
-        src, tgt = self.source.paths
-        raise DataError(
-            f"line-count mismatch: {src} has {counts[0]} lines but {tgt} has {counts[1]}"
-        )
-
-    @property
-    def bytes_read(self) -> int:
-        return sum(file.bytes_read for file in self.files)
-
-
 class _Progress:
     """Input bytes read over the passes of a preparation: a tqdm bar (rate, ETA) on a terminal,
     nothing otherwise (the log lines say when each pass ends). No bar is made when none is
@@ -401,7 +296,7 @@ class _Progress:
         )
         self.done = 0  # bytes of the passes already finished
 
-    def update(self, reader: _Reader) -> None:
+    def update(self, reader: PairReader) -> None:
         if self.bar is not None:
             self.bar.update(self.done + reader.bytes_read - self.bar.n)
 
@@ -487,7 +382,7 @@ def _train_vocabulary(source: Source, options: Options, bar: _Progress) -> Vocab
     src_sample: list[str] = []
     tgt_sample: list[str] = []
     seen = 0
-    reader = _Reader(source)
+    reader = PairReader(source.paths, CHUNK_PAIRS)
     for chunk in reader.chunks():
         filling = min(len(chunk), max(0, capacity - seen))
         src, tgt = chunk.texts(range(filling))
@@ -550,7 +445,7 @@ def _encode_chunks(source, vocab, options, types, workers, ids_files, bar):
             lengths[side].append(tokens.lengths)
         codes.append(chunk_codes)
 
-    reader = _Reader(source)
+    reader = PairReader(source.paths, CHUNK_PAIRS)
     settings = (options.max_len, options.ratio, *types)
     pool = ProcessPoolExecutor(workers, initializer=_start_worker, initargs=(vocab.to_bytes(),))
     with pool:
@@ -593,7 +488,7 @@ def _start_worker(model: bytes) -> None:
     _worker_vocab = vocabulary_from_bytes(model)
 
 
-def _encode_chunk(chunk: _Chunk, max_len, ratio, id_type, length_type):
+def _encode_chunk(chunk: PairChunk, max_len, ratio, id_type, length_type):
     """(source TokenArray, target TokenArray, filter codes) of a chunk: the arrays hold the kept
     pairs only, in the file's types."""
     src_text, tgt_text = chunk.texts()

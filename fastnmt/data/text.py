@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -33,6 +34,7 @@ class ParallelCorpus:
 
 
 GZIP_MAGIC = b"\x1f\x8b"
+COUNTED_LINES = 20_000  # lines a count reads at a time
 
 
 def unreadable(path: Path, error: OSError) -> DataError:
@@ -89,6 +91,117 @@ class InputFile:
             if self.gzipped:
                 raise DataError(f"{self.path}: not a valid gzip file ({error})") from None
             raise unreadable(self.path, error) from None
+
+
+class LineChunks:
+    """The lines of one input file as raw bytes without their terminator ("\\n", and a "\\r"
+    before it), read a chunk at a time."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.count = 0  # lines read so far
+        self.bytes_read = 0
+        self._file = InputFile(path)
+
+    def take(self, count: int) -> list[bytes]:
+        lines = self._file.lines(count)
+        self.count += len(lines)
+        self.bytes_read = self._file.bytes_read  # compressed bytes, for a gzip file
+        return [line.removesuffix(b"\n").removesuffix(b"\r") for line in lines]
+
+    def count_rest(self) -> int:
+        """Read to the end, counting (for the line-count mismatch message)."""
+        while self.take(COUNTED_LINES):
+            pass
+        return self.count
+
+    def close(self) -> None:
+        self._file.close()
+
+
+@dataclass
+class PairChunk:
+    """Consecutive pairs as raw lines: one list per input file."""
+
+    paths: tuple[Path, ...]
+    first_line: int  # line number of the first pair
+    lines: tuple[list[bytes], ...]
+
+    def __len__(self) -> int:
+        return len(self.lines[0])
+
+    def texts(self, rows=None) -> tuple[list[str], list[str]]:
+        """Source and target sentences of the pairs ``rows`` (default all), decoded; a line that
+        is not UTF-8, or a TSV line without exactly one tab, is a DataError naming its line."""
+        rows = range(len(self)) if rows is None else rows
+        if len(self.paths) == 2:
+            return self._decoded(0, rows), self._decoded(1, rows)
+        path = self.paths[0]
+        pairs = [
+            split_tsv_line(line, path, self.first_line + row)
+            for row, line in zip(rows, self._decoded(0, rows), strict=True)
+        ]
+        return [source for source, _ in pairs], [target for _, target in pairs]
+
+    def _decoded(self, side: int, rows) -> list[str]:
+        lines, decoded = self.lines[side], []
+        for row in rows:
+            try:
+                decoded.append(lines[row].decode("utf-8"))
+            except UnicodeDecodeError as error:
+                line_number = self.first_line + int(row)
+                raise not_utf8(self.paths[side], line_number, lines[row][error.start]) from None
+        return decoded
+
+
+class PairReader:
+    """Pairs read ``pairs`` at a time from two line-aligned files (source, target) or one TSV
+    file, with the progress in input bytes: a corpus of any size, never whole in memory."""
+
+    def __init__(self, paths: tuple[Path, ...], pairs: int):
+        self.paths, self.pairs = paths, pairs
+        self.files = [LineChunks(path) for path in paths]
+
+    def chunks(self) -> Iterator[PairChunk]:
+        first_line = 1
+        try:
+            while True:
+                lines = tuple(file.take(self.pairs) for file in self.files)
+                if len({len(side) for side in lines}) > 1:
+                    self.count()  # raises: where the files' lengths part, both are counted
+                if not lines[0]:
+                    break
+                yield PairChunk(self.paths, first_line, lines)
+                first_line += len(lines[0])
+            for file in self.files:
+                if not file.count:
+                    raise DataError(f"{file.path}: file is empty")
+        finally:
+            for file in self.files:
+                file.close()
+
+    def count(self) -> int:
+        """The pairs, counted by reading the files to their ends (keeping no line): a DataError
+        when a file is empty or the files' line counts differ. Before any work, a check that
+        finds these at once rather than after the pairs before them were processed."""
+        try:
+            counts = [file.count_rest() for file in self.files]
+        finally:
+            for file in self.files:
+                file.close()
+        for file, count in zip(self.files, counts, strict=True):
+            if not count:
+                raise DataError(f"{file.path}: file is empty")
+        if len(set(counts)) > 1:
+            src, tgt = self.paths
+            raise DataError(
+                f"line-count mismatch: {src} has {counts[0]} lines but {tgt} has {counts[1]}"
+            )
+        return counts[0]
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(file.bytes_read for file in self.files)
 
 
 def read_lines(path: str | Path) -> list[str]:

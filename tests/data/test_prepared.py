@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from fastnmt.data import DataError, ParallelCorpus, Vocabulary, encode_corpus, read_parallel
+from fastnmt.data import DataError, ParallelCorpus, Vocabulary, encode_corpus
 from fastnmt.data import prepared as preparation
 from fastnmt.data.prepared import Options, Source
 
@@ -300,11 +300,3 @@ def test_a_directory_that_is_not_prepared_data_is_left_alone(prepared_once, tmp_
         preparation.prepare(source, tmp_path / "mine", OPTIONS)
     assert "not a prepared-data directory" in str(excinfo.value)
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
-
-
-def test_read_parallel_and_the_prepared_reader_agree_on_line_ends(tmp_path):
-    raw = "one\r\ntwo\u2028still two\n\nfour".encode()  # CRLF, U+2028, empty, no final newline
-    (tmp_path / "x.en").write_bytes(raw)
-    (tmp_path / "x.de").write_bytes(raw)
-    chunk = next(preparation._Reader(Source((tmp_path / "x.en", tmp_path / "x.de"), "x")).chunks())
-    assert chunk.texts()[0] == read_parallel(tmp_path / "x.en", tmp_path / "x.de").src

@@ -7,6 +7,7 @@ import pytest
 
 from fastnmt.data import (
     DataError,
+    PairReader,
     read_parallel,
     read_parallel_prefix,
     read_tsv,
@@ -120,3 +121,36 @@ def test_tsv_line_without_exactly_one_tab(tmp_path, bad_line):
     with pytest.raises(DataError) as excinfo:
         read_tsv(path)
     assert one_line_error(excinfo).startswith(f"{path}:2:")
+
+
+def test_read_parallel_and_the_pair_reader_agree_on_line_ends(tmp_path):
+    raw = "one\r\ntwo\u2028still two\n\nfour".encode()  # CRLF, U+2028, empty, no final newline
+    (tmp_path / "x.en").write_bytes(raw)
+    (tmp_path / "x.de").write_bytes(raw)
+    chunk = next(PairReader((tmp_path / "x.en", tmp_path / "x.de"), 10).chunks())
+    assert chunk.texts()[0] == read_parallel(tmp_path / "x.en", tmp_path / "x.de").src
+
+
+def test_a_pair_reader_reads_chunks_in_order_with_their_first_lines(tmp_path):
+    write(tmp_path / "x.en", "".join(f"s{i}\n" for i in range(7)))
+    write(tmp_path / "x.de", "".join(f"t{i}\n" for i in range(7)))
+    chunks = list(PairReader((tmp_path / "x.en", tmp_path / "x.de"), 3).chunks())
+    assert [c.first_line for c in chunks] == [1, 4, 7]
+    assert [c.texts() for c in chunks][1] == (["s3", "s4", "s5"], ["t3", "t4", "t5"])
+
+
+@pytest.mark.parametrize(("src", "tgt", "message"), [
+    ("a\nb\n", "a\nb\n", None),
+    ("a\nb\n", "a\n", "line-count mismatch: {src} has 2 lines but {tgt} has 1"),
+    ("a\n", "", "{tgt}: file is empty"),
+])  # fmt: skip
+def test_a_pair_readers_count_finds_an_empty_file_or_a_mismatch(tmp_path, src, tgt, message):
+    paths = (tmp_path / "x.en", tmp_path / "x.de")
+    write(paths[0], src)
+    write(paths[1], tgt)
+    if message is None:
+        assert PairReader(paths, 1).count() == 2
+        return
+    with pytest.raises(DataError) as error:
+        PairReader(paths, 1).count()
+    assert str(error.value) == message.format(src=paths[0], tgt=paths[1])
