@@ -203,14 +203,20 @@ def check_arguments(args) -> None:
     preprocess.check_corpus_arguments(args)
     if (args.train or args.train_tsv) and not (args.valid or args.valid_tsv):
         raise UsageError("own training data needs --valid (or --valid-tsv) for validation")
-    if args.data_workers < 0:
-        raise UsageError(f"--data-workers must be >= 0, got {args.data_workers}")
-    if args.valid_interval < 0:
-        raise UsageError(f"--valid-interval must be >= 0, got {args.valid_interval}")
-    if args.shape_buckets < 0:
-        raise UsageError(f"--shape-buckets must be >= 0, got {args.shape_buckets}")
-    if args.clip_norm < 0:  # a negative norm would turn every gradient around
-        raise UsageError(f"--clip-norm must be >= 0 (0: no clipping), got {args.clip_norm}")
+    # 0: none, off or no limit. A negative --max-steps ended training before its first step; a
+    # negative --clip-norm turned every gradient around.
+    for flag, value in (
+        ("--data-workers", args.data_workers),
+        ("--valid-interval", args.valid_interval),
+        ("--shape-buckets", args.shape_buckets),
+        ("--clip-norm", args.clip_norm),
+        ("--max-epochs", args.max_epochs),
+        ("--max-steps", args.max_steps),
+        ("--patience", args.patience),
+        ("--save-interval", args.save_interval),
+    ):
+        if value < 0:
+            raise UsageError(f"{flag} must be >= 0, got {value}")
     if args.tensorboard:
         require_tensorboard()
     for flag, folder in (

@@ -345,8 +345,9 @@ class TestBadInput:
         assert "--dropout must be in [0, 1)" in message
         message = self._error(_arguments(corpus, tmp_path, "--valid-interval", "-1"))
         assert "--valid-interval must be >= 0" in message
-        message = self._error(_arguments(corpus, tmp_path, "--clip-norm", "-1"))
-        assert "--clip-norm must be >= 0 (0: no clipping), got -1.0" in message
+        for flag in ("--clip-norm", "--max-steps", "--max-epochs", "--save-interval"):
+            message = self._error(_arguments(corpus, tmp_path, flag, "-1"))
+            assert f"{flag} must be >= 0, got -1" in message
         assert "--precision fp16 needs a GPU" in self._error(
             _arguments(corpus, tmp_path, "--precision", "fp16")
         )

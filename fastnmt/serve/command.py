@@ -86,6 +86,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and not value > 0:
             p.error(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if args.port > 65535:  # uvloop binds it modulo 2**16: 70000 served on port 4464
+        p.error(f"--port must be at most 65535, got {args.port}")
     for name in ("max_wait_ms", "shutdown_timeout", "max_length_penalty"):
         if not getattr(args, name) >= 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")

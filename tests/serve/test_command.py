@@ -36,6 +36,8 @@ def test_bad_arguments_and_checkpoints_exit_2(tmp_path, checkpoint_dir, capsys):
     assert "--max-queue must be positive" in message
     message = _main_error(capsys, "--checkpoint", "x", "--shutdown-timeout", "-1")
     assert "--shutdown-timeout must be >= 0" in message
+    message = _main_error(capsys, "--checkpoint", "x", "--port", "70000")
+    assert "--port must be at most 65535, got 70000" in message
     missing = tmp_path / "none"
     assert _main_error(capsys, "--checkpoint", missing, "--workers", 2).startswith("error: ")
     command = [sys.executable, "-m", "fastnmt.serve", "--port", str(free_port())]
