@@ -1,5 +1,5 @@
 """Reading the user's parallel text: two line-aligned files or one TSV file, plain or gzip,
-UTF-8.
+UTF-8, whole or a chunk of pairs at a time (``PairReader``: a corpus of any size).
 
 Every problem with the user's data raises :class:`DataError` with a one-line message naming the file
 (and line where there is one), so the command line can print it and exit with status 2.
@@ -168,7 +168,7 @@ class PairReader:
             while True:
                 lines = tuple(file.take(self.pairs) for file in self.files)
                 if len({len(side) for side in lines}) > 1:
-                    self.count()  # raises: where the files' lengths part, both are counted
+                    self._mismatch()
                 if not lines[0]:
                     break
                 yield PairChunk(self.paths, first_line, lines)
@@ -180,24 +180,16 @@ class PairReader:
             for file in self.files:
                 file.close()
 
-    def count(self) -> int:
-        """The pairs, counted by reading the files to their ends (keeping no line): a DataError
-        when a file is empty or the files' line counts differ. Before any work, a check that
-        finds these at once rather than after the pairs before them were processed."""
-        try:
-            counts = [file.count_rest() for file in self.files]
-        finally:
-            for file in self.files:
-                file.close()
+    def _mismatch(self):
+        """The error where the files' lengths part, both counted to their ends."""
+        counts = [file.count_rest() for file in self.files]
         for file, count in zip(self.files, counts, strict=True):
             if not count:
                 raise DataError(f"{file.path}: file is empty")
-        if len(set(counts)) > 1:
-            src, tgt = self.paths
-            raise DataError(
-                f"line-count mismatch: {src} has {counts[0]} lines but {tgt} has {counts[1]}"
-            )
-        return counts[0]
+        src, tgt = self.paths
+        raise DataError(
+            f"line-count mismatch: {src} has {counts[0]} lines but {tgt} has {counts[1]}"
+        )
 
     @property
     def bytes_read(self) -> int:
