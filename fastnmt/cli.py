@@ -49,6 +49,16 @@ def finite_float(text: str) -> float:
     return value
 
 
+def check_counts(minimum: int, *values: tuple[str, float | None]) -> None:
+    """UsageError naming the first ``(flag, value)`` below ``minimum``: 1 for the counts that
+    must be positive, 0 for those where 0 means none, off or no limit; None (not given)
+    passes."""
+    for flag, value in values:
+        if value is not None and value < minimum:
+            expected = "positive" if minimum == 1 else f">= {minimum}"
+            raise UsageError(f"{flag} must be {expected}, got {value}")
+
+
 def check_output_path(path: str | Path | None, argument: str, *, folder: bool = False) -> None:
     """Refuse, before any work, a path a command is to write (a file, or with ``folder`` a
     folder) that it cannot: one of the other kind, or under a file, or where nothing can be
@@ -188,20 +198,18 @@ def sampling_option(args) -> Sampling | None:
 
 def search_options(args) -> dict:
     """The keyword arguments of ``Translator.translate_full`` from checked arguments."""
-    for flag, value in (
+    check_counts(
+        1,
         ("--beam", args.beam),
         ("--max-tokens", args.max_tokens),
         ("--max-sentences", args.max_sentences),
-    ):
-        if value < 1:
-            raise UsageError(f"{flag} must be positive, got {value}")
+    )
     if args.max_len_a < 0 or args.max_len_b < 0 or args.max_len_a + args.max_len_b < 1:
         raise UsageError(
             f"--max-len-a and --max-len-b must be >= 0 and leave room for a token, got "
             f"{args.max_len_a} and {args.max_len_b}"
         )
-    if args.no_repeat_ngram < 0:
-        raise UsageError(f"--no-repeat-ngram must be >= 0, got {args.no_repeat_ngram}")
+    check_counts(0, ("--no-repeat-ngram", args.no_repeat_ngram))
     return dict(
         beam=args.beam,
         lenpen=args.lenpen,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from fastnmt.cli import UsageError, check_output_path, report_error
+from fastnmt.cli import UsageError, check_counts, check_output_path, report_error
 from fastnmt.data import MULTI30K_LANGS, DataError, find_side, multi30k_file
 from fastnmt.data.prepared import DEFAULT_SAMPLE, Options, Source, available_cores, prepare
 
@@ -62,14 +62,13 @@ def check_corpus_arguments(args) -> None:
                 )
     if args.src_lang == args.tgt_lang:
         raise UsageError("--src-lang and --tgt-lang must differ")
-    for flag, value in (
+    check_counts(
+        1,
         ("--vocab-size", args.vocab_size),
         ("--spm-sample", args.spm_sample),
         ("--max-len", args.max_len),
         ("--workers", args.workers),
-    ):
-        if value <= 0:
-            raise UsageError(f"{flag} must be positive, got {value}")
+    )
 
 
 def source_from_arguments(args) -> Source:

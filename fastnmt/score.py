@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 from fastnmt.cli import (
-    UsageError,
     add_length_penalty_arguments,
     add_model_arguments,
+    check_counts,
     check_output_path,
     forced_backend,
     load_translator,
@@ -43,13 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    for flag, value in (
+    check_counts(
+        1,
         ("--max-tokens", args.max_tokens),
         ("--max-sentences", args.max_sentences),
         ("--buffer-size", args.buffer_size),
-    ):
-        if value < 1:
-            raise UsageError(f"{flag} must be positive, got {value}")
+    )
     check_output_path(args.output, "--output")
     paths = (Path(args.source), Path(args.target))
     _check_pairs(paths, args.buffer_size)

@@ -32,6 +32,7 @@ from fastnmt.checkpoint import CheckpointError
 from fastnmt.cli import (
     BAD_INPUT_ERRORS,
     UsageError,
+    check_counts,
     check_output_path,
     finite_float,
     forced_backend,
@@ -205,7 +206,8 @@ def check_arguments(args) -> None:
         raise UsageError("own training data needs --valid (or --valid-tsv) for validation")
     # 0: none, off or no limit. A negative --max-steps ended training before its first step; a
     # negative --clip-norm turned every gradient around.
-    for flag, value in (
+    check_counts(
+        0,
         ("--data-workers", args.data_workers),
         ("--valid-interval", args.valid_interval),
         ("--shape-buckets", args.shape_buckets),
@@ -214,9 +216,7 @@ def check_arguments(args) -> None:
         ("--max-steps", args.max_steps),
         ("--patience", args.patience),
         ("--save-interval", args.save_interval),
-    ):
-        if value < 0:
-            raise UsageError(f"{flag} must be >= 0, got {value}")
+    )
     if args.tensorboard:
         require_tensorboard()
     for flag, folder in (
@@ -225,16 +225,15 @@ def check_arguments(args) -> None:
         ("--tensorboard", args.tensorboard),
     ):
         check_output_path(folder, flag, folder=True)
-    for flag, value in (
+    check_counts(
+        1,
         ("--max-tokens", args.max_tokens),
         ("--update-freq", args.update_freq),
         ("--keep-last", args.keep_last),
         ("--average-last", args.average_last),
         ("--log-interval", args.log_interval),
         ("--beam", args.beam),
-    ):
-        if value <= 0:
-            raise UsageError(f"{flag} must be positive, got {value}")
+    )
     if not 0 <= args.label_smoothing < 1:
         raise UsageError(f"--label-smoothing must be in [0, 1), got {args.label_smoothing}")
     for name in MODEL_OVERRIDES:
@@ -248,8 +247,7 @@ def check_arguments(args) -> None:
             raise UsageError(f"{flag} must be positive, got {value}")
     if args.lr <= 0:
         raise UsageError(f"--lr must be positive, got {args.lr}")
-    if args.warmup < 0:
-        raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
+    check_counts(0, ("--warmup", args.warmup))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from fastnmt import metrics
 from fastnmt.cli import (
     UsageError,
     add_search_arguments,
+    check_counts,
     check_output_path,
     forced_backend,
     load_translator,
@@ -223,8 +224,7 @@ def check_arguments(args) -> dict:
     width, name = (args.beam, "--beam") if sampling is None else (sampling.samples, "--samples")
     if not 1 <= args.nbest <= width:
         raise UsageError(f"--nbest must be between 1 and {name} ({width}), got {args.nbest}")
-    if args.buffer_size < 1:
-        raise UsageError(f"--buffer-size must be positive, got {args.buffer_size}")
+    check_counts(1, ("--buffer-size", args.buffer_size))
     if args.plot_attention:
         parse_line_ranges(args.plot_lines)
     if args.input and not Path(args.input).is_file():
