@@ -19,6 +19,7 @@ ops and its C++ ops take the same arguments, so one set of fakes serves both.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -38,7 +39,26 @@ def triton_library_op(name: str) -> Callable:
     graphs keep opaque, as they keep the C++ ops."""
     if INTERPRETER:
         return torch.library.custom_op(name, mutates_args=())
-    return torch.library.triton_op(name, mutates_args=())
+    return lambda fn: torch.library.triton_op(name, _WithoutSource(fn), mutates_args=())
+
+
+class _WithoutSource:
+    """``fn`` as a callable whose source ``inspect`` cannot read.
+
+    ``triton_op`` parses its function's source for kernels called through ``wrap_triton`` (a key
+    for AOTAutograd's cache), importing ``torch._inductor``, and with it ``torch._dynamo``, to do
+    so: over a second at every process's import. It never finds ours (``Launcher`` wraps them
+    at trace time, and Inductor's own cache keys the traced kernels), and a callable without
+    source ends the parse before that import."""
+
+    def __init__(self, fn: Callable) -> None:
+        self._fn = fn
+        # What infer_schema reads: the signature, and the globals its annotations name.
+        self.__name__, self.__globals__ = fn.__name__, fn.__globals__
+        self.__signature__ = inspect.signature(fn)
+
+    def __call__(self, *args, **kwargs):
+        return self._fn(*args, **kwargs)
 
 
 def eager_function(name: str, forward: Callable, setup_context: Callable, backward: Callable):

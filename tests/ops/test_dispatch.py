@@ -1,6 +1,7 @@
 """Backend choice, forcing and explanations; the cached choice of a call seen before."""
 
 import importlib.util
+import os
 import subprocess
 import sys
 
@@ -396,16 +397,20 @@ def test_the_constant_mark_is_the_one_torchs_decorator_sets():
     assert vars(ours) == vars(torchs) != {}
 
 
-def test_the_commands_import_without_dynamo():
+@pytest.mark.parametrize("interpreter", [True, False])
+def test_the_commands_import_without_dynamo(interpreter):
     """Importing torch._dynamo takes over a second: no process should pay it before it
-    compiles (the tests start dozens). The server's module needs its extra (fastapi)."""
+    compiles (the tests start dozens). Also without the interpreter, as on a GPU, where the ops
+    are triton_ops. The server's module needs its extra (fastapi)."""
     commands = ["fastnmt.train", "fastnmt.evaluate", "fastnmt.translate"]
     commands += ["fastnmt.serve"] * (importlib.util.find_spec("fastapi") is not None)
     code = (
         f"import sys, {', '.join(commands)}; "
         "print([name for name in sys.modules if name.startswith('torch._dynamo')])"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update({"TRITON_INTERPRET": "1"} if interpreter else {})
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert result.returncode == 0 and result.stdout == "[]\n", result.stderr
 
 
