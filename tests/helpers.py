@@ -297,6 +297,23 @@ def python_calls(step) -> int:
     return calls
 
 
+class NoLaunch:
+    """A kernel whose launches do nothing: what is left of a call is its host work."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **options: None
+
+
+def host_python_calls(monkeypatch, module, launcher_names, step) -> int:
+    """``python_calls(step)`` on the Triton path at the GPU's tiles, with the launches of the
+    module's ``Launcher``s taken out (through ``kernel[grid]``: two Python calls each)."""
+    monkeypatch.setattr(triton_common, "INTERPRETER", True)  # kernel[grid] on a GPU too
+    for name in launcher_names:
+        monkeypatch.setattr(getattr(module, name), "kernel", NoLaunch())
+    with triton_common.gpu_tiles(), fastnmt.backend("triton"):
+        return python_calls(step)
+
+
 class StandInDriver:
     """Triton's ``driver`` (``triton.runtime.jit.driver``) as a GPU machine's: device 0, its
     stream 7, an sm_90 target, so that Triton's own ``JITFunction.run`` runs without a GPU up to

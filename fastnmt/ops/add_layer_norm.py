@@ -30,7 +30,13 @@ import torch.nn.functional as F
 
 from fastnmt.ops import checks, dispatch, registration
 from fastnmt.ops.triton import common as triton_common
-from fastnmt.ops.triton.add_layer_norm import MAX_WIDTH, _backward, _h_dtype, _launch_forward
+from fastnmt.ops.triton.add_layer_norm import (
+    MAX_WIDTH,
+    _backward,
+    _h_dtype,
+    _launch_forward,
+    _sums_dtype,
+)
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -78,7 +84,10 @@ def _add_layer_norm_op(
 def _forward_fake(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, seed):
     rows = x.numel() // x.shape[-1]
     statistics = x.new_empty(rows, dtype=torch.float32)
-    h = x.new_empty(x.shape, dtype=_h_dtype(x, residual, residual_in_fp32))
+    h = x.new_empty(
+        x.shape,
+        dtype=_h_dtype(x.dtype, None if residual is None else residual.dtype, residual_in_fp32),
+    )
     return x.new_empty(x.shape), h, statistics, torch.empty_like(statistics)
 
 
@@ -100,7 +109,7 @@ def _add_layer_norm_backward_op(
 
 
 def _backward_fake(dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_residual, has_bias):
-    dtype = torch.float32 if weight is None else weight.dtype  # the sums' dtype
+    dtype = _sums_dtype(None if weight is None else weight.dtype)
     dweight, dbias = (
         h.new_empty(h.shape[-1] if wanted else 0, dtype=dtype)
         for wanted in (weight is not None, has_bias)

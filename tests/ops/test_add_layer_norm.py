@@ -13,9 +13,11 @@ from fastnmt.ops import add_layer_norm
 from fastnmt.ops.triton import common as triton_common
 from tests.helpers import (
     TRITON_CPU_REASON,
+    TRITON_DEVICE,
     HostOps,
     assert_error_within,
     device_of,
+    host_python_calls,
     opcheck,
     require_backend,
 )
@@ -368,6 +370,17 @@ def test_triton_forward_and_backward_launch_three_kernels(triton_device, dtype, 
     if dtype != torch.bfloat16 or not triton_common.INTERPRETER:
         poisoned = host.aten.count("empty_like") if triton_common.INTERPRETER else 0
         assert [op for op in host.aten if op not in _NO_LAUNCH] == ["fill_"] * poisoned, host.aten
+
+
+def test_the_host_work_of_a_triton_call_is_a_few_dozen_python_calls(monkeypatch):
+    """Forward + backward on the Triton path with the launches taken out: the dispatcher's
+    cached decision, the autograd.Function, a launch plan per launch cached per signature, the
+    output buffers and three Launcher calls; ``F.layer_norm(x + r)``'s step makes 17 (the step's
+    ``sum`` and ``backward`` most of them). Without the plans: 95."""
+    x, residual, weight, bias = _inputs(9, 100, torch.float32, requires_grad=True,
+                                        device=TRITON_DEVICE)  # fmt: skip
+    step = lambda: add_layer_norm(x, residual, weight, bias)[0].sum().backward()  # noqa: E731
+    assert host_python_calls(monkeypatch, triton_module, _KERNELS, step) <= 56
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

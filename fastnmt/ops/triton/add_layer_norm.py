@@ -12,6 +12,7 @@ forward + backward is three launches.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -186,11 +187,15 @@ _INTERPRETER_TILE = 65536  # the interpreter's cost grows with the number of pro
 def _tile(rows: int, width: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for a (rows, width) problem: whole rows, as many as fit
     the tile (the GPU's, or in the interpreter outside ``gpu_tiles()`` its own)."""
-    try:
-        return _chosen_tile(rows, width, triton_common.use_gpu_tiles())
-    except TypeError:  # symbolic sizes, unhashable: a trace with dynamic shapes
-        hinted = (triton_common.size_hint(rows), triton_common.static_size(width))
-        return _chosen_tile(*hinted, triton_common.use_gpu_tiles())
+    return _chosen_tile(*_hashable(rows, width), triton_common.use_gpu_tiles())
+
+
+def _hashable(rows, width) -> tuple[int, int]:
+    """(rows, width) as the cached launch plans key them: a trace's symbolic sizes (dynamic
+    shapes) as ints, rows hinted (it chooses only a block's rows), width specialized."""
+    if rows.__class__ is int and width.__class__ is int:
+        return rows, width
+    return triton_common.size_hint(rows), triton_common.static_size(width)
 
 
 @functools.lru_cache(maxsize=4096)  # per call signature, as the dispatcher's decisions
@@ -202,28 +207,57 @@ def _chosen_tile(rows: int, width: int, gpu_tiles: bool) -> tuple[int, int, int]
     return block_m, block_n, num_warps
 
 
-def _backward_programs(row_tiles: int, device: torch.device) -> int:
-    """Programs of the backward grid: a few per SM, each summing dweight over several tiles."""
-    return min(row_tiles, _most_backward_programs(device))
-
-
 @functools.cache  # one entry per device
 def _most_backward_programs(device: torch.device) -> int:
+    """Programs of the backward grid at most: a few per SM, each summing dweight over several
+    tiles."""
     if device.type == "cuda":
         return 4 * torch.cuda.get_device_properties(device).multi_processor_count
     return 2  # the interpreter: still exercises a program visiting two tiles
 
 
-def _h_dtype(x, residual, residual_in_fp32: bool) -> torch.dtype:
+def _h_dtype(x_dtype, residual_dtype, residual_in_fp32: bool) -> torch.dtype:
+    """h's dtype, from x's and the residual's (None without one)."""
     if residual_in_fp32:
         return torch.float32
-    if residual is None or residual.dtype == x.dtype:  # promote_types is an aten call
-        return x.dtype
-    return torch.promote_types(x.dtype, residual.dtype)
+    if residual_dtype is None or residual_dtype == x_dtype:
+        return x_dtype
+    return torch.promote_types(x_dtype, residual_dtype)
 
 
-def _contiguous(tensor):
-    return None if tensor is None else tensor.contiguous()
+# Launch plans: what a launch needs beyond its tensors, found once per call signature (the
+# tensors' sizes, dtypes and which are given), so that a call's host work is the buffers and the
+# launches. The grids are computed at each call: a trace's sizes may be symbolic.
+
+
+class _ForwardPlan(NamedTuple):
+    block_m: int
+    options: dict  # the kernel's constexprs and launch options (launch_options)
+    y_buffer: torch.dtype  # the output buffers' dtypes (kernel_output_dtype)
+    h_dtype: torch.dtype
+    h_buffer: torch.dtype
+    cast: bool  # a buffer is not in its output's dtype (bf16 under the interpreter)
+
+
+@functools.lru_cache(maxsize=4096)
+def _forward_plan(
+    rows, width, x_dtype, residual_dtype, residual_in_fp32, weight, bias, dropout, statistics, gpu
+) -> _ForwardPlan:
+    block_m, block_n, num_warps = _chosen_tile(rows, width, gpu)
+    h_dtype = _h_dtype(x_dtype, residual_dtype, residual_in_fp32)
+    y_buffer, h_buffer = map(triton_common.kernel_output_dtype, (x_dtype, h_dtype))
+    options = triton_common.launch_options(
+        HAS_RESIDUAL=residual_dtype is not None,
+        HAS_WEIGHT=weight,
+        HAS_BIAS=bias,
+        HAS_DROPOUT=dropout,
+        HAS_STATISTICS=statistics,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+    )
+    cast = (y_buffer, h_buffer) != (x_dtype, h_dtype)
+    return _ForwardPlan(block_m, options, y_buffer, h_dtype, h_buffer, cast)
 
 
 _FORWARD = triton_common.Launcher(_add_layer_norm_forward_kernel)
@@ -239,23 +273,32 @@ def _launch_forward(
     width = x.shape[-1]
     x = x.contiguous()
     rows = x.numel() // width
-    h_dtype = _h_dtype(x, residual, residual_in_fp32)
-    like, buffer_dtype = triton_common.new_output_like, triton_common.kernel_output_dtype
-    y = like(x, buffer_dtype(x.dtype), torch.contiguous_format)  # x's shape, dense rows
-    h = like(x, buffer_dtype(h_dtype), torch.contiguous_format)
+    plan = _forward_plan(
+        *_hashable(rows, width),
+        x.dtype,
+        None if residual is None else residual.dtype,
+        residual_in_fp32,
+        weight is not None,
+        bias is not None,
+        dropout_p > 0.0,
+        statistics,
+        triton_common.use_gpu_tiles(),
+    )
+    like = triton_common.new_output_like
+    y = like(x, plan.y_buffer, torch.contiguous_format)  # x's shape, dense rows
+    h = like(x, plan.h_buffer, torch.contiguous_format)
     mean = rstd = None
     if statistics:
         mean = triton_common.new_output((rows,), torch.float32, x.device)
         rstd = triton_common.new_output((rows,), torch.float32, x.device)
-    block_m, block_n, num_warps = _tile(rows, width)
     _FORWARD(
         x.device,
-        (triton_common.cdiv(rows, block_m), 1, 1),
+        (-(-rows // plan.block_m), 1, 1),
         (
             x,
-            _contiguous(residual),
-            _contiguous(weight),
-            _contiguous(bias),
+            None if residual is None else residual.contiguous(),
+            None if weight is None else weight.contiguous(),
+            None if bias is None else bias.contiguous(),
             y,
             h,
             mean,
@@ -266,40 +309,74 @@ def _launch_forward(
             eps,
             dropout_p,
         ),
-        triton_common.launch_options(
-            HAS_RESIDUAL=residual is not None,
-            HAS_WEIGHT=weight is not None,
-            HAS_BIAS=bias is not None,
-            HAS_DROPOUT=dropout_p > 0.0,
-            HAS_STATISTICS=statistics,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            num_warps=num_warps,
-        ),
+        plan.options,
     )
-    return triton_common.as_dtype(y, x.dtype), triton_common.as_dtype(h, h_dtype), mean, rstd
+    if plan.cast:
+        y, h = triton_common.as_dtype(y, x.dtype), triton_common.as_dtype(h, plan.h_dtype)
+    return y, h, mean, rstd
+
+
+class _BackwardPlan(NamedTuple):
+    block_m: int
+    most_programs: int  # the grid's programs at most (_most_backward_programs)
+    options: dict
+    dx_buffer: torch.dtype
+    dh_buffer: torch.dtype
+    sums_dtype: torch.dtype  # dweight's and dbias's (_sums_dtype)
+    cast: bool  # dx or dh is not in its output's dtype (bf16 under the interpreter)
+
+
+@functools.lru_cache(maxsize=4096)
+def _backward_plan(
+    rows, width, dy_dtype, h_dtype, weight_dtype, dh_out, residual, bias, dropout, device, gpu
+) -> _BackwardPlan:
+    block_m, block_n, num_warps = _chosen_tile(rows, width, gpu)
+    dx_buffer, dh_buffer = map(triton_common.kernel_output_dtype, (dy_dtype, h_dtype))
+    options = triton_common.launch_options(
+        HAS_DH_OUT=dh_out,
+        HAS_RESIDUAL=residual,
+        HAS_WEIGHT=weight_dtype is not None,
+        HAS_BIAS=bias,
+        HAS_DROPOUT=dropout,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+    )
+    sums_dtype = _sums_dtype(weight_dtype)
+    cast = (dx_buffer, dh_buffer) != (dy_dtype, h_dtype)
+    most_programs = _most_backward_programs(device)
+    return _BackwardPlan(block_m, most_programs, options, dx_buffer, dh_buffer, sums_dtype, cast)
 
 
 def _launch_backward(dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_residual, has_bias):
     width = h.shape[-1]
     rows = mean.shape[0]
-    block_m, block_n, num_warps = _tile(rows, width)
-    programs = _backward_programs(triton_common.cdiv(rows, block_m), h.device)
-    like, buffer_dtype = triton_common.new_output_like, triton_common.kernel_output_dtype
-    dx = like(h, buffer_dtype(dy.dtype), torch.contiguous_format)  # h's shape, dense rows
-    dh = like(h, buffer_dtype(h.dtype), torch.contiguous_format) if has_residual else None
-    dweight_partial, dbias_partial = (
-        triton_common.new_output((programs, width), torch.float32, h.device) if wanted else None
-        for wanted in (weight is not None, has_bias)
+    plan = _backward_plan(
+        *_hashable(rows, width),
+        dy.dtype,
+        h.dtype,
+        None if weight is None else weight.dtype,
+        dh_out is not None,
+        has_residual,
+        has_bias,
+        dropout_p > 0.0,
+        h.device,
+        triton_common.use_gpu_tiles(),
     )
+    programs = min(-(-rows // plan.block_m), plan.most_programs)
+    like, new = triton_common.new_output_like, triton_common.new_output
+    dx = like(h, plan.dx_buffer, torch.contiguous_format)  # h's shape, dense rows
+    dh = like(h, plan.dh_buffer, torch.contiguous_format) if has_residual else None
+    dweight_partial = None if weight is None else new((programs, width), torch.float32, h.device)
+    dbias_partial = new((programs, width), torch.float32, h.device) if has_bias else None
     _BACKWARD(
         h.device,
         (programs, 1, 1),
         (
             dy.contiguous(),  # dense rows, as in the forward
-            _contiguous(dh_out),
+            None if dh_out is None else dh_out.contiguous(),
             h.contiguous(),
-            _contiguous(weight),
+            None if weight is None else weight.contiguous(),
             mean,
             rstd,
             seed,
@@ -311,18 +388,12 @@ def _launch_backward(dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_res
             width,
             dropout_p,
         ),
-        triton_common.launch_options(
-            HAS_DH_OUT=dh_out is not None,
-            HAS_RESIDUAL=has_residual,
-            HAS_WEIGHT=weight is not None,
-            HAS_BIAS=has_bias,
-            HAS_DROPOUT=dropout_p > 0.0,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            num_warps=num_warps,
-        ),
+        plan.options,
     )
-    dweight, dbias = _sum_partials(dweight_partial, dbias_partial, _sums_dtype(weight))
+    if plan.cast:
+        dx = triton_common.as_dtype(dx, dy.dtype)
+        dh = None if dh is None else triton_common.as_dtype(dh, h.dtype)
+    dweight, dbias = _sum_partials(dweight_partial, dbias_partial, plan.sums_dtype)
     return dx, dh, dweight, dbias
 
 
@@ -331,10 +402,19 @@ def _launch_backward(dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_res
 _SUM_TILE = (128, 32)
 
 
-def _sums_dtype(weight) -> torch.dtype:
+def _sums_dtype(weight_dtype: torch.dtype | None) -> torch.dtype:
     """The dtype of dweight and dbias: the weight's, so that autograd casts neither (a launch
-    each on a GPU); fp32 without a weight."""
-    return torch.float32 if weight is None else weight.dtype
+    each on a GPU); fp32 without a weight (None)."""
+    return torch.float32 if weight_dtype is None else weight_dtype
+
+
+@functools.lru_cache(maxsize=64)
+def _sums_plan(weight: bool, bias: bool, dtype: torch.dtype) -> tuple[dict, torch.dtype]:
+    """(options, the sums' buffer dtype) of a launch of the partial sums' kernel."""
+    options = triton_common.launch_options(
+        HAS_WEIGHT=weight, HAS_BIAS=bias, BLOCK_P=_SUM_TILE[0], BLOCK=_SUM_TILE[1], num_warps=4
+    )
+    return options, triton_common.kernel_output_dtype(dtype)
 
 
 def _sum_partials(dweight_partial, dbias_partial, dtype: torch.dtype):
@@ -344,26 +424,20 @@ def _sum_partials(dweight_partial, dbias_partial, dtype: torch.dtype):
     if partial is None:
         return None, None
     programs, width = partial.shape
-    buffer_dtype = triton_common.kernel_output_dtype(dtype)
-    dweight, dbias = (
-        None if summed is None else triton_common.new_output((width,), buffer_dtype, partial.device)
-        for summed in (dweight_partial, dbias_partial)
-    )
+    options, buffer = _sums_plan(dweight_partial is not None, dbias_partial is not None, dtype)
+    new = triton_common.new_output
+    dweight = None if dweight_partial is None else new((width,), buffer, partial.device)
+    dbias = None if dbias_partial is None else new((width,), buffer, partial.device)
     _SUM_PARTIALS(
         partial.device,
-        (triton_common.cdiv(width, _SUM_TILE[1]), 1, 1),
+        (-(-width // _SUM_TILE[1]), 1, 1),
         (dweight_partial, dbias_partial, dweight, dbias, programs, width),
-        triton_common.launch_options(
-            HAS_WEIGHT=dweight_partial is not None,
-            HAS_BIAS=dbias_partial is not None,
-            BLOCK_P=_SUM_TILE[0],
-            BLOCK=_SUM_TILE[1],
-            num_warps=4,
-        ),
+        options,
     )
-    return tuple(
-        None if sums is None else triton_common.as_dtype(sums, dtype) for sums in (dweight, dbias)
-    )
+    if buffer != dtype:  # bf16 under the interpreter
+        dweight = None if dweight is None else dweight.to(dtype)
+        dbias = None if dbias is None else dbias.to(dtype)
+    return dweight, dbias
 
 
 def _backward(dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_residual, has_bias):
@@ -372,10 +446,10 @@ def _backward(dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_residual, 
     dx, dh, dweight, dbias = _launch_backward(
         dy, dh_out, h, weight, mean, rstd, seed, dropout_p, has_residual, has_bias
     )
-    dtype = _sums_dtype(weight)
+    dtype = _sums_dtype(None if weight is None else weight.dtype)
     return (
-        triton_common.as_dtype(dx, dy.dtype),
-        h.new_empty(0) if dh is None else triton_common.as_dtype(dh, h.dtype),
+        dx,
+        h.new_empty(0) if dh is None else dh,
         h.new_empty(0, dtype=dtype) if dweight is None else dweight,
         h.new_empty(0, dtype=dtype) if dbias is None else dbias,
     )

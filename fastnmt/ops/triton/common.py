@@ -153,10 +153,10 @@ class LaunchConfig(NamedTuple):  # a tuple: hashed in C, as launchers' cache key
         return f"M{self.block_m} N{self.block_n}{gemm} w{self.num_warps} s{self.num_stages}"
 
 
-def use_gpu_tiles() -> bool:
-    """Whether launchers pick the GPU's block sizes (always on a GPU; in tests, inside
-    ``gpu_tiles()``) rather than the interpreter's."""
-    return _GPU_TILES.get()
+# use_gpu_tiles() -> bool: whether launchers pick the GPU's block sizes (always on a GPU; in
+# tests, inside ``gpu_tiles()``) rather than the interpreter's. The ContextVar's own ``get``: on
+# every launch's host path, where a Python function would add a frame.
+use_gpu_tiles = _GPU_TILES.get
 
 
 @contextlib.contextmanager
