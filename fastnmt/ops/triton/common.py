@@ -222,8 +222,10 @@ def _is_constexpr(parameter: inspect.Parameter) -> bool:
     return parameter.annotation is tl.constexpr or "constexpr" in str(parameter.annotation)
 
 
-# A compiled kernel per specialization; past this many a Launcher starts afresh.
+# A compiled kernel per specialization, and per argument values seen; past this many a Launcher
+# starts afresh.
 _MAX_COMPILED = 1024
+_MAX_VALUES = 4096
 _I32 = 2**31  # ints in [-2**31, 2**31) are i32 arguments, others i64, from 2**63 u64
 
 
@@ -235,12 +237,19 @@ class Launcher:
     arguments to the signature, reads its knobs, asks the driver for the current device, formats
     a cache key from the options, checks the kernel's globals and builds launch metadata for
     hooks, tens of µs where a translation-sized kernel runs for a few. Like Inductor's launchers,
-    a Launcher keys each call by what Triton specializes a compiled kernel on (each tensor's dtype
-    and 16-byte alignment; each int's being 1, divisibility by 16 and width; the type of anything
-    else), the device and the ``options`` dict (from ``launch_options``: by identity), launches
-    the first call of a key through ``kernel[grid]`` (compiling if need be) and keeps the
-    compiled kernel; later calls go straight to it (``CompiledKernel.run``, where
+    a Launcher keeps each compiled kernel under what Triton specializes it on (each tensor's
+    dtype and 16-byte alignment; each int's being 1, divisibility by 16 and width; the type of
+    anything else), the device and the ``options`` dict (from ``launch_options``: by identity),
+    launching the first call of a specialization through ``kernel[grid]`` (compiling if need be);
+    later calls go straight to the compiled kernel (``CompiledKernel.run``, where
     ``JITFunction.run`` ends). ``grid`` is always (x, y, z).
+
+    A call is first looked up by its values: the leading tensors by dtype and alignment, the
+    other arguments (the sizes and strides, which a kernel's calls mostly repeat) as they are, a
+    tuple slice where a key per argument costs a Python step each; a value decides its
+    specialization, so this key is finer than Triton's. It assumes that a parameter takes one
+    Python type (1, 1.0 and True are equal keys), as fastnmt's launches pass them. Values not
+    seen yet are keyed by their specialization and kept under both keys.
 
     ``kernel[grid]`` serves every call under the interpreter, while Triton launch hooks are
     registered (a profiler's), and on a device other than the current one (under its guard).
@@ -258,9 +267,13 @@ class Launcher:
         self._positional = next(
             (i for i, p in enumerate(self._parameters) if _is_constexpr(p)), len(self._parameters)
         )
-        # key -> (the compiled kernel's launcher, function, packed metadata, the values of the
-        # parameters after args, options: kept so that its id cannot be reused)
+        # specialization key -> (the compiled kernel's launcher, function, packed metadata, the
+        # values of the parameters after args, options: kept so that its id cannot be reused)
         self._compiled: dict[tuple, tuple] = {}
+        self._by_values: dict[tuple, tuple] = {}  # values key -> the same entries
+        # The leading arguments the values key takes as tensors: those that were tensors or None
+        # at the first compile; every argument until then.
+        self._tensors = len(self._parameters)
 
     def __call__(self, device: torch.device, grid: tuple, args: tuple, options: dict) -> None:
         if INTERPRETER:
@@ -268,23 +281,21 @@ class Launcher:
             return
         index = device.index
         tensor = torch.Tensor
+        leading = self._tensors
         try:
             key = (
                 id(options),
                 index,
-                *[  # ints first (most arguments are), each by what Triton's specialization reads
-                    (a & 15 if a != 1 and -_I32 <= a < _I32 else (a >> 31, a & 15))
-                    if a.__class__ is int
-                    else (a.dtype, a.data_ptr() & 15)
-                    if isinstance(a, tensor)
-                    else a.__class__  # float, bool, None: specialized by type only
-                    for a in args
+                args[leading:],
+                *[
+                    (a.dtype, a.data_ptr() & 15) if isinstance(a, tensor) else a
+                    for a in args[:leading]
                 ],
             )
+            compiled = self._by_values.get(key) or self._specialized(key, index, args, options)
         except RuntimeError:  # tensors without data: torch.compile tracing a triton_op's body
             self._traced(grid, args, options)
             return
-        compiled = self._compiled.get(key)
         enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
         if (
             compiled is None
@@ -298,6 +309,39 @@ class Launcher:
         stream = torch._C._cuda_getCurrentRawStream(index)
         run(*grid, stream, function, metadata, None, None, None, *args, *constexprs)
 
+    @staticmethod
+    def _specialization(index, args: tuple, options: dict) -> tuple:
+        """The key of what Triton specializes a compiled kernel on (see the class)."""
+        return (
+            id(options),
+            index,
+            *[  # ints first (most arguments are), each by what Triton's specialization reads
+                (a & 15 if a != 1 and -_I32 <= a < _I32 else (a >> 31, a & 15))
+                if a.__class__ is int
+                else (a.dtype, a.data_ptr() & 15)
+                if isinstance(a, torch.Tensor)
+                else a.__class__  # float, bool, None: specialized by type only
+                for a in args
+            ],
+        )
+
+    def _specialized(self, values_key, index, args, options) -> tuple | None:
+        """The kernel compiled for the specialization of values not seen yet (None if none is),
+        kept under their key too."""
+        compiled = self._compiled.get(self._specialization(index, args, options))
+        if compiled is not None:
+            self._keep_values(values_key, compiled)
+        return compiled
+
+    def _keep_values(self, values_key, compiled: tuple) -> None:
+        """``compiled`` under ``values_key``, unless a tensor is among the values it holds (a
+        tensor hashes by identity: the key would never match again, and keep the tensor)."""
+        if any(isinstance(a, torch.Tensor) for a in values_key[2]):
+            return
+        if len(self._by_values) >= _MAX_VALUES:
+            self._by_values.clear()
+        self._by_values[values_key] = compiled
+
     def _traced(self, grid, args, options) -> None:
         """The launch as a node of the graph being traced (``wrap_triton``), which Inductor
         compiles and fuses around. Compile options are Inductor's to choose."""
@@ -306,20 +350,25 @@ class Launcher:
         launch = {k: v for k, v in options.items() if k not in COMPILE_OPTIONS}
         wrap_triton(self.kernel)[grid](*args, **launch)
 
-    def _launch_and_keep(self, key, device, grid, args, options) -> None:
+    def _launch_and_keep(self, values_key, device, grid, args, options) -> None:
         assert len(args) <= self._positional, f"{self.kernel}: pass constexprs in options"
         with device_guard(device):
             compiled = self.kernel[grid](*args, **options)
-        if key not in self._compiled:  # a hooked or off-device launch keeps what it has
-            if len(self._compiled) >= _MAX_COMPILED:
-                self._compiled.clear()
-            later = [  # every parameter after args, as JITFunction.run binds them
-                options.get(p.name, p.default) for p in self._parameters[len(args) :]
-            ]
-            self._compiled[key] = (
-                compiled.run,
-                compiled.function,
-                compiled.packed_metadata,
-                tuple(later),
-                options,
+        key = self._specialization(device.index, args, options)
+        if key in self._compiled:  # a hooked or off-device launch keeps what it has
+            return
+        if len(self._compiled) >= _MAX_COMPILED:
+            self._compiled.clear()
+            self._by_values.clear()
+        later = [  # every parameter after args, as JITFunction.run binds them
+            options.get(p.name, p.default) for p in self._parameters[len(args) :]
+        ]
+        entry = (compiled.run, compiled.function, compiled.packed_metadata, tuple(later), options)
+        self._compiled[key] = entry
+        if self._tensors == len(self._parameters):  # the first compile: the tensors' positions
+            self._tensors = next(
+                (i for i, a in enumerate(args) if not (a is None or isinstance(a, torch.Tensor))),
+                len(args),
             )
+        else:
+            self._keep_values(values_key, entry)

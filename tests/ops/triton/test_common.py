@@ -2,6 +2,8 @@
 (fastnmt/ops/triton/common.py)."""
 
 import contextlib
+import gc
+import weakref
 
 import pytest
 import torch
@@ -91,7 +93,9 @@ class _Kernel:
     def __getitem__(self, grid):
         def launch(*args, **options):
             self.launches.append(("jit", grid, args, options))
-            return StandInCompiled(self.launches)
+            compiled = StandInCompiled(self.launches)
+            compiled.function = f"function {self.paths.count('jit')}"  # which compile
+            return compiled
 
         return launch
 
@@ -134,7 +138,7 @@ def test_launcher_compiles_once_then_launches_the_compiled_kernel(compiled_path)
     assert kernel.launches == [("jit", (3, 2, 1), _args(x), OPTIONS)]
     y = torch.ones(64)  # another tensor and other ints of the same specialization
     launcher(CUDA0, (5, 1, 1), _args(y, n=64, stride=16, p=0.25), OPTIONS)
-    launch = (5, 1, 1, 7, "function", "metadata", None, None, None)
+    launch = (5, 1, 1, 7, "function 1", "metadata", None, None, None)
     # the arguments, then FLAG and BLOCK's default:
     expected = (*launch, *_args(y, n=64, stride=16, p=0.25), True, 16)
     assert kernel.launches[1] == ("run", expected)
@@ -238,10 +242,55 @@ def test_launcher_compiles_again_whenever_triton_would_specialize_differently(co
         second[position] = choices[position][pick(len(choices[position]))]
         kernel = _Kernel()
         launcher = triton_common.Launcher(kernel)
-        launcher(CUDA0, (1, 1, 1), tuple(first), OPTIONS)
-        launcher(CUDA0, (1, 1, 1), tuple(second), OPTIONS)
+        compiled = []  # the compiled kernel each call launches
+        for args in (first, second, first, second):  # then each looked up by its values
+            launcher(CUDA0, (1, 1, 1), tuple(args), OPTIONS)
+            path, *launch = kernel.launches[-1]
+            compiled.append(
+                f"function {kernel.paths.count('jit')}" if path == "jit" else launch[0][4]
+            )
         if specialization(first) != specialization(second):
-            assert kernel.paths == ["jit", "jit"], (first[2:], second[2:])
+            assert kernel.paths[:2] == ["jit", "jit"], (first[2:], second[2:])
+        assert compiled[2:] == compiled[:2], (first[2:], second[2:])
+
+
+def test_launcher_looks_up_values_seen_before_without_specializing_them(compiled_path, monkeypatch):
+    """The fast path: a call repeating the sizes and strides of one before (its tensors may be
+    others) is found by its values, no specialization key computed (a Python step per argument);
+    other values are specialized once."""
+    kernel = _Kernel()
+    launcher = triton_common.Launcher(kernel)
+    specialized = []
+    specialization = triton_common.Launcher._specialization
+
+    def counted(*args):
+        specialized.append(args)
+        return specialization(*args)
+
+    monkeypatch.setattr(triton_common.Launcher, "_specialization", staticmethod(counted))
+    for n in (32, 32, 64):
+        launcher(CUDA0, (1, 1, 1), _args(n=n), OPTIONS)
+    before = len(specialized)
+    for x in (torch.zeros(64), torch.ones(64), torch.zeros(64)):
+        for n in (32, 64):
+            launcher(CUDA0, (1, 1, 1), _args(x, n=n), OPTIONS)
+    assert len(specialized) == before
+    assert kernel.paths == ["jit"] + ["run"] * 8
+
+
+def test_launcher_keeps_no_values_holding_a_tensor(compiled_path):
+    """A tensor where the first call had a number is keyed by its specialization only: a values
+    key would hold it (and never match again)."""
+    kernel = _Kernel()
+    launcher = triton_common.Launcher(kernel)
+    launcher(CUDA0, (1, 1, 1), _args(), OPTIONS)
+    stray = torch.zeros(4)
+    for _ in range(2):
+        launcher(CUDA0, (1, 1, 1), (torch.zeros(64), None, stray, 48, 0.5), OPTIONS)
+    kernel.launches.clear()  # the stand-in's record of the arguments
+    stray = weakref.ref(stray)
+    gc.collect()
+    assert stray() is None
 
 
 def test_launcher_refuses_constexprs_among_the_arguments(compiled_path):
