@@ -118,14 +118,17 @@ def _in_dtype(model: Transformer, dtype: torch.dtype | None) -> Transformer:
     return copy.deepcopy(model).to(dtype)
 
 
-def _target_log_probs(model: Transformer, batch, *, per_token: bool) -> torch.Tensor:
+def _target_log_probs(model: Transformer, batch, *, per_token: bool, prefix: int = 0):
     """Teacher-forced log-probabilities of a batch's targets: per target token (tokens,), or
     summed per sentence (B,): the nll of the fused loss without label smoothing, as the trainer
     computes it, per token (never the tokens x vocabulary log-probabilities on the C++
-    kernels); a packed model's logits come from its packed output layer, as in its searches."""
+    kernels); a packed model's logits come from its packed output layer, as in its searches.
+    The first ``prefix`` tokens of each target (a forced prefix) are conditioned on, not
+    scored, as the search forces them."""
     states = model(batch.src, batch.src_lengths, batch.tgt_in)
-    states = states.reshape(-1, states.shape[-1]).index_select(0, batch.tgt_positions)
-    targets = batch.tgt_out.reshape(-1).index_select(0, batch.tgt_positions)
+    positions = _scored_positions(batch, prefix)
+    states = states.reshape(-1, states.shape[-1]).index_select(0, positions)
+    targets = batch.tgt_out.reshape(-1).index_select(0, positions)
     pad = model.cfg.pad_id
     if model.packed_output is not None:  # the search's GEMM, its weight packed once
         vocab = model.cfg.vocab_size
@@ -136,8 +139,16 @@ def _target_log_probs(model: Transformer, batch, *, per_token: bool) -> torch.Te
     if per_token:
         return log_probs
     sentences = torch.arange(len(batch.tgt_lengths), device=log_probs.device)
-    sentence_of_token = sentences.repeat_interleave(batch.tgt_lengths.to(log_probs.device))
+    scored = (batch.tgt_lengths - prefix).to(log_probs.device)
+    sentence_of_token = sentences.repeat_interleave(scored)
     return log_probs.new_zeros(len(sentences)).index_add_(0, sentence_of_token, log_probs)
+
+
+def _scored_positions(batch, prefix: int) -> torch.Tensor:
+    """The flat (B * T) positions of the targets' tokens past their first ``prefix``."""
+    if not prefix:
+        return batch.tgt_positions
+    return batch.tgt_positions[batch.tgt_positions % batch.tgt_out.shape[1] >= prefix]
 
 
 class _Finished:
@@ -421,10 +432,7 @@ class Translator:
             if isinstance(first_line, int)
             else list(first_line)
         )
-        translations = [
-            text if isinstance(text, Translation) else self._encoded(text, line)
-            for text, line in zip(sentences, lines, strict=True)
-        ]
+        translations = self._encoded(sentences, lines)
         lengths = torch.tensor(  # + eos; host tensors, as the searches take them
             [len(t.source_tokens) + 1 for t in translations], device="cpu"
         )
@@ -525,10 +533,14 @@ class Translator:
                 f"sources and targets must pair up, got {len(sources)} and {len(targets)}"
             )
         penalty = LengthPenalty(lenpen, alpha)
-        pairs = [
-            (self._encoded(s, first_line + i), self._encoded(t, first_line + i))
-            for i, (s, t) in enumerate(zip(sources, targets, strict=True))
-        ]
+        lines = list(range(first_line, first_line + len(sources)))
+        pairs = list(
+            zip(
+                self._encoded(sources, lines),
+                self._encoded(targets, lines, target=True),
+                strict=True,
+            )
+        )
         sizes = [max(len(s.source_tokens), len(t.source_tokens)) for s, t in pairs]
         log_probs = torch.zeros(len(pairs), dtype=torch.float64, device="cpu")
         with self._inference():
@@ -536,7 +548,7 @@ class Translator:
             for indices in self._batches(list(range(len(pairs))), sizes, sentences):
                 batch = make_batch(
                     [pairs[i][0].source_tokens for i in indices],
-                    [pairs[i][1].source_tokens for i in indices],
+                    [self.target_prefix + pairs[i][1].source_tokens for i in indices],
                     indices,
                     pad_id=self.vocab.pad_id,
                     bos_id=self.vocab.bos_id,
@@ -551,26 +563,37 @@ class Translator:
 
     def _pair_log_probs(self, batch) -> torch.Tensor:
         """(B,) summed target log-probabilities of a batch of pairs, on the device."""
+        prefix = len(self.target_prefix)
         if len(self.models) == 1:
-            return _target_log_probs(self.model, batch, per_token=False)
-        members = [_target_log_probs(m, batch, per_token=True) for m in self.models]
+            return _target_log_probs(self.model, batch, per_token=False, prefix=prefix)
+        members = [_target_log_probs(m, batch, per_token=True, prefix=prefix) for m in self.models]
         mixed = torch.stack(members).logsumexp(0) - math.log(len(members))  # (tokens,)
-        return torch.stack([s.sum() for s in mixed.split(batch.tgt_lengths.tolist())])
+        return torch.stack([s.sum() for s in mixed.split((batch.tgt_lengths - prefix).tolist())])
 
-    def _encoded(self, text: str, line: int) -> Translation:
-        """``text`` encoded for the search, truncated to fit (with a warning)."""
-        tokens = self.vocab.encode([text])[0] if text.strip() else []
-        translation = Translation(text, tokens)
-        if len(tokens) > self.max_source_tokens:
-            warnings.warn(
-                f"line {line}: {len(tokens)} subword tokens, truncated to the model's limit of "
-                f"{self.max_source_tokens}",
-                TruncationWarning,
-                stacklevel=4,
-            )
-            translation.source_tokens = tokens[: self.max_source_tokens]
-            translation.truncated = True
-        return translation
+    def _encoded(self, texts: list, lines: list[int], target: bool = False) -> list[Translation]:
+        """``texts`` encoded in one call (by the vocabulary's target side if ``target``), each
+        truncated to fit the model, after the target prefix for a target (with a warning naming
+        its line); items already a Translation are kept. Blank texts have no tokens."""
+        todo = [text for text in texts if not isinstance(text, Translation) and text.strip()]
+        encoded = iter((self.vocab.encode_target if target else self.vocab.encode)(todo))
+        limit = self.max_source_tokens - len(self.target_prefix) * target
+        translations = []
+        for text, line in zip(texts, lines, strict=True):
+            if isinstance(text, Translation):
+                translations.append(text)
+                continue
+            tokens = next(encoded) if text.strip() else []
+            translations.append(Translation(text, tokens))
+            if len(tokens) > limit:
+                warnings.warn(
+                    f"line {line}: {len(tokens)} subword tokens, truncated to the model's limit "
+                    f"of {limit}",
+                    TruncationWarning,
+                    stacklevel=4,  # past the decorator: translate_full's or score's caller
+                )
+                translations[-1].source_tokens = tokens[:limit]
+                translations[-1].truncated = True
+        return translations
 
     def _batches(
         self, todo: list[int], lengths: list[int], max_sentences: int | None = None

@@ -149,6 +149,7 @@ def test_long_input_is_truncated_with_a_warning_naming_the_line(tmp_path):
     [warning] = caught
     assert warning.category is TruncationWarning
     assert str(warning.message).startswith("line 11: ")
+    assert warning.filename == __file__  # where translate_full was called
     assert "truncated to the model's limit of 5" in str(warning.message)
     assert translations[1].truncated and len(translations[1].source_tokens) == 5
     assert not translations[0].truncated

@@ -96,8 +96,9 @@ class Vocabulary:
     # sentence made that a visible share of decoding).
 
     def encode(self, sentences: list[str]) -> list[list[int]]:
-        """Token ids per sentence, without bos/eos."""
-        return [self._processor.encode(sentence, out_type=int) for sentence in sentences]
+        """Token ids per sentence, without bos/eos (sentencepiece encodes a list on threads of
+        its own: half the time of a call per sentence on two cores)."""
+        return self._processor.encode(list(sentences), out_type=int)
 
     def encode_target(self, sentences: list[str]) -> list[list[int]]:
         """Target-side ids: one joint model for both sides, so ``encode``'s."""
@@ -106,7 +107,9 @@ class Vocabulary:
     def decode(self, ids: list[list[int]]) -> list[str]:
         """Text per id sequence: everything from the first eos on is dropped, as are pad and bos,
         so raw decoder output can be passed in."""
-        return [self._processor.decode(self._strip(sequence)) for sequence in ids]
+        if not ids:  # decode([]) is one empty sequence's text
+            return []
+        return self._processor.decode([self._strip(sequence) for sequence in ids])
 
     def _strip(self, ids: list[int]) -> list[int]:
         if self.eos_id in ids:
@@ -116,6 +119,14 @@ class Vocabulary:
     def pieces(self, ids: list[int]) -> list[str]:
         """The subword string of each id, for attention plots."""
         return [self._processor.id_to_piece(i) for i in ids]
+
+
+def _language_code(sentence: str) -> tuple[list[str], str]:
+    """([">>code<<"], the rest) for a sentence starting with a target language code, else
+    ([], sentence): Marian's multi-target models take the code as one token."""
+    if sentence.startswith(">>") and (end := sentence.find("<<")) != -1:
+        return [sentence[: end + 2]], sentence[end + 2 :]
+    return [], sentence
 
 
 class MarianVocabulary:
@@ -185,20 +196,22 @@ class MarianVocabulary:
     def __len__(self) -> int:
         return max(self._ids.values()) + 1
 
-    def _encode(self, processor, sentence: str) -> list[int]:
-        code = []
-        if sentence.startswith(">>") and (end := sentence.find("<<")) != -1:
-            code, sentence = [sentence[: end + 2]], sentence[end + 2 :]
-        pieces = code + processor.encode(sentence, out_type=str)
-        return [self._ids.get(piece, self.unk_id) for piece in pieces]
+    def _encode(self, processor, sentences: list[str]) -> list[list[int]]:
+        split = [_language_code(sentence) for sentence in sentences]
+        pieces = processor.encode([text for _, text in split], out_type=str)  # on its threads
+        ids, unk = self._ids, self.unk_id
+        return [
+            [ids.get(piece, unk) for piece in code + rest]
+            for (code, _), rest in zip(split, pieces, strict=True)
+        ]
 
     def encode(self, sentences: list[str]) -> list[list[int]]:
         """Source ids per sentence, without eos."""
-        return [self._encode(self._source, sentence) for sentence in sentences]
+        return self._encode(self._source, sentences)
 
     def encode_target(self, sentences: list[str]) -> list[list[int]]:
         """Target ids per sentence, without eos."""
-        return [self._encode(self._target, sentence) for sentence in sentences]
+        return self._encode(self._target, sentences)
 
     def decode(self, ids: list[list[int]]) -> list[str]:
         """Target text per id sequence, up to its first eos, without special pieces (as

@@ -31,7 +31,8 @@ POSITIONS = {"marian": "marian", "m2m_100": "fairseq"}  # the families fastnmt's
 
 class PretrainedVocabulary:
     """A transformers tokenizer in the interface fastnmt's Translator uses: ``encode`` gives the
-    source ids without the final eos (fastnmt appends it), ``decode`` drops special tokens."""
+    source ids without the final eos (fastnmt appends it), ``encode_target`` the target side's,
+    ``decode`` drops special tokens."""
 
     def __init__(self, tokenizer, model_config, src_lang: str | None, tgt_lang: str | None):
         self.tokenizer = tokenizer
@@ -61,8 +62,17 @@ class PretrainedVocabulary:
         return len(self.tokenizer)
 
     def encode(self, texts: list[str]) -> list[list[int]]:
+        if not texts:  # transformers' tokenizers refuse an empty list
+            return []
         encoded = self.tokenizer(list(texts), add_special_tokens=True)["input_ids"]
         return [ids[:-1] if ids and ids[-1] == self.eos_id else ids for ids in encoded]
+
+    def encode_target(self, texts: list[str]) -> list[list[int]]:
+        """Target ids as ``text_target`` encodes them (Opus-MT: its target.spm), without the
+        language code and eos (the search's prefix and end)."""
+        if not texts:
+            return []
+        return self.tokenizer(text_target=list(texts), add_special_tokens=False)["input_ids"]
 
     def decode(self, ids: list[list[int]]) -> list[str]:
         return self.tokenizer.batch_decode(ids, skip_special_tokens=True)

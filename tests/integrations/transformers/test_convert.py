@@ -97,6 +97,50 @@ def test_translations_equal_hf_generate(checkpoints, kind, beam):
     assert len(set(expected)) > 1  # the sentences differ: a real comparison
 
 
+@pytest.mark.parametrize("kind", ["marian", "nllb"])
+def test_scores_are_the_hf_models_log_probabilities(checkpoints, kind):
+    """Translator.score encodes the targets as transformers' ``text_target`` does (Opus-MT: with
+    its target.spm) and gives minus the Hugging Face model's summed cross entropy of each pair;
+    NLLB's target language code is the decoder's forced prefix, conditioned on and not scored,
+    as in the search."""
+    languages = NLLB if kind == "nllb" else {}
+    translator = fastnmt.Translator.from_pretrained(
+        checkpoints[kind], precision="fp32", **languages
+    )
+    hf = transformers.AutoModelForSeq2SeqLM.from_pretrained(checkpoints[kind]).eval().double()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoints[kind], **languages)
+    sources = LINES[:3]
+    targets = ["Ein Mann steht auf einer Leiter.", "Zwei Hunde spielen im Schnee.", "Ein Kind"]
+    batch = tokenizer(sources, text_target=targets, return_tensors="pt", padding=True)
+    labels = batch["labels"].masked_fill(batch["labels"] == tokenizer.pad_token_id, -100)
+    with torch.no_grad():
+        logits = hf(batch["input_ids"], batch["attention_mask"], labels=labels).logits
+    scored = labels.clone()
+    scored[:, : len(translator.target_prefix)] = -100  # the forced language code
+    expected = -torch.nn.functional.cross_entropy(
+        logits.transpose(1, 2), scored, ignore_index=-100, reduction="none"
+    ).sum(1)
+    scores = translator.score(sources, targets)
+    assert [s.tokens for s in scores] == (scored != -100).sum(1).tolist()
+    found = torch.tensor([s.log_prob for s in scores], dtype=torch.float64)
+    torch.testing.assert_close(found, expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["marian", "nllb"])
+def test_a_target_prefix_is_encoded_by_the_target_side(checkpoints, kind):
+    """prefix= on a Hugging Face model: the translation starts with the prefix's target-side ids
+    (after NLLB's language code), blank prefixes force nothing."""
+    languages = NLLB if kind == "nllb" else {}
+    translator = fastnmt.Translator.from_pretrained(
+        checkpoints[kind], precision="fp32", **languages
+    )
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoints[kind], **languages)
+    forced = tokenizer(text_target="Ein Hund", add_special_tokens=False)["input_ids"]
+    found = translator.translate_full(LINES[:2], prefix=["Ein Hund", " "], max_len_b=12)
+    assert found[0].candidates[0].tokens[: len(forced)] == forced
+    assert found[1].text == translator.translate(LINES[1:2], max_len_b=12)[0]
+
+
 def test_translate_cli_serves_a_hf_directory(checkpoints, tmp_path, capsys):
     source = tmp_path / "in.txt"
     source.write_text("\n".join(LINES[:3]) + "\n", encoding="utf-8")
