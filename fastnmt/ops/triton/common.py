@@ -37,8 +37,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import operator
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import NamedTuple
 
@@ -229,6 +230,16 @@ _MAX_VALUES = 4096
 _I32 = 2**31  # ints in [-2**31, 2**31) are i32 arguments, others i64, from 2**63 u64
 
 
+def _picker(positions) -> Callable[[tuple], tuple]:
+    """args -> the tuple of the arguments at ``positions`` (None: all), in one C call (an
+    ``itemgetter`` of one index returns the item itself: a slice then)."""
+    if positions is None:
+        return operator.itemgetter(slice(None))
+    if len(positions) == 1:
+        return operator.itemgetter(slice(positions[0], positions[0] + 1))
+    return operator.itemgetter(*positions) if positions else operator.itemgetter(slice(0, 0))
+
+
 class Launcher:
     """``launcher(device, grid, args, options)`` does what ``kernel[grid](*args, **options)``
     does, at a fraction of its host cost.
@@ -244,9 +255,9 @@ class Launcher:
     later calls go straight to the compiled kernel (``CompiledKernel.run``, where
     ``JITFunction.run`` ends). ``grid`` is always (x, y, z).
 
-    A call is first looked up by its values: the leading tensors by dtype and alignment, the
-    other arguments (the sizes and strides, which a kernel's calls mostly repeat) as they are, a
-    tuple slice where a key per argument costs a Python step each; a value decides its
+    A call is first looked up by its values: its tensors by dtype and alignment, the other
+    arguments (the sizes and strides, which a kernel's calls mostly repeat) as they are, picked
+    in one C call where a key per argument costs a Python step each; a value decides its
     specialization, so this key is finer than Triton's. It assumes that a parameter takes one
     Python type (1, 1.0 and True are equal keys), as fastnmt's launches pass them. Values not
     seen yet are keyed by their specialization and kept under both keys.
@@ -271,9 +282,10 @@ class Launcher:
         # values of the parameters after args, options: kept so that its id cannot be reused)
         self._compiled: dict[tuple, tuple] = {}
         self._by_values: dict[tuple, tuple] = {}  # values key -> the same entries
-        # The leading arguments the values key takes as tensors: those that were tensors or None
-        # at the first compile; every argument until then.
-        self._tensors = len(self._parameters)
+        # args -> (the arguments the values key takes as tensors, the others): the positions of
+        # the tensors and Nones of the first compile; every argument until then.
+        self._tensors, self._values = _picker(None), _picker(())
+        self._positioned = False
 
     def __call__(self, device: torch.device, grid: tuple, args: tuple, options: dict) -> None:
         if INTERPRETER:
@@ -281,15 +293,14 @@ class Launcher:
             return
         index = device.index
         tensor = torch.Tensor
-        leading = self._tensors
         try:
             key = (
                 id(options),
                 index,
-                args[leading:],
+                self._values(args),
                 *[
                     (a.dtype, a.data_ptr() & 15) if isinstance(a, tensor) else a
-                    for a in args[:leading]
+                    for a in self._tensors(args)
                 ],
             )
             compiled = self._by_values.get(key) or self._specialized(key, index, args, options)
@@ -365,10 +376,10 @@ class Launcher:
         ]
         entry = (compiled.run, compiled.function, compiled.packed_metadata, tuple(later), options)
         self._compiled[key] = entry
-        if self._tensors == len(self._parameters):  # the first compile: the tensors' positions
-            self._tensors = next(
-                (i for i, a in enumerate(args) if not (a is None or isinstance(a, torch.Tensor))),
-                len(args),
-            )
+        if not self._positioned:  # the first compile: where the tensors are
+            tensors = [i for i, a in enumerate(args) if a is None or isinstance(a, torch.Tensor)]
+            values = [i for i in range(len(args)) if i not in tensors]
+            self._tensors, self._values = _picker(tensors), _picker(values)
+            self._positioned = True
         else:
             self._keep_values(values_key, entry)

@@ -278,6 +278,35 @@ def test_launcher_looks_up_values_seen_before_without_specializing_them(compiled
     assert kernel.paths == ["jit"] + ["run"] * 8
 
 
+def _interleaved(X, n, Y, stride, Z):
+    """A stand-in kernel's parameters with pointers after ints (as the loss's gradient scaling)."""
+
+
+class _InterleavedKernel(_Kernel):
+    fn = staticmethod(_interleaved)
+
+
+def test_launcher_looks_up_values_around_tensors_anywhere(compiled_path, monkeypatch):
+    """Tensors (or None) where the first compile had them are keyed by dtype and alignment
+    wherever they lie, the numbers between them by value: repeats take the fast path."""
+    kernel = _InterleavedKernel()
+    launcher = triton_common.Launcher(kernel)
+    calls = []
+    specialization = triton_common.Launcher._specialization
+    monkeypatch.setattr(
+        triton_common.Launcher,
+        "_specialization",
+        staticmethod(lambda *args: calls.append(args) or specialization(*args)),
+    )
+    for _ in range(2):
+        launcher(CUDA0, (1, 1, 1), (torch.zeros(8), 3, torch.zeros(8), 16, None), OPTIONS)
+    before = len(calls)
+    for z in (None, torch.ones(8), None):
+        launcher(CUDA0, (1, 1, 1), (torch.ones(8), 3, torch.zeros(8), 16, z), OPTIONS)
+    assert len(calls) == before + 2  # the tensor where None was: looked up, compiled, kept
+    assert kernel.paths == ["jit", "run", "run", "jit", "run"]
+
+
 def test_launcher_keeps_no_values_holding_a_tensor(compiled_path):
     """A tensor where the first call had a number is keyed by its specialization only: a values
     key would hold it (and never match again)."""
