@@ -225,6 +225,15 @@ def _h_dtype(x_dtype, residual_dtype, residual_in_fp32: bool) -> torch.dtype:
     return torch.promote_types(x_dtype, residual_dtype)
 
 
+def _tiled_options(rows: int, width: int, gpu: bool, **flags) -> tuple[int, dict]:
+    """(BLOCK_M, launch options) of a row kernel: its flags and the (rows, width) tile."""
+    block_m, block_n, num_warps = _chosen_tile(rows, width, gpu)
+    options = triton_common.launch_options(
+        **flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps
+    )
+    return block_m, options
+
+
 # Launch plans: what a launch needs beyond its tensors, found once per call signature (the
 # tensors' sizes, dtypes and which are given), so that a call's host work is the buffers and the
 # launches. The grids are computed at each call: a trace's sizes may be symbolic.
@@ -243,18 +252,17 @@ class _ForwardPlan(NamedTuple):
 def _forward_plan(
     rows, width, x_dtype, residual_dtype, residual_in_fp32, weight, bias, dropout, statistics, gpu
 ) -> _ForwardPlan:
-    block_m, block_n, num_warps = _chosen_tile(rows, width, gpu)
     h_dtype = _h_dtype(x_dtype, residual_dtype, residual_in_fp32)
     y_buffer, h_buffer = map(triton_common.kernel_output_dtype, (x_dtype, h_dtype))
-    options = triton_common.launch_options(
+    block_m, options = _tiled_options(
+        rows,
+        width,
+        gpu,
         HAS_RESIDUAL=residual_dtype is not None,
         HAS_WEIGHT=weight,
         HAS_BIAS=bias,
         HAS_DROPOUT=dropout,
         HAS_STATISTICS=statistics,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        num_warps=num_warps,
     )
     cast = (y_buffer, h_buffer) != (x_dtype, h_dtype)
     return _ForwardPlan(block_m, options, y_buffer, h_dtype, h_buffer, cast)
@@ -330,17 +338,16 @@ class _BackwardPlan(NamedTuple):
 def _backward_plan(
     rows, width, dy_dtype, h_dtype, weight_dtype, dh_out, residual, bias, dropout, device, gpu
 ) -> _BackwardPlan:
-    block_m, block_n, num_warps = _chosen_tile(rows, width, gpu)
     dx_buffer, dh_buffer = map(triton_common.kernel_output_dtype, (dy_dtype, h_dtype))
-    options = triton_common.launch_options(
+    block_m, options = _tiled_options(
+        rows,
+        width,
+        gpu,
         HAS_DH_OUT=dh_out,
         HAS_RESIDUAL=residual,
         HAS_WEIGHT=weight_dtype is not None,
         HAS_BIAS=bias,
         HAS_DROPOUT=dropout,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        num_warps=num_warps,
     )
     sums_dtype = _sums_dtype(weight_dtype)
     cast = (dx_buffer, dh_buffer) != (dy_dtype, h_dtype)
