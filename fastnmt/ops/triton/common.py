@@ -231,13 +231,17 @@ _I32 = 2**31  # ints in [-2**31, 2**31) are i32 arguments, others i64, from 2**6
 
 
 def _picker(positions) -> Callable[[tuple], tuple]:
-    """args -> the tuple of the arguments at ``positions`` (None: all), in one C call (an
-    ``itemgetter`` of one index returns the item itself: a slice then)."""
+    """args -> the tuple of the arguments at ``positions`` (None: all), in one C call: a slice
+    where they are consecutive (the cheapest; an ``itemgetter`` of one index would return the
+    item itself), else an ``itemgetter`` of them."""
     if positions is None:
         return operator.itemgetter(slice(None))
-    if len(positions) == 1:
-        return operator.itemgetter(slice(positions[0], positions[0] + 1))
-    return operator.itemgetter(*positions) if positions else operator.itemgetter(slice(0, 0))
+    if not positions:
+        return operator.itemgetter(slice(0))
+    first, last = positions[0], positions[-1]
+    if list(positions) == list(range(first, last + 1)):
+        return operator.itemgetter(slice(first, last + 1))
+    return operator.itemgetter(*positions)
 
 
 class Launcher:
