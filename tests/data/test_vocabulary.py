@@ -5,6 +5,7 @@ import pytest
 from fastnmt.data import (
     DataError,
     Vocabulary,
+    vocabulary,
 )
 from tests.data.helpers import one_line_error, write
 
@@ -22,6 +23,18 @@ def test_round_trip(vocab, train_slice):
     assert all(3 not in sentence_ids for sentence_ids in ids)  # no <unk> on training text
     assert vocab.decode(ids) == sentences
     assert "".join(vocab.pieces(ids[0])).replace("▁", " ").strip() == sentences[0]
+
+
+def test_a_long_list_is_tokenized_as_each_of_its_texts(vocab, train_slice):
+    """Lists past _THREADED go to sentencepiece in one threaded call, shorter ones a text at a
+    time: the same ids and texts either way, in order, blank texts included."""
+    sentences = [*train_slice.src[: vocabulary._THREADED + 37], "", "A dog."]
+    assert len(sentences) > vocabulary._THREADED
+    ids = vocab.encode(sentences)
+    assert ids == [vocab.encode([sentence])[0] for sentence in sentences]
+    assert ids[-2] == [] and vocab.encode([]) == []
+    assert vocab.decode(ids) == [vocab.decode([sequence])[0] for sequence in ids]
+    assert vocab.decode([]) == []
 
 
 def test_decode_stops_at_eos_and_drops_pad_and_bos(vocab):
