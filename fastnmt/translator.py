@@ -541,7 +541,8 @@ class Translator:
                 strict=True,
             )
         )
-        sizes = [max(len(s.source_tokens), len(t.source_tokens)) for s, t in pairs]
+        prefix = len(self.target_prefix)  # the decoder's forced start: in the batch's size too
+        sizes = [max(len(s.source_tokens), prefix + len(t.source_tokens)) for s, t in pairs]
         log_probs = torch.zeros(len(pairs), dtype=torch.float64, device="cpu")
         with self._inference():
             sentences = min(self.max_sentences, SCORED_SENTENCES)
@@ -576,7 +577,7 @@ class Translator:
         its line); items already a Translation are kept. Blank texts have no tokens."""
         todo = [text for text in texts if not isinstance(text, Translation) and text.strip()]
         encoded = iter((self.vocab.encode_target if target else self.vocab.encode)(todo))
-        limit = self.max_source_tokens - len(self.target_prefix) * target
+        limit = self.max_source_tokens - (len(self.target_prefix) if target else 0)
         translations = []
         for text, line in zip(texts, lines, strict=True):
             if isinstance(text, Translation):
