@@ -128,6 +128,14 @@ def multi30k_file(split: str, lang: str):
     return package_lookup(split, lang)
 
 
+def inner_pytest_env(**extra: str) -> dict[str, str]:
+    """The environment for a pytest run inside a test: the outer run's PYTEST_* variables left
+    out (pytest-xdist's PYTEST_XDIST_WORKER would make the inner run a worker, and
+    pytest-benchmark then disables itself)."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("PYTEST_")}
+    return {**env, **extra}
+
+
 def opcheck(op, args, **options) -> None:
     """``torch.library.opcheck``, and a Python op's body traced with symbolic sizes.
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import results
+from tests.helpers import inner_pytest_env
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_FILES = sorted((ROOT / "benchmarks" / "results").glob("*.md"))
@@ -145,7 +146,7 @@ def test_real_pytest_benchmark_output(tmp_path):
     output = tmp_path / "b.json"
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_b.py"]
     command += ["-c", "pytest.ini", f"--benchmark-json={output}"]
-    subprocess.run(command, cwd=tmp_path, check=True, capture_output=True)
+    subprocess.run(command, cwd=tmp_path, check=True, capture_output=True, env=inner_pytest_env())
     assert results.main([str(output), "--out", str(tmp_path), "--device", "here"]) == 0
     text = (tmp_path / "here.md").read_text()
     assert "## group b\n\n| op | tokens | median ms |" in text

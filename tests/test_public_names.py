@@ -3,7 +3,9 @@
 Every ``python -m fastnmt.X`` command answers ``--help``."""
 
 import importlib
+import os
 import runpy
+import subprocess
 import sys
 import warnings
 
@@ -73,8 +75,25 @@ COMMANDS = [
 ]
 
 
+def importable(*modules: str) -> bool:
+    try:
+        for module in modules:
+            importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
+SERVE_EXTRA_MISSING = not importable("fastapi", "prometheus_client", "pydantic", "uvicorn")
+NEEDS_AN_EXTRA = {"fastnmt.serve": SERVE_EXTRA_MISSING}  # the GPU machine has no serve extra
+
+
 @pytest.mark.parametrize("module", sorted(PUBLIC))
 def test_public_names_are_importable(module):
+    if NEEDS_AN_EXTRA.get(module):
+        with pytest.raises(ImportError, match=r'pip install "fastnmt\[serve\]"'):
+            importlib.import_module(module)
+        return
     imported = importlib.import_module(module)
     missing = [name for name in PUBLIC[module] if not hasattr(imported, name)]
     assert not missing, f"{module} lost {missing}"
@@ -87,9 +106,30 @@ def test_all_lists_exactly_the_public_names(module):
 
 @pytest.mark.parametrize("command", [c for c in COMMANDS if c != "compile_check"])  # compiles
 def test_every_command_answers_help(command, monkeypatch, capsys):
+    if NEEDS_AN_EXTRA.get(f"fastnmt.{command}"):
+        pytest.skip("its extra is not installed: test_serve_without_its_extra_says_so_in_one_line")
     monkeypatch.setattr(sys, "argv", [f"fastnmt.{command}", "--help"])
     with pytest.raises(SystemExit) as exit_info, warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # runpy: the module is imported already
         runpy.run_module(f"fastnmt.{command}", run_name="__main__")
     assert exit_info.value.code == 0
     assert f"fastnmt.{command}" in capsys.readouterr().out
+
+
+def test_serve_without_its_extra_says_so_in_one_line(tmp_path):
+    """``python -m fastnmt.serve`` where fastapi cannot be imported (a package that raises, put
+    first on the path): one line naming the extra, no traceback."""
+    (tmp_path / "fastapi").mkdir()
+    (tmp_path / "fastapi" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'fastapi'\", name='fastapi')\n"
+    )
+    path = os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])
+    result = subprocess.run(
+        [sys.executable, "-m", "fastnmt.serve", "--help"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": path},
+    )  # fmt: skip
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        "python -m fastnmt.serve: error: fastnmt.serve needs the serve extra "
+        "(pip install \"fastnmt[serve]\"): No module named 'fastapi'"
+    ]

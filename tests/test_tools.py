@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import inner_pytest_env
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -272,7 +274,7 @@ def test_failures_file_gets_each_failure_and_its_tracebacks_tail(tmp_path, worke
     (tmp_path / "test_tiny.py").write_text(FAILING_TESTS)
     failures = tmp_path / "failures.md"
     path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    env = {**os.environ, "FASTNMT_FAILURES_FILE": str(failures), "PYTHONPATH": path}
+    env = inner_pytest_env(FASTNMT_FAILURES_FILE=str(failures), PYTHONPATH=path)
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
                "tests.conftest", "--rootdir", str(tmp_path), "test_tiny.py"]  # fmt: skip
     if workers:

@@ -27,15 +27,20 @@ from ``fastnmt.serve`` itself.
 
 from __future__ import annotations
 
+import sys
+
 try:  # the serve extra: the error says how to get it
     import fastapi  # noqa: F401
     import prometheus_client  # noqa: F401
     import pydantic  # noqa: F401
     import uvicorn  # noqa: F401
 except ImportError as error:
-    raise ImportError(
-        f'fastnmt.serve needs the serve extra (pip install "fastnmt[serve]"): {error}'
-    ) from None
+    _MISSING = f'fastnmt.serve needs the serve extra (pip install "fastnmt[serve]"): {error}'
+    # python -m fastnmt.serve imports this package while sys.argv[0] is still "-m" (the module
+    # is being located): the command's user gets one line, not a traceback.
+    if sys.argv[:1] == ["-m"]:
+        sys.exit(f"python -m fastnmt.serve: error: {_MISSING}")
+    raise ImportError(_MISSING) from None
 
 from fastnmt.serve.api import (
     ERROR_LOG,
