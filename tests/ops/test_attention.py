@@ -586,7 +586,7 @@ def test_opcheck_forward_and_backward_ops():
 
 _GPU_CONFIGS = triton_module._GPU_CONFIGS
 # (Lq, Lk) that fall in each length bucket: Lq != Lk, not powers of two.
-BUCKET_LENGTHS = {"decode": (3, 37), "short": (45, 70), "long": (21, 300)}
+BUCKET_LENGTHS = {"decode": (3, 37), "short": (45, 70), "mid": (130, 77), "long": (21, 300)}
 
 
 def _gpu_config_cases():
@@ -635,6 +635,11 @@ def test_launch_config_buckets_by_lengths_and_widest_head_dim():
         # A bucket a kernel lacks, or lacks a config for the head dim in, falls back to "short".
         assert choose("dq", 300, 300, 65) == dq["short"][128]
         assert choose("dkdv", 1, 300, 65) == _GPU_CONFIGS["dkdv"]["short"][128]
+        # Over 128 keys or queries, "mid" before "short"; over 256, "long" before both.
+        dkdv = _GPU_CONFIGS["dkdv"]
+        assert choose("dkdv", 128, 128, 64) == dkdv["short"][64]
+        assert choose("dkdv", 100, 129, 64) == choose("dkdv", 300, 300, 64) == dkdv["mid"][64]
+        assert choose("dkdv", 200, 200, 65) == dkdv["short"][128]
     # Outside gpu_tiles(), the interpreter picks its own blocks (a GPU always takes its rules).
     assert (choose("forward", 17, 257, 65) == forward["long"][128]) == use_gpu_tiles()
 
