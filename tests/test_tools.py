@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fastnmt.ops.triton.common import gpu_tiles
 from tests.helpers import inner_pytest_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,6 +110,20 @@ def test_attention_sweep_forces_one_kernels_config_and_restores_the_choice():
     assert attention.launch_config is choose
 
 
+def test_gpu_check_forces_one_norm_constant_and_restores_the_plans(monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))  # gpu_check puts the checkout's folders first
+    check = _tool("gpu_check")
+    norm = check.norm_triton
+    with gpu_tiles():
+        chosen = norm._tile(4096, 512)
+        with check.forced_norm_tuning("_GPU_TILE", 2048):
+            assert norm._tile(4096, 512) == (4, 512, 4) and norm._GPU_TILE == 2048
+        assert norm._tile(4096, 512) == chosen == (8, 512, 8) and norm._GPU_TILE == 4096
+        with check.forced_norm_tuning("_SUM_TILE", (64, 8)):
+            assert norm._sums_plan(True, True, torch.float32)[0]["BLOCK"] == 8
+        assert norm._sums_plan(True, True, torch.float32)[0]["BLOCK"] == 32
+
+
 def test_training_run_summary_reads_the_metrics_log(tmp_path):
     records = [
         {"event": "train", "step": 100, "tgt_tokens_per_s": 5000.0},
@@ -156,6 +171,7 @@ STAGE_TABLES = {
     "hf": "### Hugging Face Marian-base step",
     "profiles": "### Profile: static beam-4 search",
     "configs": "### Attention launch configurations",
+    "norm-configs": "### add_layer_norm tuning constants",
 }
 
 
@@ -203,6 +219,11 @@ def test_gpu_check_smoke_runs_the_whole_plan(tmp_path):
     kernels = {kernel for _, kernel, config, *_ in configs if config.endswith("(chosen)")}
     assert kernels == {"forward", "dkdv", "dq"}, configs
     assert all(row[4].endswith("x") for row in configs), configs  # each one timed
+    norm = _table_rows(report, STAGE_TABLES["norm-configs"])
+    constants = [name for _, name, value, *_ in norm if value.endswith("(chosen)")]
+    lengths = {row[0] for row in norm}
+    assert constants == ["_GPU_TILE", "_PROGRAMS_PER_SM", "_SUM_TILE"] * len(lengths), norm
+    assert all(row[4].endswith("x") and float(row[5]) == 0 for row in norm), norm  # same sums
     logs = [f"{stage}.log" for stage in STAGE_TABLES]
     assert sorted(p.name for p in out.iterdir()) == sorted(["gpu-check.md", *logs])
     assert (work / "train-auto" / "checkpoint_best").exists() and (work / "prepared").is_dir()

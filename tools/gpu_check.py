@@ -35,6 +35,8 @@ beside OUT), so that OUT holds only the report and the logs.
 - ``configs``: attention forward + backward at the two longest lengths with each candidate
   launch configuration of one kernel (``CONFIG_CANDIDATES``), the others as chosen: time per
   graph replay against the chosen configuration's, and the largest difference from its results.
+- ``norm-configs``: add_layer_norm forward + backward at the two shortest lengths with each
+  candidate value of one tuning constant (``NORM_CANDIDATES``), as ``configs`` does.
 
 ``--smoke`` runs a stage at tiny shapes on whatever device there is (CPU: calls timed instead of
 graph replays), to check the plan itself (tests/test_tools.py); its ``python -m`` commands run
@@ -71,6 +73,7 @@ from fastnmt.decoding.search import LengthPenalty, beam_search  # noqa: E402
 from fastnmt.decoding.static_search import StaticSearches, graph_reasons  # noqa: E402
 from fastnmt.model import Transformer, preset  # noqa: E402
 from fastnmt.ops import add_layer_norm, attention, feed_forward, linear_cross_entropy  # noqa: E402
+from fastnmt.ops.triton import add_layer_norm as norm_triton  # noqa: E402
 from fastnmt.ops.triton import attention as attention_triton  # noqa: E402
 from fastnmt.ops.triton.common import INTERPRETER, dropout_seeds, gpu_tiles  # noqa: E402
 from fastnmt.translator import Translator  # noqa: E402
@@ -664,7 +667,7 @@ def configs(args, device, report: Report) -> None:
         "L", "kernel", "config", "ms", "vs chosen", "max |diff|",
     )  # fmt: skip
     shape = _shapes(args.smoke)
-    for length in shape["lengths"][-2:]:  # the longest two: the rows furthest from the goal
+    for length in sorted(shape["lengths"])[-2:]:  # the longest two: furthest from the goal
         inputs, forward, _ = _pairs(shape, length, BF16, device)["attention"]
         step = _step(forward, inputs)
         base_ms, base = graph_ms(step, device), _fwd_bwd(forward, inputs)
@@ -686,6 +689,65 @@ def configs(args, device, report: Report) -> None:
                 diff = max((g.float() - b.float()).abs().max().item() for g, b in pairs)
                 speedup = f"{base_ms / ms:.2f}x"
                 row(length, kernel, config.label, f"{ms:.3f}", speedup, f"{diff:.2e}")
+
+
+# add_layer_norm's tuning constants (fastnmt/ops/triton/add_layer_norm.py) to try, one at a time:
+# the elements of a row tile, the backward programs per SM (each sums its tiles' dweight and
+# dbias into a partial row) and the partial rows' reduction (rows per step, columns per program).
+NORM_CANDIDATES = {
+    "_GPU_TILE": [2048, 8192],
+    "_PROGRAMS_PER_SM": [1, 2, 8],
+    "_SUM_TILE": [(128, 16), (128, 8), (64, 32)],
+}
+_NORM_PLANS = ("_chosen_tile", "_forward_plan", "_backward_plan", "_sums_plan")
+
+
+@contextlib.contextmanager
+def forced_norm_tuning(name: str, value) -> Iterator[None]:
+    """add_layer_norm's tuning constant ``name`` set to ``value``; its launch plans, cached per
+    call signature, are made again inside and after."""
+    saved = getattr(norm_triton, name)
+
+    def set_value(new) -> None:
+        setattr(norm_triton, name, new)
+        for plan in _NORM_PLANS:
+            getattr(norm_triton, plan).cache_clear()
+        norm_triton._most_backward_programs.cache_clear()
+
+    set_value(value)
+    try:
+        yield
+    finally:
+        set_value(saved)
+
+
+def norm_configs(args, device, report: Report) -> None:
+    """Forward + backward of add_layer_norm (bf16, the kernels stage's shapes, the two shortest
+    lengths: the rows furthest from the goal) with each candidate of one tuning constant."""
+    row = report.table(
+        "add_layer_norm tuning constants (bf16, forward + backward, CUDA graph)",
+        "L", "constant", "value", "ms", "vs chosen", "max |diff|",
+    )  # fmt: skip
+    shape = _shapes(args.smoke)
+    for length in sorted(shape["lengths"])[:2]:
+        inputs, forward, _ = _pairs(shape, length, BF16, device)["add_layer_norm"]
+        step = _step(forward, inputs)
+        base_ms, base = graph_ms(step, device), _fwd_bwd(forward, inputs)
+        for name, candidates in NORM_CANDIDATES.items():
+            row(
+                length,
+                name,
+                f"{getattr(norm_triton, name)} (chosen)",
+                f"{base_ms:.3f}",
+                "1.00x",
+                "0",
+            )
+            for value in candidates:
+                with forced_norm_tuning(name, value):
+                    ms, got = graph_ms(step, device), _fwd_bwd(forward, inputs)
+                pairs = zip(got, base, strict=True)
+                diff = max((g.float() - b.float()).abs().max().item() for g, b in pairs)
+                row(length, name, value, f"{ms:.3f}", f"{base_ms / ms:.2f}x", f"{diff:.2e}")
 
 
 @contextlib.contextmanager
@@ -710,6 +772,7 @@ STAGES = {
     "hf": hf,
     "profiles": profiles,
     "configs": configs,
+    "norm-configs": norm_configs,
 }
 
 

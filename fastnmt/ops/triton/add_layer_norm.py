@@ -207,12 +207,15 @@ def _chosen_tile(rows: int, width: int, gpu_tiles: bool) -> tuple[int, int, int]
     return block_m, block_n, num_warps
 
 
+_PROGRAMS_PER_SM = 4  # of the backward grid: each sums dweight over its tiles
+
+
 @functools.cache  # one entry per device
 def _most_backward_programs(device: torch.device) -> int:
     """Programs of the backward grid at most: a few per SM, each summing dweight over several
     tiles."""
     if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        return _PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
     return 2  # the interpreter: still exercises a program visiting two tiles
 
 
