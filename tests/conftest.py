@@ -22,11 +22,14 @@ if _SHARED_MULTI30K.is_dir():
 
 
 # $FASTNMT_FAILURES_FILE: each failing test's id and the tail of its traceback, appended the
-# moment it fails (tools/gpu-check: a run its time limit cuts keeps them). With pytest-xdist the
-# controller writes them, from the reports the workers send it.
+# moment it fails; $FASTNMT_DURATIONS_FILE: each test's seconds (setup, call and teardown) and id,
+# appended the moment it ends (tools/gpu-check: a run its time limit cuts keeps both). With
+# pytest-xdist the controller writes them, from the reports the workers send it.
 FAILURES_FILE = "FASTNMT_FAILURES_FILE"
+DURATIONS_FILE = "FASTNMT_DURATIONS_FILE"
 FAILURE_LINES = 40
 _xdist_worker = False
+_seconds: dict[str, float] = {}  # per test id, its phases' seconds so far
 
 
 def pytest_configure(config):
@@ -35,13 +38,35 @@ def pytest_configure(config):
 
 
 def pytest_runtest_logreport(report):
+    if _xdist_worker:
+        return
+    _log_failure(report)
+    _log_duration(report)
+
+
+def _log_failure(report):
     path = os.environ.get(FAILURES_FILE)
-    if not path or _xdist_worker or not report.failed:
+    if not path or not report.failed:
         return
     kind = "FAILED" if report.when == "call" else f"ERROR at {report.when}"
     tail = "".join(line + "\n" for line in report.longreprtext.splitlines()[-FAILURE_LINES:])
+    _append(path, f"{kind} {report.nodeid}\n\n```\n{tail}```\n\n")
+
+
+def _log_duration(report):
+    path = os.environ.get(DURATIONS_FILE)
+    if not path:
+        return
+    seconds = _seconds.pop(report.nodeid, 0.0) + report.duration
+    if report.when == "teardown":
+        _append(path, f"{seconds:.2f} {report.nodeid}\n")
+    else:
+        _seconds[report.nodeid] = seconds
+
+
+def _append(path: str, text: str) -> None:
     with open(path, "a", encoding="utf-8") as f:
-        f.write(f"{kind} {report.nodeid}\n\n```\n{tail}```\n\n")
+        f.write(text)
         f.flush()
 
 

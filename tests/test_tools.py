@@ -260,6 +260,8 @@ def test_gpu_check_refuses_a_cpu_without_smoke(tmp_path, monkeypatch, capsys):
 
 FAILING_TESTS = (
     """
+import time
+
 import pytest
 
 
@@ -270,6 +272,17 @@ def broken():
 
 def test_passes():
     pass
+
+
+@pytest.fixture
+def slow():
+    time.sleep(0.2)
+    yield
+    time.sleep(0.2)
+
+
+def test_sleeps(slow):
+    time.sleep(0.2)
 
 
 def test_errors(broken):
@@ -286,16 +299,20 @@ def test_fails():
 
 
 @pytest.mark.parametrize("workers", [None, 2], ids=["plain", "xdist"])
-def test_failures_file_gets_each_failure_and_its_tracebacks_tail(tmp_path, workers):
+def test_failures_and_durations_files_get_each_test_once(tmp_path, workers):
     """$FASTNMT_FAILURES_FILE (tests/conftest.py): a line naming each failed or errored test,
-    then the last 40 lines of its traceback; passing tests write nothing. With pytest-xdist, the
+    then the last 40 lines of its traceback; passing tests write nothing. $FASTNMT_DURATIONS_FILE:
+    a line per test, its setup, call and teardown seconds and its id. With pytest-xdist, the
     controller writes each once."""
     if workers and importlib.util.find_spec("xdist") is None:
         pytest.skip("pytest-xdist is not installed")
     (tmp_path / "test_tiny.py").write_text(FAILING_TESTS)
     failures = tmp_path / "failures.md"
     path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    env = inner_pytest_env(FASTNMT_FAILURES_FILE=str(failures), PYTHONPATH=path)
+    durations = tmp_path / "durations.txt"
+    env = inner_pytest_env(
+        FASTNMT_FAILURES_FILE=str(failures), FASTNMT_DURATIONS_FILE=str(durations), PYTHONPATH=path
+    )
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
                "tests.conftest", "--rootdir", str(tmp_path), "test_tiny.py"]  # fmt: skip
     if workers:
@@ -313,3 +330,9 @@ def test_failures_file_gets_each_failure_and_its_tracebacks_tail(tmp_path, worke
     assert "RuntimeError: the fixture broke" in errored
     lines = failed.strip("\n").splitlines()
     assert len(lines) == 40 and "AssertionError: the last value" in failed, failed
+    timed = [line.split(" ", 1) for line in durations.read_text().splitlines()]
+    seconds = {test.removeprefix("test_tiny.py::"): float(value) for value, test in timed}
+    assert len(timed) == 4 and sorted(seconds) == [
+        "test_errors", "test_fails", "test_passes", "test_sleeps"
+    ]  # fmt: skip
+    assert 0.6 <= seconds["test_sleeps"] < 5 and seconds["test_passes"] < 0.2, seconds
