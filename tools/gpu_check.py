@@ -18,7 +18,8 @@ beside OUT), so that OUT holds only the report and the logs.
   Linear-GELU-Linear, ``F.cross_entropy(F.linear(...))``; B64 H8 D64 (tokens: B x L, width
   512, FFN 2048, vocabulary 32k), L 64/128/32/256, bf16 then fp16.
 - ``eager``: the same calls eager (what a user sees: do_bench's wall time), and each op's host
-  µs per forward + backward call on tiny tensors.
+  µs per forward + backward call on tiny tensors (the least of ``HOST_ROUNDS`` runs, fastnmt's
+  and PyTorch's alternated).
 - ``train``: ``python -m fastnmt.train`` on Multi30k for ``--seconds`` each: ``--backend torch``
   (PyTorch's built-ins), auto (CUDA graphs), then ``--backend reference``; target tokens/s
   (median of the logged windows), the most memory reserved (the graph pool included) and the
@@ -404,6 +405,9 @@ def kernels(args, device, report: Report) -> None:
     _op_rows(args, device, report, title, graph_ms)
 
 
+HOST_ROUNDS = 5  # the host µs rows: the least of this many runs, fastnmt's and PyTorch's alternated
+
+
 def host_microseconds(step: Callable[[], object], device, calls: int) -> float:
     """µs per call of ``step`` issued back to back on tiny tensors: the host's cost per call
     (the GPU keeps up)."""
@@ -430,9 +434,11 @@ def eager(args, device, report: Report) -> None:
         "ratio",
     )
     tiny = dict(batch=1, heads=1, head_dim=64, ffn=4, vocab=64)
+    calls, rounds = (3, 1) if args.smoke else (200, HOST_ROUNDS)
     for name, (inputs, ours, theirs) in _pairs(tiny, 8, BF16, device).items():
-        calls = 3 if args.smoke else 200
-        mine, base = (host_microseconds(_step(fn, inputs), device, calls) for fn in (ours, theirs))
+        steps = [_step(fn, inputs) for fn in (ours, theirs)]
+        runs = [[host_microseconds(step, device, calls) for step in steps] for _ in range(rounds)]
+        mine, base = (min(times) for times in zip(*runs, strict=True))
         row(name, f"{mine:.1f}", f"{base:.1f}", f"{mine / base:.2f}")
 
 
