@@ -43,7 +43,6 @@ DEVICE = cases.TRITON_DEVICE
 BASE = dict(batch=3, heads=1, lq=45, lk=70, head_dim=112, value_dim=65, masks="lengths", dtype=BF16)
 # Each kernel's config for the base case, and others that fit its registers (compile_check).
 OTHER_CONFIGS = {
-    "delta": [LaunchConfig(64, 0, 4, 1), LaunchConfig(32, 0, 8, 1)],
     "dq": [LaunchConfig(64, 16, 4, 2), LaunchConfig(32, 16, 4, 1), LaunchConfig(64, 32, 8, 2)],
     "dkdv": [LaunchConfig(32, 64, 8, 2), LaunchConfig(16, 64, 8, 1), LaunchConfig(16, 128, 8, 2)],
     "forward": [LaunchConfig(64, 32, 4, 2), LaunchConfig(32, 32, 4, 1)],

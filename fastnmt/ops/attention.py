@@ -27,8 +27,9 @@ j <= i), like SDPA's ``is_causal``.
 The Triton backend: a FlashAttention-2 forward (online softmax in exp2, fp32 accumulation, one
 program per (b, h, block of queries)) that takes key lengths and the bool key-padding mask as they
 are (no dense mask, no host sync), skips the key blocks past a sequence's length or causally
-hidden, draws dropout in-kernel and writes the LSE; a backward of three kernels (delta, dK/dV,
-dQ) that recompute P from the LSE and the dropout mask from its seed, with no atomics. Its fp32
+hidden, draws dropout in-kernel and writes the LSE; a backward of two kernels (dQ, which also
+writes delta_i = dO_i . O_i, then dK/dV) that recompute P from the LSE and the dropout mask from
+its seed, with no atomics. Its fp32
 products use TF32 where torch allows it for its own fp32 matmuls (``dot_precision``). The C++
 kernels register themselves as a further backend of the same dispatch entry; the reference is the
 fallback (e.g. for ``attn_mask``) and the test oracle.

@@ -40,6 +40,7 @@ class CompileCase:
 # ---------------------------------------------------------------------------------------------
 
 _ATTENTION_POINTERS = {"LSE": "*fp32", "DELTA": "*fp32", "KEY_LENGTHS": "*i64", "PADDING": "*u8"}
+_ATTENTION_POINTERS |= {"GRAD_LSE": "*fp32"}
 _ATTENTION_POINTERS |= {"SEED": "*i64", "KEEP": "*u8", "CACHE_ROWS": "*i64"}
 
 
@@ -70,20 +71,19 @@ def attention_cases() -> list[CompileCase]:
         "forward": attention_kernels._attention_forward_kernel,
         "dkdv": attention_kernels._attention_backward_dkdv_kernel,
         "dq": attention_kernels._attention_backward_dq_kernel,
-        "delta": attention_kernels._attention_backward_delta_kernel,
     }
+    own_flags = {"dkdv": {}, "dq": dict(HAS_GRAD_LSE=True)}
     cases = []
     for name, kernel in kernels.items():
         for bucket, configs in attention_triton._GPU_CONFIGS[name].items():
             for widest, config in configs.items():
-                sizes = dict(BLOCK_M=config.block_m, BLOCK_DV=widest)
-                if name != "delta":
-                    sizes |= dict(flags, BLOCK_N=config.block_n, BLOCK_D=widest)
-                if name == "forward":  # decoding steps read caches through their rows
-                    sizes |= dict(HAS_CACHE_ROWS=bucket == "decode")
+                sizes = dict(flags, BLOCK_M=config.block_m, BLOCK_N=config.block_n)
+                sizes |= dict(BLOCK_D=widest, BLOCK_DV=widest)
+                # decoding steps read caches through their rows
+                sizes |= own_flags.get(name, dict(HAS_CACHE_ROWS=bucket == "decode"))
                 label = f"{bucket} D<={widest} {config.label}"
                 # Every backward dot product has a 64-row side (wgmma's tile); the 16-row decoding
-                # forward uses mma.sync and delta has no dot product.
+                # forward uses mma.sync.
                 wgmma = name in ("dkdv", "dq") or (name == "forward" and config.block_m >= 64)
                 cases.append(case(kernel, config, wgmma, label, UPCAST=False, **sizes))
     keep = attention_triton._KEEP_CONFIG

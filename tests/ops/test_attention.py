@@ -392,6 +392,43 @@ def test_triton_matches_float64_oracle(case):
     _check_triton_case(*case)
 
 
+def _plain_with_lse(q, k, v, key_lengths, causal=False):
+    """``_plain_torch`` with its LSE, in the inputs' dtype (no dropout)."""
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    hidden = torch.arange(k.shape[2], device=q.device) >= key_lengths[:, None, None, None]
+    if causal:
+        hidden = hidden | torch.ones_like(scores, dtype=torch.bool).triu(1)
+    scores = scores.masked_fill(hidden, float("-inf"))
+    return torch.softmax(scores, -1) @ v, torch.logsumexp(scores, -1)
+
+
+@pytest.mark.parametrize("loss", ["weighted", "summed"])
+@pytest.mark.parametrize("dtype", [FP32, BF16], ids=["fp32", "bf16"])
+def test_gradients_through_the_lse_match_float64_oracle(fused, dtype, loss):
+    """A loss on the LSE as well as the output sends lse's gradient g into the backward: dS_ij
+    gains P_ij g_i (the Triton dQ kernel folds it into delta). "summed": g reaches the backward
+    as autograd's expanded ones (stride 0)."""
+    device = device_of(fused)
+    q, k, v = _qkv(2, 3, 37, 45, 16, dtype, device=device)
+    lengths = torch.tensor([45, 6], device=device)
+    grad_out = torch.randn(2, 3, 37, 16, device=device)
+    weights = torch.randn(2, 3, 37, device=device) if loss == "weighted" else 1.0
+
+    def grads(function, inputs):
+        inputs = [x.detach().requires_grad_() for x in inputs]
+        out, lse = function(*inputs)
+        total = (out * grad_out.to(out.dtype)).sum() + (lse * weights).sum()
+        return torch.autograd.grad(total, inputs)
+
+    masks = dict(key_lengths=lengths, causal=True)
+    got = grads(lambda *qkv: _forced(fused, *qkv, 0.0, **masks), (q, k, v))
+    float64 = [x.double() for x in (q, k, v)]
+    expected = grads(lambda *qkv: _oracle(*qkv, None, 0.0, **masks), float64)
+    plain = grads(lambda *qkv: _plain_with_lse(*qkv, **masks), (q, k, v))
+    for name, *triple in zip(("dq", "dk", "dv"), got, plain, expected, strict=True):
+        assert_error_within(*triple, 3, ATOL[dtype], name)
+
+
 def test_triton_with_many_blocks_per_sequence(monkeypatch):
     """Small blocks exercise the online softmax across key blocks, the causal loop bounds and
     the skipped padding blocks; the dropout mask does not depend on the tiling."""
@@ -495,17 +532,18 @@ def test_triton_launches_for_the_inputs_device(monkeypatch):
     out = _triton(q, k, v, 0.3)[0]
     out.backward(torch.randn_like(out))
     triton_module.dropout_keep_mask(dropout_seed(q.device), (1, 1, 3, 5), 0.3)
-    launches = ["forward", "delta", "dK/dV", "dQ", "dropout mask"]
+    launches = ["forward", "dQ", "dK/dV", "dropout mask"]
     assert devices == [q.device] * len(launches)
 
 
-TRITON_KERNELS = ("_FORWARD", "_DELTA", "_DKDV", "_DQ")  # their Launchers
+TRITON_KERNELS = ("_FORWARD", "_DQ", "_DKDV")  # their Launchers, in launch order
 
 
-def test_triton_forward_and_backward_are_four_launches_and_their_outputs():
+def test_triton_forward_and_backward_are_three_launches_and_their_outputs():
     """On a GPU a call's wall time is its host work: with inputs the kernels take as they are,
-    forward + backward launch four kernels, and the only aten ops allocate their outputs (no
-    copies, casts, or a zero-filled gradient for the unused LSE)."""
+    forward + backward launch three kernels (dQ's computes delta for dK/dV's), and the only aten
+    ops allocate their outputs (no copies, casts, or a zero-filled gradient for the unused
+    LSE)."""
     q, k, v = _qkv(2, 2, 5, 7, 16, requires_grad=True, device=TRITON_DEVICE)
     lengths = torch.tensor([7, 3], device=TRITON_DEVICE)
     with dispatch.backend("triton"):

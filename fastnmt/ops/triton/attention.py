@@ -9,7 +9,6 @@ import functools
 import torch
 
 from fastnmt.ops.triton.attention_kernels import (
-    _attention_backward_delta_kernel,
     _attention_backward_dkdv_kernel,
     _attention_backward_dq_kernel,
     _attention_forward_kernel,
@@ -65,8 +64,6 @@ _GPU_CONFIGS = {
         "short": {64: LaunchConfig(64, 32, 4, 2), 128: LaunchConfig(64, 16, 8, 2)},
         "long": {64: LaunchConfig(128, 32, 8, 2)},
     },
-    # delta reads two (rows, Dv) tiles and reduces them (no keys): small blocks, few registers.
-    "delta": {"short": {128: LaunchConfig(32, 0, 4, 1)}},
 }
 _KEEP_CONFIG = LaunchConfig(64, 64, 4, 1)  # of the dropout-mask kernel (tests, debugging)
 
@@ -85,7 +82,7 @@ def _length_buckets(lq: int, lk: int) -> list[str]:
 
 
 def launch_config(kernel: str, lq: int, lk: int, head_dim: int) -> LaunchConfig:
-    """Block sizes of ``kernel`` ("forward", "dkdv", "dq" or "delta") for lengths lq, lk and the
+    """Block sizes of ``kernel`` ("forward", "dkdv" or "dq") for lengths lq, lk and the
     larger of the q/k and v head dims."""
     try:
         return _chosen_config(kernel, lq, lk, head_dim, use_gpu_tiles())
@@ -121,12 +118,11 @@ def _options(
     has_lengths: bool,
     has_padding: bool,
     dropout: bool,
-    has_cache_rows: bool | None,  # None: the kernel has no such flag (the backward's)
+    **flags: bool,  # a kernel's own: the forward's HAS_CACHE_ROWS, dQ's HAS_GRAD_LSE
 ) -> dict:
     """The constexprs and launch options of the forward, dK/dV and dQ kernels."""
-    extra = {} if has_cache_rows is None else {"HAS_CACHE_ROWS": has_cache_rows}
     return launch_options(
-        **extra,
+        **flags,
         CAUSAL=causal,
         HAS_LENGTHS=has_lengths,
         HAS_PADDING=has_padding,
@@ -136,17 +132,6 @@ def _options(
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_D=_head_block(head_dim),
-        BLOCK_DV=_head_block(value_dim),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
-
-
-@functools.lru_cache(maxsize=256)
-def _delta_options(config: LaunchConfig, value_dim: int, dtype: torch.dtype) -> dict:
-    return launch_options(
-        UPCAST=upcast_in_interpreter(dtype),
-        BLOCK_M=config.block_m,
         BLOCK_DV=_head_block(value_dim),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -171,7 +156,6 @@ def _new_attention_output(shape, dtype, device) -> torch.Tensor:
 
 
 _FORWARD = Launcher(_attention_forward_kernel)
-_DELTA = Launcher(_attention_backward_delta_kernel)
 _DKDV = Launcher(_attention_backward_dkdv_kernel)
 _DQ = Launcher(_attention_backward_dq_kernel)
 _KEEP = Launcher(_dropout_keep_kernel)
@@ -192,7 +176,8 @@ def _launch_forward(
     config = launch_config("forward", lq, lk, max(head_dim, value_dim))
     options = _options(
         config, head_dim, value_dim, q.dtype, dot_precision(q.dtype), causal,
-        key_lengths is not None, padding is not None, seed is not None, cache_rows is not None,
+        key_lengths is not None, padding is not None, seed is not None,
+        HAS_CACHE_ROWS=cache_rows is not None,
     )  # fmt: skip
     _FORWARD(
         q.device,
@@ -208,23 +193,6 @@ def _launch_forward(
     return as_dtype(out, q.dtype), lse
 
 
-def _launch_delta(out, grad_out, grad_lse):
-    """delta_i = dO_i . O_i in fp32, minus the gradient g_i reaching lse_i (when the caller used
-    the LSE): d lse_i / d S_ij = P_ij adds P_ij g_i to dS_ij = P_ij (dP_ij - delta_i)."""
-    batch, heads, lq, value_dim = out.shape
-    if value_dim.__class__ is not int:  # a trace with dynamic shapes: blocks need fixed dims
-        value_dim = static_size(value_dim)
-    delta = new_output((batch, heads, lq), torch.float32, out.device)
-    config = launch_config("delta", lq, lq, value_dim)
-    _DELTA(
-        out.device,
-        (batch * heads, cdiv(lq, config.block_m), 1),
-        (out, grad_out, delta, *out.stride(), *grad_out.stride(), heads, lq, value_dim),
-        _delta_options(config, value_dim, out.dtype),
-    )
-    return delta if grad_lse is None else delta - grad_lse
-
-
 def _launch_backward(
     grad_out, grad_lse, q, k, v, out, lse, key_lengths, key_padding_mask, seed, causal, dropout_p,
     scale,
@@ -233,13 +201,13 @@ def _launch_backward(
     lk, value_dim = k.shape[2], v.shape[3]
     if head_dim.__class__ is not int:  # a trace with dynamic shapes: blocks need fixed dims
         head_dim, value_dim = static_size(head_dim), static_size(value_dim)
-    delta = _launch_delta(out, grad_out, grad_lse)
     grad_dtype = kernel_output_dtype(q.dtype)
     # Dense in each input's dimension order (torch.empty_like, as SDPA's): the gradient of
     # proj(h).view(B, L, H, D).transpose(1, 2) then reaches proj's output without a copy.
     grad_q = new_output_like(q, grad_dtype)
     grad_k = new_output_like(k, grad_dtype)
     grad_v = new_output_like(v, grad_dtype)
+    delta = new_output((batch, heads, lq), torch.float32, q.device)  # dQ's, for dK/dV
     padding, padding_strides = _padding_view(key_padding_mask)
     shared = (
         key_lengths, padding, seed,
@@ -248,7 +216,19 @@ def _launch_backward(
     )  # fmt: skip
     flags = (
         q.dtype, dot_precision(q.dtype), causal, key_lengths is not None, padding is not None,
-        seed is not None, None,
+        seed is not None,
+    )  # fmt: skip
+    if grad_lse is not None:  # rare (a caller that used the LSE): read as (B, H, Lq) rows
+        grad_lse = grad_lse.contiguous()
+    config = launch_config("dq", lq, lk, max(head_dim, value_dim))
+    _DQ(
+        q.device,
+        (batch * heads, cdiv(lq, config.block_m), 1),
+        (
+            q, k, v, grad_out, lse, delta, grad_q, out, grad_lse,
+            *grad_q.stride(), *out.stride(), *shared,
+        ),
+        _options(config, head_dim, value_dim, *flags, HAS_GRAD_LSE=grad_lse is not None),
     )  # fmt: skip
     key_grads = (grad_k, grad_v, *grad_k.stride(), *grad_v.stride())
     config = launch_config("dkdv", lq, lk, max(head_dim, value_dim))
@@ -256,13 +236,6 @@ def _launch_backward(
         q.device,
         (batch * heads, cdiv(lk, config.block_n), 1),
         (q, k, v, grad_out, lse, delta, *key_grads, *shared),
-        _options(config, head_dim, value_dim, *flags),
-    )
-    config = launch_config("dq", lq, lk, max(head_dim, value_dim))
-    _DQ(
-        q.device,
-        (batch * heads, cdiv(lq, config.block_m), 1),
-        (q, k, v, grad_out, lse, delta, grad_q, *grad_q.stride(), *shared),
         _options(config, head_dim, value_dim, *flags),
     )
     if grad_dtype == q.dtype:  # k and v have q's dtype

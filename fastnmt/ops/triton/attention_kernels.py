@@ -259,40 +259,6 @@ def _attention_forward_kernel(
 
 
 @triton.jit
-def _attention_backward_delta_kernel(
-    OUT,  # (B, H, Lq, Dv) forward output
-    DO,  # (B, H, Lq, Dv) gradient of the output
-    DELTA,  # (B, H, Lq) fp32 output, contiguous: delta_i = dO_i . O_i
-    # strides of OUT:
-    stride_ob,
-    stride_oh,
-    stride_om,
-    stride_od,
-    # strides of DO:
-    stride_dob,
-    stride_doh,
-    stride_dom,
-    stride_dod,
-    # heads, query length, head dim of v:
-    H,
-    Lq,
-    Dv,
-    UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr,  # rows per program
-    BLOCK_DV: tl.constexpr,  # Dv padded to a power of two
-):
-    bh = tl.program_id(0)
-    b, h = bh // H, bh % H
-    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    OUT += b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
-    DO += b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
-    o = _load_tile(OUT, offs_m, offs_dv, stride_om, stride_od, Lq, Dv, UPCAST).to(tl.float32)
-    do = _load_tile(DO, offs_m, offs_dv, stride_dom, stride_dod, Lq, Dv, UPCAST).to(tl.float32)
-    tl.store(DELTA + bh.to(tl.int64) * Lq + offs_m, tl.sum(o * do, 1), mask=offs_m < Lq)
-
-
-@triton.jit
 def _probabilities_and_dp(
     rows_s,  # the scores' rows: (BLOCK_M, BLOCK_D) queries, or (BLOCK_N, BLOCK_D) keys
     cols_s,  # the scores' columns: the keys, or the queries
@@ -323,7 +289,7 @@ def _attention_backward_dkdv_kernel(
     V,
     DO,  # (B, H, Lq, Dv) gradient of the output
     LSE,  # (B, H, Lq) fp32, contiguous: the forward's lse
-    DELTA,  # (B, H, Lq) fp32, contiguous: delta_i (minus the gradient of lse_i, if any)
+    DELTA,  # (B, H, Lq) fp32, contiguous: delta_i (minus lse_i's gradient), by the dQ kernel
     # (B, H, Lk, D), (B, H, Lk, Dv) outputs, dense in K's and V's dimension orders:
     DK,
     DV,
@@ -450,13 +416,20 @@ def _attention_backward_dq_kernel(
     V,
     DO,
     LSE,
-    DELTA,
+    DELTA,  # (B, H, Lq) fp32 output, contiguous: delta_i, written here for the dK/dV kernel
     DQ,  # (B, H, Lq, D) output, dense in Q's dimension order
+    OUT,  # (B, H, Lq, Dv) the forward's output
+    GRAD_LSE,  # (B, H, Lq) fp32, contiguous: the gradient reaching lse (when HAS_GRAD_LSE)
     # strides of DQ:
     stride_dqb,
     stride_dqh,
     stride_dqm,
     stride_dqd,
+    # strides of OUT:
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
     # as in the forward kernel:
     KEY_LENGTHS,
     PADDING,
@@ -498,12 +471,16 @@ def _attention_backward_dq_kernel(
     DROPOUT: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_GRAD_LSE: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query rows per program
     BLOCK_N: tl.constexpr,  # keys per step
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
-    """dQ_i = scale sum_j dS_ij k_j for one block of queries, visiting the keys it sees."""
+    """dQ_i = scale sum_j dS_ij k_j for one block of queries, visiting the keys it sees, after
+    delta_i = dO_i . O_i - g_i (g_i: the gradient reaching lse_i, when the caller used the LSE:
+    d lse_i / d S_ij = P_ij adds P_ij g_i to dS_ij = P_ij (dP_ij - delta_i)), which it stores
+    for the dK/dV kernel, launched after it: a kernel of its own would be one launch more."""
     bh = tl.program_id(0)
     b, h = bh // H, bh % H
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -527,7 +504,12 @@ def _attention_backward_dq_kernel(
     do = _load_tile(DO, offs_m, offs_dv, stride_dom, stride_dod, Lq, Dv, UPCAST)
     lse = tl.load(LSE + bh.to(tl.int64) * Lq + offs_m, mask=offs_m < Lq, other=float("-inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2_E)
-    delta = tl.load(DELTA + bh.to(tl.int64) * Lq + offs_m, mask=offs_m < Lq, other=0.0)
+    OUT += b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    o = _load_tile(OUT, offs_m, offs_dv, stride_om, stride_od, Lq, Dv, UPCAST)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if HAS_GRAD_LSE:
+        delta -= tl.load(GRAD_LSE + bh.to(tl.int64) * Lq + offs_m, mask=offs_m < Lq, other=0.0)
+    tl.store(DELTA + bh.to(tl.int64) * Lq + offs_m, delta, mask=offs_m < Lq)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start_n in range(0, loop_end, BLOCK_N):
         offs_n = start_n + offs_n0
