@@ -117,12 +117,14 @@ def peak_mib(fn: Callable[[], object], device: torch.device) -> float | None:
 
 
 def forward_backward(forward: Callable[[], torch.Tensor], inputs: list[torch.Tensor]):
-    """A callable running ``forward`` and the backward of its sum of outputs into ``inputs``."""
+    """A callable running ``forward`` and its backward into the ``inputs``' ``.grad``, the
+    output's gradient given (drawn once, as FlashAttention's benchmarks do)."""
+    grad_out = torch.randn_like(forward())
 
     def step():
         for tensor in inputs:
             tensor.grad = None
-        forward().float().sum().backward()
+        forward().backward(grad_out)
 
     return step
 

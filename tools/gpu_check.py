@@ -13,8 +13,9 @@ beside OUT), so that OUT holds only the report and the logs.
   equal to its first, both within FlashAttention's rule of the float64 oracle), attention on
   (B, L, H, D) views, batched dropout seeds, attention's odd head dims (D 112, Dv 65), a few
   captured training updates, a captured static search against the dynamic one.
-- ``kernels``: GPU time of forward + backward captured in one CUDA graph (replays timed),
-  fastnmt against PyTorch's built-ins: SDPA with a bool mask, ``F.layer_norm(x + r)``,
+- ``kernels``: GPU time of forward + backward (the output's gradient given, as FlashAttention's
+  benchmarks do) captured in one CUDA graph (replays timed), fastnmt against PyTorch's
+  built-ins: SDPA with a bool mask, ``F.layer_norm(x + r)``,
   Linear-GELU-Linear, ``F.cross_entropy(F.linear(...))``; B64 H8 D64 (tokens: B x L, width
   512, FFN 2048, vocabulary 32k), L 64/128/32/256, bf16 then fp16.
 - ``eager``: the same calls eager (what a user sees: do_bench's wall time), and each op's host
@@ -353,8 +354,11 @@ def _pairs(shape: dict, length: int, dtype, device):
 
 
 def _step(forward: Callable[[], torch.Tensor], inputs: list[torch.Tensor]) -> Callable[[], object]:
-    """Forward + backward into fresh gradient tensors (none accumulate: a graph may replay it)."""
-    return lambda: torch.autograd.grad(forward().float().sum(), inputs)
+    """Forward + backward of the op alone, as FlashAttention's benchmarks time it: the output's
+    gradient is given (drawn once), the inputs' go into fresh tensors (none accumulate: a graph
+    may replay it)."""
+    grad_out = torch.randn_like(forward())
+    return lambda: torch.autograd.grad(forward(), inputs, grad_out)
 
 
 def graph_ms(step: Callable[[], object], device, replays: int = 20) -> float:
