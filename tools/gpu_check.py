@@ -633,13 +633,21 @@ def profile_table(report: Report, title: str, run: Callable[[], object], device,
 
 def profiles(args, device, report: Report) -> None:
     """The rows furthest from their goals, profiled: add_layer_norm's eager call (host-bound),
-    the Hugging Face step with apply_fastnmt, and a warm static beam-4 search."""
+    a tiny model's training update captured as a CUDA graph (the training row's kernels), the
+    Hugging Face step with apply_fastnmt, and a warm static beam-4 search."""
     shape = _shapes(args.smoke)
     length = shape["lengths"][0]
     inputs, ours, _ = _pairs(shape, length, BF16, device)["add_layer_norm"]
     title = f"Profile: add_layer_norm forward + backward, eager, L {length}, bf16"
     profile_table(report, title, _step(ours, inputs), device, calls=20)
     sizes = gpu_bench.SMOKE if args.smoke else gpu_bench.FULL
+    mode = "eager" if graph_reasons(device) else "CUDA graph"
+    update = gpu_bench.training_step("tiny", sizes, BF16, device, mode)
+    for _ in range(3):  # captured, then replayed warm
+        update()
+    title = f"Profile: a tiny model's training update ({mode}, bf16, Adam, fused ops)"
+    profile_table(report, title, update, device, calls=1 if args.smoke else 5)
+    del update
     batch = sizes.hf_batches[0]
     step = gpu_bench.hf_step(
         batch, sizes.train_length, "apply_fastnmt", BF16, device, sizes.hf_tiny
