@@ -717,7 +717,10 @@ NORM_CANDIDATES = {
     "_PROGRAMS_PER_SM": [1, 2, 8],
     "_SUM_TILE": [(128, 16), (128, 8), (64, 32)],
 }
-_NORM_PLANS = ("_chosen_tile", "_forward_plan", "_backward_plan", "_sums_plan")
+# What the constants go into, cached per call signature (or per device).
+_NORM_CACHES = (
+    "_chosen_tile", "_forward_plan", "_backward_plan", "_sums_plan", "_most_backward_programs"
+)  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -728,9 +731,8 @@ def forced_norm_tuning(name: str, value) -> Iterator[None]:
 
     def set_value(new) -> None:
         setattr(norm_triton, name, new)
-        for plan in _NORM_PLANS:
-            getattr(norm_triton, plan).cache_clear()
-        norm_triton._most_backward_programs.cache_clear()
+        for cached in _NORM_CACHES:
+            getattr(norm_triton, cached).cache_clear()
 
     set_value(value)
     try:
