@@ -113,13 +113,17 @@ class Report:
 # ---------------------------------------------------------------------------------------------
 
 
+def _output_gradient(out: torch.Tensor) -> torch.Tensor:
+    """A gradient for ``out`` drawn from a fixed seed (every run of a check gets the same)."""
+    generator = torch.Generator(out.device).manual_seed(1)
+    return torch.randn(out.shape, generator=generator, device=out.device).to(out.dtype)
+
+
 def _fwd_bwd(forward: Callable[[], torch.Tensor], inputs: list[torch.Tensor]):
     """(output, gradients of ``inputs``) of one forward + backward, the output's gradient drawn
     from a fixed seed (every run of a check gets the same)."""
     out = forward()
-    generator = torch.Generator(out.device).manual_seed(1)
-    grad_out = torch.randn(out.shape, generator=generator, device=out.device).to(out.dtype)
-    grads = torch.autograd.grad(out, inputs, grad_out)
+    grads = torch.autograd.grad(out, inputs, _output_gradient(out))
     return [out.detach().clone(), *(g.clone() for g in grads)]
 
 
@@ -355,9 +359,9 @@ def _pairs(shape: dict, length: int, dtype, device):
 
 def _step(forward: Callable[[], torch.Tensor], inputs: list[torch.Tensor]) -> Callable[[], object]:
     """Forward + backward of the op alone, as FlashAttention's benchmarks time it: the output's
-    gradient is given (drawn once), the inputs' go into fresh tensors (none accumulate: a graph
-    may replay it)."""
-    grad_out = torch.randn_like(forward())
+    gradient is given (``_output_gradient``), the inputs' go into fresh tensors (none accumulate:
+    a graph may replay it)."""
+    grad_out = _output_gradient(forward())
     return lambda: torch.autograd.grad(forward(), inputs, grad_out)
 
 
@@ -687,26 +691,43 @@ def configs(args, device, report: Report) -> None:
     shape = _shapes(args.smoke)
     for length in sorted(shape["lengths"])[-2:]:  # the longest two: furthest from the goal
         inputs, forward, _ = _pairs(shape, length, BF16, device)["attention"]
-        step = _step(forward, inputs)
-        base_ms, base = graph_ms(step, device), _fwd_bwd(forward, inputs)
+        measure = _Candidates(forward, inputs, device)
         head_dim = shape["head_dim"]
         for kernel, candidates in CONFIG_CANDIDATES.items():
             now = attention_triton.launch_config(kernel, length, length, head_dim)
-            row(length, kernel, f"{now.label} (chosen)", f"{base_ms:.3f}", "1.00x", "0")
+            row(length, kernel, f"{now.label} (chosen)", *measure.chosen_cells)
             for values in candidates:
                 config = attention_triton.LaunchConfig(*values)
                 if config == now:
                     continue
                 try:
                     with attention_sweep.forced_configs({kernel: config}):
-                        ms, got = graph_ms(step, device), _fwd_bwd(forward, inputs)
+                        cells = measure()
                 except Exception as error:  # a config that does not compile or fit
                     row(length, kernel, config.label, type(error).__name__, "", str(error)[:60])
                     continue
-                pairs = zip(got, base, strict=True)
-                diff = max((g.float() - b.float()).abs().max().item() for g, b in pairs)
-                speedup = f"{base_ms / ms:.2f}x"
-                row(length, kernel, config.label, f"{ms:.3f}", speedup, f"{diff:.2e}")
+                row(length, kernel, config.label, *cells)
+
+
+class _Candidates:
+    """Forward + backward of one op timed as a CUDA graph, first as chosen (at construction),
+    then under each candidate (a call): the cells ms, speedup over the chosen, and the largest
+    difference from the chosen's output and gradients."""
+
+    def __init__(self, forward, inputs, device):
+        self.forward, self.inputs, self.device = forward, inputs, device
+        self.step = _step(forward, inputs)
+        self.ms, self.results = self._run()
+        self.chosen_cells = (f"{self.ms:.3f}", "1.00x", "0")
+
+    def _run(self):
+        return graph_ms(self.step, self.device), _fwd_bwd(self.forward, self.inputs)
+
+    def __call__(self) -> tuple[str, str, str]:
+        ms, got = self._run()
+        pairs = zip(got, self.results, strict=True)
+        diff = max((g.float() - b.float()).abs().max().item() for g, b in pairs)
+        return f"{ms:.3f}", f"{self.ms / ms:.2f}x", f"{diff:.2e}"
 
 
 # add_layer_norm's tuning constants (fastnmt/ops/triton/add_layer_norm.py) to try, one at a time:
@@ -751,23 +772,13 @@ def norm_configs(args, device, report: Report) -> None:
     shape = _shapes(args.smoke)
     for length in sorted(shape["lengths"])[:2]:
         inputs, forward, _ = _pairs(shape, length, BF16, device)["add_layer_norm"]
-        step = _step(forward, inputs)
-        base_ms, base = graph_ms(step, device), _fwd_bwd(forward, inputs)
+        measure = _Candidates(forward, inputs, device)
         for name, candidates in NORM_CANDIDATES.items():
-            row(
-                length,
-                name,
-                f"{getattr(norm_triton, name)} (chosen)",
-                f"{base_ms:.3f}",
-                "1.00x",
-                "0",
-            )
+            chosen = f"{getattr(norm_triton, name)} (chosen)"
+            row(length, name, chosen, *measure.chosen_cells)
             for value in candidates:
                 with forced_norm_tuning(name, value):
-                    ms, got = graph_ms(step, device), _fwd_bwd(forward, inputs)
-                pairs = zip(got, base, strict=True)
-                diff = max((g.float() - b.float()).abs().max().item() for g, b in pairs)
-                row(length, name, value, f"{ms:.3f}", f"{base_ms / ms:.2f}x", f"{diff:.2e}")
+                    row(length, name, value, *measure())
 
 
 @contextlib.contextmanager

@@ -39,9 +39,8 @@ class CompileCase:
 # Attention: every kernel x every GPU launch config.
 # ---------------------------------------------------------------------------------------------
 
-_ATTENTION_POINTERS = {"LSE": "*fp32", "DELTA": "*fp32", "KEY_LENGTHS": "*i64", "PADDING": "*u8"}
-_ATTENTION_POINTERS |= {"GRAD_LSE": "*fp32"}
-_ATTENTION_POINTERS |= {"SEED": "*i64", "KEEP": "*u8", "CACHE_ROWS": "*i64"}
+_ATTENTION_POINTERS = {"LSE": "*fp32", "DELTA": "*fp32", "GRAD_LSE": "*fp32", "PADDING": "*u8"}
+_ATTENTION_POINTERS |= {"KEY_LENGTHS": "*i64", "SEED": "*i64", "KEEP": "*u8", "CACHE_ROWS": "*i64"}
 
 
 def _attention_argument_type(name: str, constexprs: dict) -> str:
@@ -72,15 +71,18 @@ def attention_cases() -> list[CompileCase]:
         "dkdv": attention_kernels._attention_backward_dkdv_kernel,
         "dq": attention_kernels._attention_backward_dq_kernel,
     }
-    own_flags = {"dkdv": {}, "dq": dict(HAS_GRAD_LSE=True)}
     cases = []
     for name, kernel in kernels.items():
         for bucket, configs in attention_triton._GPU_CONFIGS[name].items():
+            # each kernel's own flags: decoding steps read caches through their rows
+            own = {
+                "forward": dict(HAS_CACHE_ROWS=bucket == "decode"),
+                "dkdv": {},
+                "dq": dict(HAS_GRAD_LSE=True),
+            }
             for widest, config in configs.items():
                 sizes = dict(flags, BLOCK_M=config.block_m, BLOCK_N=config.block_n)
-                sizes |= dict(BLOCK_D=widest, BLOCK_DV=widest)
-                # decoding steps read caches through their rows
-                sizes |= own_flags.get(name, dict(HAS_CACHE_ROWS=bucket == "decode"))
+                sizes |= dict(BLOCK_D=widest, BLOCK_DV=widest, **own[name])
                 label = f"{bucket} D<={widest} {config.label}"
                 # Every backward dot product has a 64-row side (wgmma's tile); the 16-row decoding
                 # forward uses mma.sync.
