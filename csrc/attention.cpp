@@ -258,13 +258,15 @@ void gemm(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t 
 // A (B, H, L, width) tensor with a contiguous last dim, read by (b, h, row). The keys and values
 // of a decoding cache can be read through cache rows (B, L), int64 with a contiguous last dim:
 // row j of entry b is then row j of entry cache_rows[b, j] (a beam search's cache is never
-// reordered).
+// reordered). Packed sequences (varlen): a (total, H, width) tensor whose sequence b is rows
+// starts[b], starts[b] + 1, ... (cu_seqlens).
 template <typename T>
 struct Rows {
   const T* data;
   int64_t stride_b, stride_h, stride_row;
   const int64_t* entries = nullptr;  // the cache rows, or nullptr: row j of b is b's own
   int64_t entries_stride = 0;
+  const int64_t* starts = nullptr;  // packed: each sequence's first row, or nullptr
 
   explicit Rows(const at::Tensor& t)
       : data(t.data_ptr<T>()), stride_b(t.stride(0)), stride_h(t.stride(1)),
@@ -277,7 +279,12 @@ struct Rows {
     }
   }
 
+  Rows(const at::Tensor& packed, const int64_t* starts_)
+      : data(packed.data_ptr<T>()), stride_b(0), stride_h(packed.stride(1)),
+        stride_row(packed.stride(0)), starts(starts_) {}
+
   const T* at(int64_t b, int64_t h, int64_t row) const {
+    if (starts != nullptr) return data + h * stride_h + (starts[b] + row) * stride_row;
     const int64_t entry = entries == nullptr ? b : entries[b * entries_stride + row];
     return data + entry * stride_b + h * stride_h + row * stride_row;
   }
@@ -429,12 +436,16 @@ inline int64_t short_units_grain(int64_t units) {
   return std::max<int64_t>(1, units / (8 * at::get_num_threads()));
 }
 
+// lq and lk: the longest sequences' (the padded lengths; packed, max_seqlen_q and _k).
 struct Shape {
   int64_t batch, heads, lq, lk, d, dv;
 
   explicit Shape(const at::Tensor& q, const at::Tensor& v)
       : batch(q.size(0)), heads(q.size(1)), lq(q.size(2)), lk(v.size(2)), d(q.size(3)),
         dv(v.size(3)) {}
+
+  Shape(int64_t batch_, int64_t heads_, int64_t lq_, int64_t lk_, int64_t d_, int64_t dv_)
+      : batch(batch_), heads(heads_), lq(lq_), lk(lk_), d(d_), dv(dv_) {}
 };
 
 at::Tensor last_dim_contiguous(const at::Tensor& t) {
@@ -461,16 +472,23 @@ at::Tensor checked_cache_rows(const c10::optional<at::Tensor>& cache_rows, int64
 // A (B, H, L, width) output with a contiguous last dim, written by (b, h, row) through its
 // strides: the attention output lies (B, L, H, Dv) in memory, so that joining its heads is a
 // view; each gradient lies as its input (see attention_cpp_backward).
+// Packed (varlen): a (total, H, width) output, sequence b from row starts[b] (as Rows).
 template <typename T>
 struct OutRows {
   T* data;
   int64_t stride_b, stride_h, stride_row;
+  const int64_t* starts = nullptr;
 
   explicit OutRows(at::Tensor& t)
       : data(t.data_ptr<T>()), stride_b(t.stride(0)), stride_h(t.stride(1)),
         stride_row(t.stride(2)) {}
 
+  OutRows(at::Tensor& packed, const int64_t* starts_)
+      : data(packed.data_ptr<T>()), stride_b(0), stride_h(packed.stride(1)),
+        stride_row(packed.stride(0)), starts(starts_) {}
+
   T* at(int64_t b, int64_t h, int64_t row) const {
+    if (starts != nullptr) return data + h * stride_h + (starts[b] + row) * stride_row;
     return data + b * stride_b + h * stride_h + row * stride_row;
   }
 };
@@ -497,10 +515,11 @@ template <typename T>
 bool reads_words(const at::Tensor& q, const at::Tensor& k) {
 #if defined(__AVX512BF16__)
   const auto words = [](const at::Tensor& t) {
-    return reinterpret_cast<uintptr_t>(t.data_ptr()) % 4 == 0 && t.stride(0) % 2 == 0 &&
-           t.stride(1) % 2 == 0 && t.stride(2) % 2 == 0;
+    bool even = reinterpret_cast<uintptr_t>(t.data_ptr()) % 4 == 0;
+    for (int64_t i = 0; i + 1 < t.dim(); ++i) even = even && t.stride(i) % 2 == 0;
+    return even;
   };
-  return std::is_same_v<T, c10::BFloat16> && q.size(3) % 2 == 0 && words(q) && words(k);
+  return std::is_same_v<T, c10::BFloat16> && q.size(-1) % 2 == 0 && words(q) && words(k);
 #else
   return false;
 #endif
@@ -620,7 +639,9 @@ float few_queries_row(const T* q_row, const KeyAt& key_at, const ValueAt& value_
   return lse;
 }
 
-// One forward call's operands, as both kernels read them.
+// One forward call's operands, as both kernels read them: padded (B, H, L, D) tensors and an
+// LSE (B, H, Lq), or packed sequences (varlen: (total, H, D) tensors, sequence b's queries from
+// row query_starts[b] and its keys from row key_starts[b]) and an LSE (H, total_q).
 template <typename T>
 struct Forward {
   Shape n;
@@ -630,12 +651,31 @@ struct Forward {
   const KeyMask& mask;
   float scale;
   const DropoutStream& drop;
+  const int64_t* query_starts = nullptr;  // packed: cu_seqlens_q (B + 1,), else nullptr
+  int64_t total_queries = 0;
 
   Forward(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
           const at::Tensor& cache_rows, const KeyMask& mask_, float scale_,
           const DropoutStream& drop_, at::Tensor& out_, at::Tensor& lse_)
       : n(q_, v_), q(q_), k(k_, cache_rows), v(v_, cache_rows), out(out_),
         lse(lse_.data_ptr<float>()), mask(mask_), scale(scale_), drop(drop_) {}
+
+  Forward(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, const Shape& n_,
+          const int64_t* query_starts_, const int64_t* key_starts, const KeyMask& mask_,
+          float scale_, const DropoutStream& drop_, at::Tensor& out_, at::Tensor& lse_)
+      : n(n_), q(q_, query_starts_), k(k_, key_starts), v(v_, key_starts),
+        out(out_, query_starts_), lse(lse_.data_ptr<float>()), mask(mask_), scale(scale_),
+        drop(drop_), query_starts(query_starts_), total_queries(q_.size(0)) {}
+
+  // Batch entry b's query count: the padded length, or its sequence's.
+  int64_t queries(int64_t b) const {
+    return query_starts == nullptr ? n.lq : query_starts[b + 1] - query_starts[b];
+  }
+
+  float& lse_at(int64_t b, int64_t h, int64_t i) const {
+    if (query_starts != nullptr) return lse[h * total_queries + query_starts[b] + i];
+    return lse[(b * n.heads + h) * n.lq + i];
+  }
 };
 
 // Whether forward_few_queries' rows can take the head dims of n.
@@ -663,7 +703,7 @@ void few_queries_rows(const Forward<T>& f, int64_t bh, int64_t i0, int64_t i1, f
     };
     using Exact = std::true_type;
     using Checked = std::false_type;
-    f.lse[bh * f.n.lq + i] =
+    f.lse_at(b, h, i) =
         exact == 1   ? row(std::integral_constant<int, 1>{}, Exact{})
         : exact == 2 ? row(std::integral_constant<int, 2>{}, Exact{})
         : exact == 4 ? row(std::integral_constant<int, 4>{}, Exact{})
@@ -693,7 +733,7 @@ void forward_few_queries(const Forward<T>& f) {
     float* factors = bias + lk_vectors;
     float* o = factors + lk_vectors;
     for (int64_t bh = next(); bh < f.n.batch * f.n.heads; bh = next()) {
-      few_queries_rows(f, bh, 0, f.n.lq, s, bias, factors, o);
+      few_queries_rows(f, bh, 0, f.queries(bh / f.n.heads), s, bias, factors, o);
     }
   }, grain);
 }
@@ -716,8 +756,9 @@ void forward_kernel(const Forward<T>& f, bool read_words) {
     int64_t loaded_bh = -1;
     for (int64_t t = next(); t < units; t = next()) {
       const int64_t bh = t / blocks, b = bh / f.n.heads, h = bh % f.n.heads;
-      const int64_t i0 = (t % blocks) * kBlockM, rows = std::min(kBlockM, f.n.lq - i0);
-      if (few_keys && f.mask.key_end[b] <= kFewQueries) {  // see attention_cpp
+      const int64_t i0 = (t % blocks) * kBlockM, rows = std::min(kBlockM, f.queries(b) - i0);
+      if (rows <= 0) continue;  // past a packed sequence's queries
+      if (few_keys && f.mask.key_end[b] <= kFewQueries) {  // see run_forward
         few_queries_rows(f, bh, i0, i0 + rows, s, bias, factors, o);
         continue;
       }
@@ -730,7 +771,7 @@ void forward_kernel(const Forward<T>& f, bool read_words) {
       panels.scores(f.q, b, h, i0, rows, f.n, s, width);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = i0 + r;
-        f.lse[bh * f.n.lq + i] =
+        f.lse_at(b, h, i) =
             softmax_row(s + r * lk_vectors, bias, width, i, f.scale, f.mask.causal, f.drop,
                         element_index(bh, i, f.n.lq, f.n.lk), factors);
       }
@@ -833,6 +874,37 @@ void backward_kernel(const at::Tensor& grad_out_, const float* grad_lse, const a
   });
 }
 
+// A sentence of up to kFewQueries tokens is attended by forward_few_queries' rows whatever the
+// batch's longest (its keys, not the padded query count, decide): padded among longer sentences,
+// or packed, it gets the same bits as alone (the two kernels sum in other orders).
+template <typename T>
+void run_forward(const Forward<T>& f, const at::Tensor& q, const at::Tensor& k) {
+  if (f.n.lq <= kFewQueries && few_queries_fit(f.n)) {
+    forward_few_queries(f);
+  } else {
+    forward_kernel(f, reads_words<T>(q, k));
+  }
+}
+
+// cu_seqlens (B + 1,) as int64, checked to run from 0 to `rows` without decreasing, no sequence
+// longer than `longest`: the kernels read through it unchecked.
+at::Tensor checked_starts(const at::Tensor& cu_seqlens, int64_t rows, int64_t longest,
+                          const char* name, const char* max_name) {
+  check_cpu(cu_seqlens, name);
+  const auto starts = cu_seqlens.to(at::kLong).contiguous();
+  TORCH_CHECK(starts.dim() == 1 && starts.size(0) >= 1, name, " must be 1-D (B + 1,)");
+  const int64_t* values = starts.data_ptr<int64_t>();
+  const int64_t batch = starts.size(0) - 1;
+  TORCH_CHECK(values[0] == 0 && values[batch] == rows, name, " must run from 0 to ", rows,
+              " (the packed rows), got ", values[0], " to ", values[batch]);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t length = values[b + 1] - values[b];
+    TORCH_CHECK(length >= 0 && length <= longest, name, " must give lengths in [0, ", max_name,
+                " = ", longest, "], got ", length, " for sequence ", b);
+  }
+  return starts;
+}
+
 }  // namespace
 
 // The arguments of the Triton ops fastnmt::attention_forward / attention_backward, in their
@@ -854,15 +926,42 @@ std::tuple<at::Tensor, at::Tensor> attention_cpp(
   const auto rows = checked_cache_rows(cache_rows, k.size(0));
   dispatch_float(q.scalar_type(), "attention_cpp", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    // A sentence of up to kFewQueries tokens is attended by forward_few_queries' rows whatever
-    // the batch's longest (its keys, not the padded query count, decide): padded among longer
-    // sentences, it gets the same bits as alone (the two kernels sum in other orders).
-    const Forward<T> f(q, k, v, rows, mask, static_cast<float>(scale), drop, out, lse);
-    if (n.lq <= kFewQueries && few_queries_fit(n)) {
-      forward_few_queries(f);
-    } else {
-      forward_kernel(f, reads_words<T>(q, k));
-    }
+    run_forward(Forward<T>(q, k, v, rows, mask, static_cast<float>(scale), drop, out, lse), q, k);
+  });
+  return {out, lse};
+}
+
+// Packed sequences (FlashAttention's varlen layout), forward only (inference): q (total_q, H, D),
+// k (total_k, H, D), v (total_k, H, Dv); sequence b's queries are rows cu_seqlens_q[b] ..
+// cu_seqlens_q[b + 1] - 1 of q, its keys those of cu_seqlens_k in k and v. Returns out
+// (total_q, H, Dv) and the LSE (H, total_q).
+std::tuple<at::Tensor, at::Tensor> attention_varlen_cpp(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, bool causal, double scale) {
+  check_cpu(q_in, "q");
+  const auto q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),
+             v = last_dim_contiguous(v_in);
+  const auto query_starts =
+      checked_starts(cu_seqlens_q, q.size(0), max_seqlen_q, "cu_seqlens_q", "max_seqlen_q");
+  const auto key_starts =
+      checked_starts(cu_seqlens_k, k.size(0), max_seqlen_k, "cu_seqlens_k", "max_seqlen_k");
+  TORCH_CHECK(query_starts.size(0) == key_starts.size(0),
+              "cu_seqlens_q and cu_seqlens_k must have the same length (B + 1), got ",
+              query_starts.size(0), " and ", key_starts.size(0));
+  const int64_t batch = query_starts.size(0) - 1;
+  const Shape n(batch, q.size(1), max_seqlen_q, max_seqlen_k, q.size(2), v.size(2));
+  auto out = at::empty({q.size(0), n.heads, n.dv}, q.options());
+  auto lse = at::empty({n.heads, q.size(0)}, q.options().dtype(at::kFloat));
+  const auto key_lengths = key_starts.narrow(0, 1, batch) - key_starts.narrow(0, 0, batch);
+  const KeyMask mask(key_lengths, c10::nullopt, batch, n.lk, causal);
+  const DropoutStream drop(c10::nullopt, 0.0);
+  dispatch_float(q.scalar_type(), "attention_varlen_cpp", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const Forward<T> f(q, k, v, n, query_starts.data_ptr<int64_t>(),
+                       key_starts.data_ptr<int64_t>(), mask, static_cast<float>(scale), drop,
+                       out, lse);
+    run_forward(f, q, k);
   });
   return {out, lse};
 }
@@ -983,6 +1082,10 @@ TORCH_LIBRARY_FRAGMENT(fastnmt, m) {
       "Tensor out, Tensor lse, Tensor? key_lengths, Tensor? key_padding_mask, Tensor? seed, "
       "bool causal, float dropout_p, float scale) -> (Tensor, Tensor, Tensor)");
   m.def(
+      "attention_varlen_cpp(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
+      "Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, bool causal, float scale) -> "
+      "(Tensor, Tensor)");
+  m.def(
       "attention_cpp_dropout_mask(Tensor seed, int batch, int heads, int lq, int lk, "
       "float dropout_p) -> Tensor");
 }
@@ -991,6 +1094,7 @@ TORCH_LIBRARY_IMPL(fastnmt, CPU, m) {
   m.impl("attention_cpp", &attention_cpp);
   m.impl("attention_cpp_backward", &attention_cpp_backward);
   m.impl("attention_cpp_dropout_mask", &attention_cpp_dropout_mask);
+  m.impl("attention_varlen_cpp", &attention_varlen_cpp);
 }
 
 TORCH_LIBRARY_IMPL(fastnmt, Autograd, m) { m.impl("attention_cpp", &attention_autograd); }

@@ -4,8 +4,9 @@
 ``MultiheadAttention`` takes ``torch.nn.MultiheadAttention``'s constructor and forward arguments,
 has the same parameter names (so its state_dict loads unchanged) and gives the same results, on
 fastnmt's dispatched attention op. It adds ``key_lengths=`` (padding as lengths, what fused kernels
-want) and a ``KVCache`` for incremental decoding (``fastnmt.kv_cache``, whose caches are importable
-from here too). Differences from torch, on purpose:
+want), a ``KVCache`` for incremental decoding (``fastnmt.kv_cache``, whose caches are importable
+from here too) and, in ``attend``, packed sequences without padding (``Packed``). Differences from
+torch, on purpose:
 
 - a query that sees no key gets a 0 output and 0 weights, never NaN;
 - with dropout, the returned weights are the probabilities before dropout (what one plots);
@@ -24,7 +25,32 @@ from fastnmt.kv_cache import CacheRows as CacheRows  # the caches, importable fr
 from fastnmt.kv_cache import FixedKVCache as FixedKVCache
 from fastnmt.kv_cache import KVCache as KVCache
 from fastnmt.kv_cache import StepClock as StepClock
-from fastnmt.ops import attention, attention_probabilities, checks, gather_cache_rows
+from fastnmt.ops import (
+    attention,
+    attention_probabilities,
+    attention_varlen,
+    checks,
+    gather_cache_rows,
+)
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Sequences packed end to end, without padding (``attention_varlen``'s layout): sequence b
+    is rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1 of a (total, ...) tensor."""
+
+    cu_seqlens: torch.Tensor  # (B + 1,) int64
+    longest: int  # the longest sequence's length
+    positions: torch.Tensor  # (total,) int64: each row's position in its sequence
+
+    @classmethod
+    def of_lengths(cls, lengths: list[int], device: torch.device | str = "cpu") -> Packed:
+        """The layout of sequences of ``lengths`` (built on the host, then moved)."""
+        counts = torch.tensor(lengths, dtype=torch.long)
+        cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.long)
+        torch.cumsum(counts, 0, out=cu_seqlens[1:])
+        positions = torch.arange(int(cu_seqlens[-1])) - cu_seqlens[:-1].repeat_interleave(counts)
+        return cls(cu_seqlens.to(device), max(lengths, default=0), positions.to(device))
 
 
 def scaled_dot_product_attention(
@@ -217,7 +243,9 @@ class MultiheadAttention(nn.Module):
         cache.append(k, v)
         return q, *cache.stored()
 
-    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:  # (B, L, E) -> (B, H, L, D)
+        if x.dim() == 2:  # packed: (total, E) -> (total, H, D)
+            return x.view(x.shape[0], self.num_heads, self.head_dim)
         batch, length, _ = x.shape
         return x.view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
 
@@ -305,13 +333,27 @@ class MultiheadAttention(nn.Module):
             return out[0], weights
         return (out if self.batch_first else out.transpose(0, 1)), weights
 
-    def attend(self, query, key, *, key_lengths=None, causal=False, cache=None, dropout_seed=None):
+    def attend(
+        self,
+        query,
+        key,
+        *,
+        key_lengths=None,
+        causal=False,
+        cache=None,
+        dropout_seed=None,
+        packed: tuple[Packed, Packed] | None = None,
+    ):
         """``forward(query, key, key, ...)``'s output for fastnmt's model, with less host work
         per call (a decoding step makes six): batch-first (B, L, E) inputs, the value is the
         key, masks only as ``key_lengths`` and ``causal``, no weights and no ``bias_k`` or
         ``add_zero_attn`` (``forward`` checks and translates torch's arguments at every call);
-        ``dropout_seed`` as ``fastnmt.ops.attention`` takes it."""
+        ``dropout_seed`` as ``fastnmt.ops.attention`` takes it. ``packed``: the queries' and the
+        keys' layouts, query (total_q, E) and key (total_k, E) then being packed sequences
+        (``attention_varlen``: no cache, no attention dropout)."""
         q, k, v, cache_rows = self._project(query, key, key, cache)  # (B, H, L, D)
+        if packed is not None:  # (total, H, D)
+            return self._out_projection(self._attend_packed(q, k, v, *packed, causal))
         if key_lengths is None and cache is not None:
             key_lengths = cache.key_lengths  # a FixedKVCache's positions not yet written
         past = k.shape[2] - q.shape[2] if cache is not None and not cache.static else 0
@@ -332,8 +374,22 @@ class MultiheadAttention(nn.Module):
         )
         return self._out_projection(out)
 
+    def _attend_packed(self, q, k, v, queries: Packed, keys: Packed, causal: bool):
+        if self.training and self.dropout > 0.0:
+            raise ValueError(
+                "packed sequences take no attention dropout (attention_varlen has none): call "
+                "the module's eval() or set its dropout to 0"
+            )
+        return attention_varlen(
+            q, k, v, queries.cu_seqlens, keys.cu_seqlens, queries.longest, keys.longest,
+            causal=causal,
+        )  # fmt: skip
+
     def _out_projection(self, out: torch.Tensor) -> torch.Tensor:
-        """Heads (B, H, L, D) joined to (B, L, E) and projected."""
+        """Heads (B, H, L, D) joined to (B, L, E) and projected; packed, (total, H, D) to
+        (total, E)."""
+        if out.dim() == 3:
+            return self.out_proj(out.reshape(out.shape[0], self.embed_dim))
         batch, _, length, _ = out.shape
         return self.out_proj(out.transpose(1, 2).reshape(batch, length, self.embed_dim))
 

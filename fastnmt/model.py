@@ -4,7 +4,8 @@ Reads top-down: config and presets, the residual stack shared by encoder and dec
 the model (training forward, logits, incremental decoding with a KV cache; the searches that use
 it are in ``fastnmt.decoding.search``).
 Shapes: B sentences, S source tokens, T target tokens, E = d_model, V = vocabulary, H heads.
-Padding travels as lengths (B,), never as dense masks.
+Padding travels as lengths (B,), never as dense masks; in inference, sequences may also travel
+packed, without padding (``forward_packed``: N_s source and N_t target tokens in all).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastnmt.attention import MultiheadAttention
+from fastnmt.attention import MultiheadAttention, Packed
 from fastnmt.kv_cache import CacheRows, KVCache
 from fastnmt.ops import add_layer_norm, dropout_seeds, feed_forward
 
@@ -188,6 +189,14 @@ def _attention(cfg: ModelConfig) -> MultiheadAttention:
     )
 
 
+def _source_keys(src_lengths: torch.Tensor | Packed, queries: Packed | None = None) -> dict:
+    """How attention over the source sees its keys: by their lengths (padded), or packed
+    (``queries``: the queries' layout, the source's own in self-attention)."""
+    if isinstance(src_lengths, Packed):
+        return dict(packed=(queries or src_lengths, src_lengths))
+    return dict(key_lengths=src_lengths)
+
+
 class EncoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -197,9 +206,11 @@ class EncoderLayer(nn.Module):
     def sublayers(
         self, src_lengths, record: AttentionRecord | None, seeds: Seeds
     ) -> list[Sublayer]:
+        keys = _source_keys(src_lengths)
+
         def self_attention(y):
             weights = None if record is None else record.encoder
-            return _attend(self.self_attn, y, y, weights, seeds, key_lengths=src_lengths)
+            return _attend(self.self_attn, y, y, weights, seeds, **keys)
 
         return [
             (self.self_attn_norm, self_attention),
@@ -229,15 +240,26 @@ class DecoderLayer(nn.Module):
         cache: LayerCache | None,
         record: AttentionRecord | None,
         seeds: Seeds,
+        packed: Packed | None = None,
     ) -> list[Sublayer]:
+        """``packed``: the targets' layout, when they are packed (so are the sources then:
+        ``src_lengths`` is their ``Packed``)."""
         # Padded target positions need no mask: causal queries never see later (padded) keys,
         # and the loss ignores padded queries.
+        targets = {} if packed is None else dict(packed=(packed, packed))
+
         def self_attention(y):
             cached = None if cache is None else cache.self_attn
             weights = None if record is None else record.decoder
-            return _attend(self.self_attn, y, y, weights, seeds, causal=True, cache=cached)
+            return _attend(
+                self.self_attn, y, y, weights, seeds, causal=True, cache=cached, **targets
+            )
 
         def cross_attention(y):  # y (B*K, T, E): K hypotheses of each sentence, sentence-major
+            if packed is not None:  # y (N_t, E)
+                return _attend(
+                    self.cross_attn, y, memory, None, seeds, **_source_keys(src_lengths, packed)
+                )
             cached = None if cache is None else cache.cross_attn
             weights = None if record is None else []
             rows, length, width = y.shape
@@ -332,7 +354,8 @@ class Transformer(nn.Module):
 
     def embed(self, tokens, start: int | torch.Tensor = 0):  # (B, L) -> (B, L, E)
         """``start`` a (1,) device tensor (one token a row): the position is read on the device,
-        as a captured decoding step must; its caller keeps it below max_positions."""
+        as a captured decoding step must; or the (N,) positions of packed tokens (N,). Its
+        caller keeps them below max_positions."""
         scale = math.sqrt(self.cfg.d_model) if self.cfg.scale_embedding else 1.0
         if isinstance(start, torch.Tensor):
             return self.embedding(tokens) * scale + self.positions.index_select(0, start)
@@ -346,12 +369,14 @@ class Transformer(nn.Module):
 
     def encode(
         self, src, src_lengths, record: AttentionRecord | None = None, seeds: Seeds = None
-    ):  # -> (B, S, E)
+    ):  # -> (B, S, E); packed: (N_s,) -> (N_s, E)
+        """``src_lengths``: (B,), or the sources' ``Packed`` layout when src is packed."""
         sublayers = [
             s for layer in self.encoder for s in layer.sublayers(src_lengths, record, seeds)
         ]
+        start = src_lengths.positions if isinstance(src_lengths, Packed) else 0
         return residual_stack(
-            self.embed(src), sublayers, self.encoder_norm, self.cfg, self.training, seeds
+            self.embed(src, start), sublayers, self.encoder_norm, self.cfg, self.training, seeds
         )
 
     def decode(
@@ -363,19 +388,22 @@ class Transformer(nn.Module):
         start: int | torch.Tensor = 0,
         record: AttentionRecord | None = None,
         seeds: Seeds = None,
+        packed: Packed | None = None,
     ):
         """Decoder states (B*K, T, E) for target inputs (B*K, T) at positions start.. (with
         caches: the cached steps are positions 0..start-1). ``memory`` (B, S, E) and
         ``src_lengths`` (B,) are per sentence: rows b*K .. b*K+K-1 of ``tgt_in`` are K
-        hypotheses of sentence b (K = 1 in training)."""
+        hypotheses of sentence b (K = 1 in training). ``packed``: the targets' layout when
+        tgt_in (N_t,) is packed (memory (N_s, E) and ``src_lengths`` the sources' Packed):
+        states (N_t, E)."""
         sublayers = [
             s
             for i, layer in enumerate(self.decoder)
             for s in layer.sublayers(
-                memory, src_lengths, None if caches is None else caches[i], record, seeds
+                memory, src_lengths, None if caches is None else caches[i], record, seeds, packed
             )
         ]
-        x = self.embed(tgt_in, start)
+        x = self.embed(tgt_in, start if packed is None else packed.positions)
         return residual_stack(x, sublayers, self.decoder_norm, self.cfg, self.training, seeds)
 
     def logits(self, states):  # (..., E) -> (..., V)
@@ -409,6 +437,17 @@ class Transformer(nn.Module):
         seeds = self.dropout_seeds(src.device)
         memory = self.encode(src, src_lengths, seeds=seeds)
         return self.decode(tgt_in, memory, src_lengths, seeds=seeds)
+
+    def forward_packed(
+        self, src, src_packed: Packed, tgt_in, tgt_packed: Packed
+    ):  # (N_s,), (N_t,) -> decoder states (N_t, E)
+        """``forward`` for inference over packed sequences: every GEMM, LayerNorm and attention
+        runs on the real tokens only (``attention_varlen``), none on padding. The same states
+        as ``forward``'s at the unpadded positions."""
+        if self.training:
+            raise ValueError("forward_packed is for inference (no dropout): call model.eval()")
+        memory = self.encode(src, src_packed)
+        return self.decode(tgt_in, memory, src_packed, packed=tgt_packed)
 
     def dropout_seeds(self, device: torch.device) -> Seeds:
         """Every dropout seed of a training forward, from one draw (one kernel, where each op

@@ -11,6 +11,7 @@ import fastnmt
 from fastnmt.attention import (
     KVCache,
     MultiheadAttention,
+    Packed,
     scaled_dot_product_attention,
     swap_multihead_attention,
 )
@@ -402,3 +403,37 @@ class TestTritonBackend:
         torch.testing.assert_close(out, expected_out)
         torch.testing.assert_close(weights, expected_weights)
         torch.testing.assert_close(grad, expected_grad)
+
+
+def test_packed_layout_of_lengths():
+    packed = Packed.of_lengths([2, 0, 3])
+    assert packed.cu_seqlens.tolist() == [0, 2, 2, 5] and packed.longest == 3
+    assert packed.positions.tolist() == [0, 1, 0, 1, 2]
+    assert Packed.of_lengths([]).cu_seqlens.tolist() == [0]
+
+
+def test_attend_to_packed_sequences_equals_the_padded_batch():
+    """Cross-attention from packed queries to packed keys, each sequence as in a padded batch."""
+    _, ours = _pair(batch_first=True)
+    query_lengths, key_lengths = torch.tensor([3, 1, 4]), torch.tensor([5, 2, 1])
+    query, key = torch.randn(3, 4, E), torch.randn(3, 5, E)
+    padded = ours.attend(query, key, key_lengths=key_lengths)
+    queries, keys = (
+        Packed.of_lengths(lengths.tolist()) for lengths in (query_lengths, key_lengths)
+    )
+    rows = [
+        torch.arange(x.shape[1]) < n[:, None]
+        for x, n in ((query, query_lengths), (key, key_lengths))
+    ]
+    with torch.no_grad():
+        packed = ours.attend(query[rows[0]], key[rows[1]], packed=(queries, keys))
+    torch.testing.assert_close(packed, padded[rows[0]], atol=1e-5, rtol=1e-5)
+
+
+def test_packed_sequences_take_no_attention_dropout():
+    _, ours = _pair(batch_first=True, dropout=0.1)
+    layout = Packed.of_lengths([2])
+    x = torch.randn(2, E)
+    with pytest.raises(ValueError, match="packed sequences take no attention dropout"):
+        ours.attend(x, x, packed=(layout, layout))
+    ours.eval().attend(x, x, packed=(layout, layout))

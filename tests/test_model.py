@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import fastnmt
+from fastnmt.attention import Packed
 from fastnmt.model import (
     BlockedOutputLayer,
     LayerCache,
@@ -65,6 +66,33 @@ def test_padding_does_not_change_encoder_outputs():
     short, long = model.encode(src, src_lengths), model.encode(padded, src_lengths)
     for row, length in enumerate(src_lengths.tolist()):
         torch.testing.assert_close(long[row, :length], short[row, :length], atol=1e-5, rtol=1e-5)
+
+
+def _packed(tokens: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, Packed]:
+    """The rows' first ``lengths`` tokens end to end, and their layout."""
+    valid = torch.arange(tokens.shape[1]) < lengths[:, None]
+    return tokens[valid], Packed.of_lengths(lengths.tolist())
+
+
+@pytest.mark.parametrize("prenorm", [True, False])
+@pytest.mark.parametrize("backend", ["cpp", "reference"])
+def test_packed_forward_equals_the_padded_forward_at_its_tokens(prenorm, backend):
+    require_backend(backend)
+    model = Transformer(ModelConfig(**{**SMALL.to_dict(), "prenorm": prenorm})).eval()
+    src, src_lengths, tgt = _batch(batch=4, src_len=9, tgt_len=6)
+    tgt_lengths = torch.tensor([6, 1, 4, 5])
+    padded = model(src, src_lengths, tgt)
+    with torch.no_grad(), fastnmt.backend(backend):
+        packed = model.forward_packed(*_packed(src, src_lengths), *_packed(tgt, tgt_lengths))
+    valid = torch.arange(6) < tgt_lengths[:, None]
+    torch.testing.assert_close(packed, padded[valid], atol=1e-5, rtol=1e-5)
+
+
+def test_packed_forward_is_for_inference():
+    model = Transformer(SMALL)
+    src, src_lengths, tgt = _batch()
+    with pytest.raises(ValueError, match="forward_packed is for inference"):
+        model.forward_packed(*_packed(src, src_lengths), *_packed(tgt, torch.tensor([5, 5, 5])))
 
 
 def test_cached_decoding_equals_full_recomputation():

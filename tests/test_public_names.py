@@ -28,6 +28,7 @@ PUBLIC = {
         "add_layer_norm",
         "attention",
         "attention_probabilities",
+        "attention_varlen",
         "dropout_seeds",
         "feed_forward",
         "gather_cache_rows",
@@ -38,6 +39,7 @@ PUBLIC = {
     "fastnmt.attention": [
         "KVCache",
         "MultiheadAttention",
+        "Packed",
         "scaled_dot_product_attention",
         "swap_multihead_attention",
     ],

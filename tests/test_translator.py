@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import fastnmt
+from fastnmt import translator as translator_module
 from fastnmt.checkpoint import CheckpointError
 from fastnmt.data import make_batch
 from fastnmt.decoding.next_token import Sampling
@@ -340,6 +341,18 @@ def test_a_pair_s_score_is_minus_the_trainer_s_summed_loss_without_smoothing(tra
     assert [s.log_prob for s in again] == pytest.approx([s.log_prob for s in scores], abs=1e-4)
     with pytest.raises(ValueError, match="sources and targets must pair up, got 6 and 5"):
         translator.score(SENTENCES, TARGETS[:5])
+
+
+@pytest.mark.parametrize("prefix", [[], [5, 6]], ids=["no prefix", "a forced prefix"])
+def test_packed_and_padded_pairs_score_the_same(translator, prefix, monkeypatch):
+    """A CPU scores pairs packed (``attention_varlen``), a GPU padded: the same scores, the
+    tokens of a forced target prefix conditioned on and not scored in both."""
+    monkeypatch.setattr(translator, "target_prefix", prefix)
+    packed = translator.score(SENTENCES, TARGETS)
+    monkeypatch.setattr(translator_module, "scores_packed", lambda device: False)
+    padded = translator.score(SENTENCES, TARGETS)
+    assert [s.log_prob for s in packed] == pytest.approx([s.log_prob for s in padded], abs=1e-5)
+    assert all(s.log_prob < 0 for s in packed)
 
 
 def test_a_packed_model_scores_through_its_packed_output_layer(translator, monkeypatch):

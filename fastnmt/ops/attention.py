@@ -515,3 +515,167 @@ def attention(
         cache_rows, dropout_seed,
     )  # fmt: skip
     return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed sequences (FlashAttention's varlen layout): no padding anywhere.
+# ---------------------------------------------------------------------------------------------
+
+
+class _Unpacking:
+    """Packed sequences (total, ...) -> a padded batch (B, ..., L, ...) and back; sequence b is
+    rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1."""
+
+    def __init__(self, cu_seqlens: torch.Tensor, longest: int):
+        starts = cu_seqlens[:-1].long()
+        self.lengths = cu_seqlens[1:].long() - starts  # (B,)
+        positions = torch.arange(longest, device=cu_seqlens.device)
+        self.valid = positions < self.lengths[:, None]  # (B, L)
+        # Padding positions read an appended zero row (index total).
+        total = cu_seqlens[-1:].long()
+        self.rows = torch.where(self.valid, starts[:, None] + positions, total)  # (B, L)
+
+    def padded(self, x: torch.Tensor) -> torch.Tensor:  # (total, H, D) -> (B, H, L, D)
+        zero = x.new_zeros(1, *x.shape[1:])
+        return torch.cat([x, zero])[self.rows].transpose(1, 2)
+
+    def packed(self, x: torch.Tensor) -> torch.Tensor:  # (B, H, L, ...) -> (total, H, ...)
+        return x.transpose(1, 2)[self.valid]
+
+
+def _over_unpacked(padded_attention):
+    """A varlen implementation that runs ``padded_attention`` (``attention_reference``'s
+    arguments) over the sequences unpacked into a padded batch, differentiably."""
+
+    def implementation(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+        return_lse,
+    ):  # fmt: skip
+        queries = _Unpacking(cu_seqlens_q, max_seqlen_q)
+        keys = _Unpacking(cu_seqlens_k, max_seqlen_k)
+        out, lse = padded_attention(
+            queries.padded(q), keys.padded(k), keys.padded(v), keys.lengths, None, None, causal,
+            0.0, scale, return_lse, None,
+        )  # fmt: skip
+        lse = None if lse is None else queries.packed(lse[..., None])[..., 0].t()  # (H, total)
+        return queries.packed(out), lse
+
+    return implementation
+
+
+def _check_cu_seqlens(name: str, cu_seqlens, like: torch.Tensor) -> None:
+    checks.tensor(name, cu_seqlens, ndim=1)
+    if cu_seqlens.dtype not in (torch.int32, torch.int64) or not len(cu_seqlens):
+        raise ValueError(
+            f"{name} must be int32 or int64 of shape (B + 1,), got {cu_seqlens.dtype} of shape "
+            f"{tuple(cu_seqlens.shape)}"
+        )
+    checks.same_device(name, cu_seqlens, "q", like)
+
+
+def _check_packed_values(name: str, cu_seqlens, rows: int, longest: int, longest_name: str):
+    """cu_seqlens runs from 0 to ``rows`` without decreasing, no sequence longer than
+    ``longest`` (a host read: the C++ kernel checks always, the others under value checks)."""
+    lengths = cu_seqlens.diff()
+    if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != rows:
+        raise ValueError(f"{name} must run from 0 to {rows} (the packed rows)")
+    if len(lengths) and (int(lengths.min()) < 0 or int(lengths.max()) > longest):
+        raise ValueError(f"{name} must give lengths in [0, {longest_name} = {longest}]")
+
+
+def _prepare_varlen(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, scale=None,
+    return_lse=False,
+):  # fmt: skip
+    for name, tensor in (("q", q), ("k", k), ("v", v)):
+        checks.tensor(name, tensor, ndim=3, floating=True)
+        checks.same_device(name, tensor, "q", q)
+        checks.same_dtype(name, tensor, "q", q)
+    heads, head_dim = q.shape[1:]
+    checks.shape("k", k, (k.shape[0], heads, head_dim), "(total_k, H, D): q's H and D")
+    checks.shape("v", v, (k.shape[0], heads, v.shape[2]), "(total_k, H, Dv): k's rows, q's H")
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q)
+    if len(cu_seqlens_q) != len(cu_seqlens_k):
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must both be (B + 1,), got {len(cu_seqlens_q)} and "
+            f"{len(cu_seqlens_k)} entries"
+        )
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    if checks.values_checked() and not torch.compiler.is_compiling():
+        _check_packed_values("cu_seqlens_q", cu_seqlens_q, len(q), max_seqlen_q, "max_seqlen_q")
+        _check_packed_values("cu_seqlens_k", cu_seqlens_k, len(k), max_seqlen_k, "max_seqlen_k")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    scale = head_dim**-0.5 if scale is None else checks.positive("scale", scale)
+    return q.device, dict(
+        q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal, scale=scale,
+        return_lse=bool(return_lse),
+    )  # fmt: skip
+
+
+ATTENTION_VARLEN = dispatch.define("attention_varlen", _prepare_varlen)
+ATTENTION_VARLEN.register("reference")(_over_unpacked(attention_reference))
+ATTENTION_VARLEN.register("torch", _torch_reasons)(_over_unpacked(attention_torch))
+
+
+def _cpp_varlen_unsupported(q, k, v, **_):
+    if dispatch.needs_autograd((q, k, v)):
+        yield "gradients: the C++ varlen kernel is a forward (inference); the reference has them"
+    if q.dtype not in _CPP_DTYPES:
+        yield f"dtype {q.dtype}: the C++ kernel runs {', '.join(map(str, _CPP_DTYPES))}"
+
+
+@ATTENTION_VARLEN.register("cpp", _cpp_varlen_unsupported)
+def _attention_varlen_cpp(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, return_lse
+):
+    out, lse = torch.ops.fastnmt.attention_varlen_cpp(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale
+    )
+    return out, (lse if return_lse else None)
+
+
+def attention_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    *,
+    causal=False,
+    scale=None,
+    return_lse=False,
+):
+    """``attention`` over packed sequences, without padding (FlashAttention's
+    ``flash_attn_varlen_func`` layout): sequence b's queries are rows cu_seqlens_q[b] ..
+    cu_seqlens_q[b + 1] - 1 of q, its keys and values those of cu_seqlens_k in k and v.
+
+    Args:
+        q, k, v: (total_q, H, D), (total_k, H, D), (total_k, H, Dv); one floating dtype, any
+            strides.
+        cu_seqlens_q, cu_seqlens_k: int32 or int64 (B + 1,), each from 0 to its total,
+            non-decreasing (an empty sequence is allowed: a query that sees no key gives 0).
+        max_seqlen_q, max_seqlen_k: ints, at least every sequence's length (the host knows them
+            when it packs; reading them from the tensors would sync a GPU).
+        causal: query i of a sequence sees its keys j <= i (top-left aligned, as ``attention``).
+        scale: score scale, default D ** -0.5.
+        return_lse: also return the fp32 log-sum-exp (H, total_q) of each row.
+
+    Backends: the C++ kernel (CPU tensors, no gradients: inference); elsewhere, and with
+    gradients, the reference runs the sequences unpacked into a padded batch. The C++ backend
+    checks cu_seqlens always, the others under FASTNMT_CHECK_VALUES=1.
+
+    Returns:
+        out (total_q, H, Dv), or (out, lse) when ``return_lse``.
+    """
+    out, lse = ATTENTION_VARLEN(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+        return_lse,
+    )  # fmt: skip
+    return (out, lse) if return_lse else out

@@ -8,7 +8,8 @@ import importlib
 import pytest
 import torch
 
-from fastnmt.ops import attention, attention_probabilities, dispatch, settings
+from fastnmt.ops import attention, attention_probabilities, attention_varlen, dispatch, settings
+from fastnmt.ops.extension import extension_available
 from fastnmt.ops.triton import common as triton_common
 from fastnmt.ops.triton.common import LaunchConfig, dropout_seed, gpu_tiles, use_gpu_tiles
 from tests.helpers import (
@@ -26,7 +27,7 @@ from tests.helpers import (
 attention_module = importlib.import_module("fastnmt.ops.attention")
 triton_module = importlib.import_module("fastnmt.ops.triton.attention")
 
-FP32, FP16, BF16 = torch.float32, torch.float16, torch.bfloat16
+FP32, FP16, BF16, FP64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
 FP32_EPS = torch.finfo(FP32).eps  # the spacing of fp32 values at 1: rounding of a probability
 
 
@@ -1111,3 +1112,182 @@ def test_opcheck_with_cache_rows(fused):
     op = {"triton": torch.ops.fastnmt.attention_forward, "cpp": torch.ops.fastnmt.attention_cpp}
     forward = (q, k, v, lengths, None, None, False, 0.0, 0.25, rows)
     torch.library.opcheck(op[fused].default, forward, test_utils=("test_schema", "test_faketensor"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed sequences (attention_varlen): each sequence against the float64 oracle alone.
+# ---------------------------------------------------------------------------------------------
+
+VARLEN_CASES = [  # (query lengths, key lengths), head dim, value dim
+    (([1], [1]), 16, 16),
+    (([3, 0, 9, 1], [5, 2, 9, 0]), 16, 16),  # an empty sequence; queries that see no key
+    (([7, 8, 2], [7, 8, 2]), 64, 40),  # up to 8 queries: the decoding path's rows
+    (([70, 13, 130], [70, 20, 5]), 64, 64),  # several query blocks; Lq != Lk
+    (([33, 19], [19, 33]), 80, 80),  # head dims of no whole vectors
+]
+
+
+def _packed(lengths, heads, width, dtype, generator):
+    return torch.randn(sum(lengths), heads, width, generator=generator).to(dtype)
+
+
+def _cu_seqlens(lengths, dtype=torch.int64):
+    return torch.tensor([0, *lengths], dtype=dtype).cumsum(0).to(dtype)
+
+
+def _varlen_inputs(case, dtype, seed):
+    (query_lengths, key_lengths), head_dim, value_dim = case
+    generator = torch.Generator().manual_seed(seed)
+    q = _packed(query_lengths, 2, head_dim, dtype, generator)
+    k = _packed(key_lengths, 2, head_dim, dtype, generator)
+    v = _packed(key_lengths, 2, value_dim, dtype, generator)
+    return q, k, v, _cu_seqlens(query_lengths), _cu_seqlens(key_lengths)
+
+
+def _each_sequence(q, k, v, cu_q, cu_k):
+    """(q, k, v) of each sequence as a batch of one (1, H, L, D)."""
+    for b in range(len(cu_q) - 1):
+        rows = [x[start:end].transpose(0, 1)[None] for x, start, end in (
+            (q, cu_q[b], cu_q[b + 1]), (k, cu_k[b], cu_k[b + 1]), (v, cu_k[b], cu_k[b + 1]),
+        )]  # fmt: skip
+        yield rows
+
+
+def _varlen_oracle(q, k, v, cu_q, cu_k, causal):
+    """float64 out (total_q, H, Dv) and lse (H, total_q), sequence by sequence."""
+    outs, lses = [], []
+    for q_b, k_b, v_b in _each_sequence(q, k, v, cu_q, cu_k):
+        if not k_b.shape[2]:  # no key: zeros, lse -inf
+            outs.append(q_b.new_zeros(q_b.shape[2], q_b.shape[1], v_b.shape[3], dtype=FP64))
+            lses.append(torch.full(q_b.shape[1:3], float("-inf"), dtype=FP64))
+            continue
+        out, lse, _ = attention_oracle(q_b, k_b, v_b, causal=causal)
+        outs.append(out[0].transpose(0, 1))
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+def _varlen_plain(q, k, v, cu_q, cu_k, causal):
+    """Plain PyTorch in the inputs' dtype, sequence by sequence (the error baseline)."""
+    outs = []
+    for q_b, k_b, v_b in _each_sequence(q, k, v, cu_q, cu_k):
+        probs = attention_probabilities(q_b, k_b, causal=causal)  # (1, H, Lq, Lk)
+        outs.append((probs @ v_b)[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+@pytest.fixture
+def poisoned_outputs():
+    """Fresh outputs (at::empty / torch.empty) hold NaN: an element a kernel never writes shows."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+
+
+@pytest.mark.usefixtures("poisoned_outputs")
+@pytest.mark.parametrize("backend", ["cpp", "reference"])
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [FP32, BF16])
+def test_varlen_matches_float64_oracle(backend, case, causal, dtype):
+    require_backend(backend)
+    q, k, v, cu_q, cu_k = _varlen_inputs(case, dtype, int(torch.randint(2**31, ())))
+    longest_q, longest_k = (max(lengths) for lengths in case[0])
+    with dispatch.backend(backend):
+        out, lse = attention_varlen(
+            q, k, v, cu_q, cu_k, longest_q, longest_k, causal=causal, return_lse=True
+        )
+    expected, expected_lse = _varlen_oracle(q, k, v, cu_q, cu_k, causal)
+    assert out.shape == expected.shape and out.dtype == dtype
+    assert_error_within(out, _varlen_plain(q, k, v, cu_q, cu_k, causal), expected, 2, ATOL[dtype])
+    finite = torch.isfinite(expected_lse)
+    assert lse.shape == (2, len(q)) and torch.equal(torch.isfinite(lse), finite)
+    tolerance = 1e-4 if dtype == FP32 else 2e-2  # the reference's bf16 scores are rounded
+    torch.testing.assert_close(lse.double()[finite], expected_lse[finite], atol=tolerance, rtol=0)
+
+
+def test_varlen_equals_the_padded_batch():
+    """The C++ kernel gives each sequence what ``attention`` gives it in a padded batch with key
+    lengths (the same kernels, reading rows through cu_seqlens)."""
+    require_backend("cpp")
+    q, k, v, cu_q, cu_k = _varlen_inputs(VARLEN_CASES[3], BF16, 0)
+    out = attention_varlen(q, k, v, cu_q, cu_k, 130, 70)
+    for b, (q_b, k_b, v_b) in enumerate(_each_sequence(q, k, v, cu_q, cu_k)):
+        alone = attention(q_b, k_b, v_b)[0].transpose(0, 1)
+        assert torch.equal(out[cu_q[b] : cu_q[b + 1]], alone)
+
+
+def test_varlen_gradients_run_on_the_reference_and_match_float64_oracle():
+    q, k, v, cu_q, cu_k = _varlen_inputs(VARLEN_CASES[1], FP32, 1)
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+    explained = dispatch.explain("attention_varlen", *leaves, cu_q, cu_k, 9, 9, causal=True)
+    assert explained["chosen"] == "reference"
+    if extension_available():
+        assert any("gradients" in reason for reason in explained["cpp"])
+    grad_out = torch.randn(len(q), 2, 16)
+    out = attention_varlen(*leaves, cu_q, cu_k, 9, 9, causal=True)
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    doubles = [x.detach().double().requires_grad_() for x in leaves]
+    expected = torch.autograd.grad(
+        _varlen_oracle(*doubles, cu_q, cu_k, True)[0], doubles, grad_out.double()
+    )
+    for grad, oracle in zip(grads, expected, strict=True):
+        torch.testing.assert_close(grad.double(), oracle, atol=1e-5, rtol=1e-5)
+
+
+def test_varlen_takes_int32_cu_seqlens_and_strided_inputs():
+    require_backend("cpp")
+    (query_lengths, _), *_ = VARLEN_CASES[1]
+    packed = torch.randn(13, 3, 2, 16)  # (total, 3, H, D): a fused qkv projection
+    q, k, v = packed.unbind(1)
+    cu = _cu_seqlens(query_lengths, torch.int32)
+    out = attention_varlen(q, k, v, cu, cu, 9, 9, causal=True)
+    expected = attention_varlen(
+        q.contiguous(), k.contiguous(), v.contiguous(), cu.long(), cu.long(), 9, 9, causal=True
+    )
+    assert torch.equal(out, expected)
+
+
+VARLEN_ERRORS = [
+    (dict(q=torch.randn(1, 4, 2, 8)), ValueError, "q must have 3 dimensions"),
+    (dict(k=torch.randn(5, 3, 8)), ValueError, r"k must have shape \(5, 2, 8\)"),
+    (dict(v=torch.randn(4, 2, 8)), ValueError, r"v must have shape \(5, 2, 8\)"),
+    (dict(v=torch.randn(5, 2, 8, dtype=torch.float64)), TypeError, "v has dtype"),
+    (dict(cu_seqlens_q=torch.tensor([0.0, 3.0])), ValueError, "cu_seqlens_q must be int32"),
+    (dict(cu_seqlens_k=torch.tensor([0, 2, 5])), ValueError, "must both be"),
+    (dict(max_seqlen_q=-1), ValueError, "max_seqlen_q must be an int >= 0"),
+    (dict(max_seqlen_k=True), ValueError, "max_seqlen_k must be an int >= 0"),
+    (dict(causal=1), TypeError, "causal must be a bool"),
+    (dict(cu_seqlens_q=torch.tensor([0, 2])), ValueError, r"cu_seqlens_q must run from 0 to 3"),
+    (dict(max_seqlen_k=4), ValueError, r"cu_seqlens_k must give lengths in \[0, max_seqlen_k"),
+]
+
+
+@pytest.mark.parametrize(("override", "error", "message"), VARLEN_ERRORS)
+def test_varlen_bad_inputs_name_the_argument(override, error, message, monkeypatch):
+    monkeypatch.setenv("FASTNMT_CHECK_VALUES", "1")  # cu_seqlens' values are checked too
+    settings.reload()
+    arguments = dict(
+        q=torch.randn(3, 2, 8), k=torch.randn(5, 2, 8), v=torch.randn(5, 2, 8),
+        cu_seqlens_q=torch.tensor([0, 3]), cu_seqlens_k=torch.tensor([0, 5]), max_seqlen_q=3,
+        max_seqlen_k=5,
+    )  # fmt: skip
+    arguments.update(override)
+    causal = arguments.pop("causal", False)
+    with pytest.raises(error, match=message):
+        attention_varlen(*arguments.values(), causal=causal)
+
+
+def test_cpp_varlen_checks_cu_seqlens_without_value_checks():
+    """On the CPU reading them is free: the kernel never reads through unchecked offsets."""
+    require_backend("cpp")
+    q = torch.randn(3, 2, 8)
+    with pytest.raises(RuntimeError, match="cu_seqlens_k must run from 0 to 3"):
+        attention_varlen(q, q, q, torch.tensor([0, 3]), torch.tensor([0, 4]), 3, 4)
+    with pytest.raises(
+        RuntimeError, match=r"cu_seqlens_q must give lengths in \[0, max_seqlen_q = 2\]"
+    ):
+        attention_varlen(q, q, q, torch.tensor([0, 3]), torch.tensor([0, 3]), 2, 3)

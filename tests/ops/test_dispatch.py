@@ -118,6 +118,10 @@ def test_every_op_explains_itself():
     x = torch.randn(4, 8)
     calls = {
         "attention": ((q, q, q), {"key_lengths": torch.tensor([2])}),
+        "attention_varlen": (
+            (*[x[:, None]] * 3, torch.tensor([0, 4]), torch.tensor([0, 4]), 4, 4),
+            {},
+        ),
         "add_layer_norm": ((x, x), {}),
         "feed_forward": ((x, torch.randn(16, 8), None, torch.randn(8, 16), None), {}),
         "linear_cross_entropy": ((x, torch.randn(11, 8), None, torch.tensor([1, 2, 3, 4])), {}),
@@ -420,7 +424,9 @@ def test_autocasting_asks_torch_about_cpu_and_cuda_only_at_import(monkeypatch):
     from fastnmt.ops import checks
 
     asked = []
-    monkeypatch.setattr(checks, "_AUTOCAST_AVAILABLE", dict(checks._AUTOCAST_AVAILABLE))
+    # As at import: an earlier test on the meta device (any order under pytest-xdist) added it.
+    known = {kind: checks._AUTOCAST_AVAILABLE[kind] for kind in ("cpu", "cuda")}
+    monkeypatch.setattr(checks, "_AUTOCAST_AVAILABLE", known)
     monkeypatch.setattr(torch.amp, "is_autocast_available", lambda kind: asked.append(kind) or 0)
     with torch.autocast("cpu", torch.bfloat16):
         assert checks.autocasting(torch.device("cpu"))
