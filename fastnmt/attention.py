@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -46,11 +47,15 @@ class Packed:
     @classmethod
     def of_lengths(cls, lengths: list[int], device: torch.device | str = "cpu") -> Packed:
         """The layout of sequences of ``lengths`` (built on the host, then moved)."""
-        counts = torch.tensor(lengths, dtype=torch.long)
-        cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.long)
-        torch.cumsum(counts, 0, out=cu_seqlens[1:])
-        positions = torch.arange(int(cu_seqlens[-1])) - cu_seqlens[:-1].repeat_interleave(counts)
-        return cls(cu_seqlens.to(device), max(lengths, default=0), positions.to(device))
+        counts = np.asarray(lengths, dtype=np.int64)
+        cu_seqlens = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(counts, out=cu_seqlens[1:])
+        positions = np.arange(cu_seqlens[-1]) - np.repeat(cu_seqlens[:-1], counts)
+        return cls(
+            torch.from_numpy(cu_seqlens).to(device),
+            max(lengths, default=0),
+            torch.from_numpy(positions).to(device),
+        )
 
 
 def scaled_dot_product_attention(

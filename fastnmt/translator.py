@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from fastnmt import checkpoint
@@ -183,18 +184,20 @@ class PackedPairs:
     @classmethod
     def of(cls, sources: list[list[int]], targets: list[list[int]], vocab, device):
         eos, bos = [vocab.eos_id], [vocab.bos_id]
-        lengths = [len(t) + 1 for t in targets]
+        source_lengths = [len(s) + 1 for s in sources]
+        target_lengths = [len(t) + 1 for t in targets]
 
-        def tokens(sequences) -> torch.Tensor:
-            return torch.tensor(list(itertools.chain.from_iterable(sequences))).to(device)
+        def tokens(sequences, lengths: list[int]) -> torch.Tensor:  # through numpy: 10x faster
+            flat = itertools.chain.from_iterable(sequences)
+            return torch.from_numpy(np.fromiter(flat, np.int64, count=sum(lengths))).to(device)
 
         return cls(
-            src=tokens(s + eos for s in sources),
-            sources=Packed.of_lengths([len(s) + 1 for s in sources], device),
-            tgt_in=tokens(bos + t for t in targets),
-            tgt_out=tokens(t + eos for t in targets),
-            targets=Packed.of_lengths(lengths, device),
-            tgt_lengths=torch.tensor(lengths, device=device),
+            src=tokens((s + eos for s in sources), source_lengths),
+            sources=Packed.of_lengths(source_lengths, device),
+            tgt_in=tokens((bos + t for t in targets), target_lengths),
+            tgt_out=tokens((t + eos for t in targets), target_lengths),
+            targets=Packed.of_lengths(target_lengths, device),
+            tgt_lengths=torch.tensor(target_lengths, device=device),
         )
 
 
