@@ -185,31 +185,53 @@ void bf16_gemm(const float* a, int64_t a_row, int64_t a_col, const float* b, int
   }
 }
 
+// r[i] (16 words each) <- column i of the 16 x 16 words r: 32-bit interleaves, then 64-bit, then
+// two shuffles of 128-bit lanes.
+inline void transpose_words(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // r[i + c], 128-bit lane L: column 4L + c of rows i..i + 3
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8) {
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
+    }
+  }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
 // bf16 keys and values straight into bf16 word pairs (no fp32 round trip: the products see the
 // same operands, so the same results). K^T for QK^T: w[p * ld + j] is key j's word holding
-// elements 2p and 2p + 1 (d even), zero for j in [n, whole_vectors(n)); 16 keys at a time, one
-// gather per word (the keys' rows need not be evenly spaced: a decoding cache's are its rows').
+// elements 2p and 2p + 1 (d even), zero for j in [n, whole_vectors(n)); 16 keys by 16 words at a
+// time, each key's row read where it lies (a decoding cache's rows need not be evenly spaced),
+// transposed in registers (a gather per word was most of a short sentence's attention).
 template <typename KeyRows>
 void load_key_pairs(const KeyRows& k, int64_t b, int64_t h, int64_t n, int64_t d, uint32_t* w,
                     int64_t ld) {
-  if (n == 0) return;
   const int64_t pairs = d / 2;
-  const auto* origin = reinterpret_cast<const char*>(k.at(b, h, 0));
   for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
     const int64_t keys = std::min(kLanes, n - j0);
-    alignas(64) int64_t offsets[kLanes] = {};  // byte offsets of the keys' rows from key 0's
-    for (int64_t l = 0; l < keys; ++l) {
-      offsets[l] = reinterpret_cast<const char*>(k.at(b, h, j0 + l)) - origin;
-    }
-    const __m512i low = _mm512_load_si512(offsets), high = _mm512_load_si512(offsets + 8);
-    const auto mask = lane_mask(keys);
-    for (int64_t p = 0; p < pairs; ++p) {
-      const char* word = origin + 4 * p;
-      const __m256i none = _mm256_setzero_si256();
-      const __m256i first = _mm512_mask_i64gather_epi32(none, mask & 0xff, low, word, 1);
-      const __m256i second = _mm512_mask_i64gather_epi32(none, mask >> 8, high, word, 1);
-      _mm512_storeu_si512(w + p * ld + j0,
-                          _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1));
+    for (int64_t p0 = 0; p0 < pairs; p0 += kLanes) {
+      const int64_t words = std::min(kLanes, pairs - p0);
+      const auto mask = static_cast<__mmask16>(lane_mask(words));
+      __m512i r[16];
+      for (int64_t l = 0; l < kLanes; ++l) {
+        const auto* row = reinterpret_cast<const uint32_t*>(k.at(b, h, j0 + std::min(l, keys - 1)));
+        r[l] = l < keys ? _mm512_maskz_loadu_epi32(mask, row + p0) : _mm512_setzero_si512();
+      }
+      transpose_words(r);
+      for (int64_t p = 0; p < words; ++p) _mm512_storeu_si512(w + (p0 + p) * ld + j0, r[p]);
     }
   }
 }
