@@ -56,9 +56,8 @@ from fastnmt.quantize import (
 # int8 (fastnmt.quantize, CPUs), the rest bf16 where the CPU has native bf16, else fp32
 # (``int8_activation_dtype``).
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": None}
-# Scoring's batches hold at most this many pairs: padded ones, on a GPU, pad less (a source and
-# its target sort apart); packed ones, on a CPU, keep their activations in cache (test2016
-# scored as fast as with 192 or 256, and faster than with 64 or 512).
+# Scoring's batches hold at most this many pairs (packed: no padding): on a CPU their activations
+# stay in cache (test2016 scored as fast as with 192 or 256, faster than with 64 or 512).
 SCORED_SENTENCES = 128
 
 
@@ -122,14 +121,19 @@ def _in_dtype(model: Transformer, dtype: torch.dtype | None) -> Transformer:
     return copy.deepcopy(model).to(dtype)
 
 
-def _target_log_probs(model: Transformer, batch, *, per_token: bool, prefix: int = 0):
-    """Teacher-forced log-probabilities of a batch's targets: per target token (tokens,), or
-    summed per sentence (B,): the nll of the fused loss without label smoothing, as the trainer
-    computes it, per token (never the tokens x vocabulary log-probabilities on the C++
-    kernels); a packed model's logits come from its packed output layer, as in its searches.
-    The first ``prefix`` tokens of each target (a forced prefix) are conditioned on, not
-    scored, as the search forces them. ``batch``: a padded ``Batch`` or ``PackedPairs``."""
-    states, targets = _scored_states(model, batch, prefix)
+def _target_log_probs(model: Transformer, batch: PackedPairs, *, per_token: bool, prefix=0):
+    """Teacher-forced log-probabilities of a batch's targets, its pairs packed (no work on
+    padding): per target token (tokens,), or summed per sentence (B,): the nll of the fused loss
+    without label smoothing, as the trainer computes it, per token (never the tokens x
+    vocabulary log-probabilities on the C++ kernels); a model with a packed output layer
+    (``fastnmt.quantize``) computes its logits with it, as in its searches. The first ``prefix``
+    tokens of each target (a forced prefix) are conditioned on, not scored, as the search
+    forces them."""
+    states = model.forward_packed(batch.src, batch.sources, batch.tgt_in, batch.targets)
+    targets = batch.tgt_out
+    if prefix:
+        scored = batch.targets.positions >= prefix
+        states, targets = states[scored], targets[scored]
     pad = model.cfg.pad_id
     if model.packed_output is not None:  # the search's GEMM, its weight packed once
         vocab = model.cfg.vocab_size
@@ -143,29 +147,6 @@ def _target_log_probs(model: Transformer, batch, *, per_token: bool, prefix: int
     scored = (batch.tgt_lengths - prefix).to(log_probs.device)
     sentence_of_token = sentences.repeat_interleave(scored)
     return log_probs.new_zeros(len(sentences)).index_add_(0, sentence_of_token, log_probs)
-
-
-def _scored_states(model: Transformer, batch, prefix: int):
-    """Decoder states (N, E) and targets (N,) of the batch's target tokens past each target's
-    first ``prefix``, sentence after sentence."""
-    if isinstance(batch, PackedPairs):
-        states = model.forward_packed(batch.src, batch.sources, batch.tgt_in, batch.targets)
-        if not prefix:
-            return states, batch.tgt_out
-        scored = batch.targets.positions >= prefix
-        return states[scored], batch.tgt_out[scored]
-    states = model(batch.src, batch.src_lengths, batch.tgt_in)
-    positions = batch.tgt_positions  # flat (B * T) positions
-    if prefix:
-        positions = positions[positions % batch.tgt_out.shape[1] >= prefix]
-    states = states.reshape(-1, states.shape[-1]).index_select(0, positions)
-    return states, batch.tgt_out.reshape(-1).index_select(0, positions)
-
-
-def scores_packed(device: torch.device) -> bool:
-    """Whether scoring packs its pairs (``PackedPairs``) on ``device``: on a CPU, where
-    ``attention_varlen`` has its kernel (C++); elsewhere the padded kernels run."""
-    return device.type == "cpu"
 
 
 @dataclass
@@ -597,22 +578,18 @@ class Translator:
         with self._inference():
             sentences = min(self.max_sentences, SCORED_SENTENCES)
             for indices in self._batches(list(range(len(pairs))), sizes, sentences):
-                batch = self._scored_batch([pairs[i] for i in indices], indices)
+                batch = PackedPairs.of(
+                    [pairs[i][0].source_tokens for i in indices],
+                    [self.target_prefix + pairs[i][1].source_tokens for i in indices],
+                    self.vocab,
+                    self.device,
+                )
                 log_probs[indices] = self._pair_log_probs(batch).double().cpu()
         counts = [len(t.source_tokens) + 1 for _, t in pairs]  # + eos
         return [
             Score(value, count, value / penalty(count))
             for value, count in zip(log_probs.tolist(), counts, strict=True)
         ]
-
-    def _scored_batch(self, pairs: list[tuple[Translation, Translation]], indices: list[int]):
-        """The pairs as the model scores them: packed or padded (``scores_packed``)."""
-        sources = [source.source_tokens for source, _ in pairs]
-        targets = [self.target_prefix + target.source_tokens for _, target in pairs]
-        if scores_packed(self.device):
-            return PackedPairs.of(sources, targets, self.vocab, self.device)
-        special = dict(pad_id=self.vocab.pad_id, bos_id=self.vocab.bos_id, eos_id=self.vocab.eos_id)
-        return make_batch(sources, targets, indices, **special).to(self.device)
 
     def _pair_log_probs(self, batch) -> torch.Tensor:
         """(B,) summed target log-probabilities of a batch of pairs, on the device."""

@@ -8,13 +8,18 @@ import pytest
 import torch
 
 import fastnmt
-from fastnmt import translator as translator_module
 from fastnmt.checkpoint import CheckpointError
 from fastnmt.data import make_batch
 from fastnmt.decoding.next_token import Sampling
 from fastnmt.decoding.search import LengthPenalty, beam_search
 from fastnmt.training.trainer import label_smoothed_loss
-from fastnmt.translator import Translator, TruncationWarning, fastest_dtype, fastest_precision
+from fastnmt.translator import (
+    PackedPairs,
+    Translator,
+    TruncationWarning,
+    fastest_dtype,
+    fastest_precision,
+)
 from tests.helpers import tiny_checkpoint
 
 SENTENCES = [
@@ -343,16 +348,21 @@ def test_a_pair_s_score_is_minus_the_trainer_s_summed_loss_without_smoothing(tra
         translator.score(SENTENCES, TARGETS[:5])
 
 
-@pytest.mark.parametrize("prefix", [[], [5, 6]], ids=["no prefix", "a forced prefix"])
-def test_packed_and_padded_pairs_score_the_same(translator, prefix, monkeypatch):
-    """A CPU scores pairs packed (``attention_varlen``), a GPU padded: the same scores, the
-    tokens of a forced target prefix conditioned on and not scored in both."""
+def test_a_forced_prefix_is_conditioned_on_and_not_scored(translator, monkeypatch):
+    """Scoring packs its pairs; the padded model's log-probabilities past the prefix agree."""
+    prefix = [5, 6]
     monkeypatch.setattr(translator, "target_prefix", prefix)
-    packed = translator.score(SENTENCES, TARGETS)
-    monkeypatch.setattr(translator_module, "scores_packed", lambda device: False)
-    padded = translator.score(SENTENCES, TARGETS)
-    assert [s.log_prob for s in packed] == pytest.approx([s.log_prob for s in padded], abs=1e-5)
-    assert all(s.log_prob < 0 for s in packed)
+    scores = translator.score(SENTENCES, TARGETS)
+    model, vocab = translator.model, translator.vocab
+    for source, target, score in zip(SENTENCES, TARGETS, scores, strict=True):
+        src, tgt = vocab.encode([source])[0], prefix + vocab.encode([target])[0]
+        batch = make_batch([src], [tgt], [0], pad_id=0, bos_id=1, eos_id=2).to(translator.device)
+        with torch.no_grad():
+            states = model(batch.src, batch.src_lengths, batch.tgt_in)
+            log_probs = model.logits(states).log_softmax(-1)[0]  # (T, V)
+        gold = log_probs.gather(1, batch.tgt_out[0][:, None])[:, 0]
+        assert score.log_prob == pytest.approx(gold[len(prefix) :].sum().item(), abs=1e-4)
+        assert score.tokens == len(tgt) - len(prefix) + 1
 
 
 def test_a_packed_model_scores_through_its_packed_output_layer(translator, monkeypatch):
@@ -377,7 +387,9 @@ def test_the_search_s_log_probability_is_the_pair_s_score(checkpoint_dir, transl
     candidate = found.candidates[0]
     ensemble = Translator.from_checkpoint([checkpoint_dir, checkpoint_dir], precision="fp32")
     for scorer in (translator, ensemble):
-        batch = make_batch([found.source_tokens], [candidate.tokens], [0]).to(scorer.device)
+        batch = PackedPairs.of(
+            [found.source_tokens], [candidate.tokens], scorer.vocab, scorer.device
+        )
         with torch.no_grad():
             [log_prob] = scorer._pair_log_probs(batch).tolist()
         if candidate.ended:

@@ -44,11 +44,13 @@ import torch
 import torch.nn.functional as F
 
 from fastnmt.ops import checks, dispatch, registration
+from fastnmt.ops.extension import extension_available
 from fastnmt.ops.triton.attention import (
     _TRITON_DTYPES,
     MAX_HEAD_DIM,
     _launch_backward,
     _launch_forward,
+    _launch_forward_varlen,
     _new_attention_output,
 )
 from fastnmt.ops.triton.common import chosen_seed
@@ -622,21 +624,71 @@ ATTENTION_VARLEN.register("reference")(_over_unpacked(attention_reference))
 ATTENTION_VARLEN.register("torch", _torch_reasons)(_over_unpacked(attention_torch))
 
 
-def _cpp_varlen_unsupported(q, k, v, **_):
-    if dispatch.needs_autograd((q, k, v)):
-        yield "gradients: the C++ varlen kernel is a forward (inference); the reference has them"
-    if q.dtype not in _CPP_DTYPES:
-        yield f"dtype {q.dtype}: the C++ kernel runs {', '.join(map(str, _CPP_DTYPES))}"
+def _varlen_unsupported(kernel: str, dtypes: tuple[torch.dtype, ...], widest: int | None = None):
+    """The reasons the ``kernel`` ("C++" or "Triton") varlen forward cannot run a call."""
+
+    def unsupported(q, k, v, **_):
+        if dispatch.needs_autograd((q, k, v)):
+            yield (
+                f"gradients: the {kernel} varlen kernel is a forward (inference); the reference "
+                "has them"
+            )
+        if q.dtype not in dtypes:
+            yield f"dtype {q.dtype}: the {kernel} kernel runs {', '.join(map(str, dtypes))}"
+        if widest is not None and max(q.shape[2], v.shape[2]) > widest:
+            yield f"head dim {max(q.shape[2], v.shape[2])} > {widest}"
+
+    return unsupported
 
 
-@ATTENTION_VARLEN.register("cpp", _cpp_varlen_unsupported)
-def _attention_varlen_cpp(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, return_lse
-):
-    out, lse = torch.ops.fastnmt.attention_varlen_cpp(
+def _varlen_forward(forward):
+    """The varlen implementation of a kernel's ``forward`` (the op's arguments but return_lse)."""
+
+    def implementation(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+        return_lse,
+    ):  # fmt: skip
+        out, lse = forward(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale
+        )
+        return out, (lse if return_lse else None)
+
+    return implementation
+
+
+@registration.triton_library_op("fastnmt::attention_varlen_forward")
+def _attention_varlen_forward_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch_forward_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale
     )
-    return out, (lse if return_lse else None)
+
+
+def _varlen_fake(q, k, v, cu_seqlens_q, *_):
+    out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
+    return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+_attention_varlen_forward_op.register_fake(_varlen_fake)
+ATTENTION_VARLEN.register(
+    "triton",
+    _varlen_unsupported("Triton", _TRITON_DTYPES, MAX_HEAD_DIM),
+    traced=_varlen_forward(_attention_varlen_forward_op),
+)(_varlen_forward(_launch_forward_varlen))
+if extension_available():  # the C++ op's fake, for torch.compile
+    torch.library.register_fake("fastnmt::attention_varlen_cpp")(_varlen_fake)
+ATTENTION_VARLEN.register("cpp", _varlen_unsupported("C++", _CPP_DTYPES))(
+    _varlen_forward(lambda *args: torch.ops.fastnmt.attention_varlen_cpp(*args))
+)
 
 
 def attention_varlen(
@@ -667,9 +719,10 @@ def attention_varlen(
         scale: score scale, default D ** -0.5.
         return_lse: also return the fp32 log-sum-exp (H, total_q) of each row.
 
-    Backends: the C++ kernel (CPU tensors, no gradients: inference); elsewhere, and with
-    gradients, the reference runs the sequences unpacked into a padded batch. The C++ backend
-    checks cu_seqlens always, the others under FASTNMT_CHECK_VALUES=1.
+    Backends: forward kernels for inference (no gradients), Triton's (CUDA; the padded op's
+    forward, each program reading its sequence's rows) and C++'s (CPU tensors); with gradients,
+    the reference runs the sequences unpacked into a padded batch. The C++ backend checks
+    cu_seqlens always, the others under FASTNMT_CHECK_VALUES=1.
 
     Returns:
         out (total_q, H, Dv), or (out, lse) when ``return_lse``.

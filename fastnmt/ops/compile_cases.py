@@ -41,13 +41,14 @@ class CompileCase:
 
 _ATTENTION_POINTERS = {"LSE": "*fp32", "DELTA": "*fp32", "GRAD_LSE": "*fp32", "PADDING": "*u8"}
 _ATTENTION_POINTERS |= {"KEY_LENGTHS": "*i64", "SEED": "*i64", "KEEP": "*u8", "CACHE_ROWS": "*i64"}
+_ATTENTION_POINTERS |= {"CU_SEQLENS_Q": "*i64", "CU_SEQLENS_K": "*i64"}
 
 
 def _attention_argument_type(name: str, constexprs: dict) -> str:
     """The compile signature type of a kernel argument, from its name."""
     if name in constexprs:
         return "constexpr"
-    if name.startswith("stride_") or name in ("H", "Lq", "Lk", "D", "Dv"):
+    if name.startswith("stride_") or name in ("H", "Lq", "Lk", "D", "Dv", "total_q"):
         return "i32"
     if name in ("scale", "dropout_p"):
         return "fp32"
@@ -56,7 +57,8 @@ def _attention_argument_type(name: str, constexprs: dict) -> str:
 
 def attention_cases() -> list[CompileCase]:
     """Every kernel x every GPU launch config, for ``python -m fastnmt.compile_check``, at the
-    widest head dim each config serves, all mask features and dropout on: the most registers."""
+    widest head dim each config serves, all mask features and dropout on: the most registers;
+    and the forward over packed sequences (``attention_varlen``: causal, no other mask)."""
     flags = dict(CAUSAL=True, HAS_LENGTHS=True, HAS_PADDING=True, DROPOUT=True)
     flags["DOT_PRECISION"] = "ieee"  # what fp16 and bf16 get: TF32 is for fp32 operands
 
@@ -76,18 +78,22 @@ def attention_cases() -> list[CompileCase]:
         for bucket, configs in attention_triton._GPU_CONFIGS[name].items():
             # each kernel's own flags: decoding steps read caches through their rows
             own = {
-                "forward": dict(HAS_CACHE_ROWS=bucket == "decode"),
+                "forward": dict(HAS_CACHE_ROWS=bucket == "decode", VARLEN=False),
                 "dkdv": {},
                 "dq": dict(HAS_GRAD_LSE=True),
             }
             for widest, config in configs.items():
                 sizes = dict(flags, BLOCK_M=config.block_m, BLOCK_N=config.block_n)
-                sizes |= dict(BLOCK_D=widest, BLOCK_DV=widest, **own[name])
+                sizes |= dict(BLOCK_D=widest, BLOCK_DV=widest, UPCAST=False)
                 label = f"{bucket} D<={widest} {config.label}"
                 # Every backward dot product has a 64-row side (wgmma's tile); the 16-row decoding
                 # forward uses mma.sync.
                 wgmma = name in ("dkdv", "dq") or (name == "forward" and config.block_m >= 64)
-                cases.append(case(kernel, config, wgmma, label, UPCAST=False, **sizes))
+                cases.append(case(kernel, config, wgmma, label, **sizes, **own[name]))
+                if name == "forward":
+                    packed = dict(HAS_LENGTHS=False, HAS_PADDING=False, DROPOUT=False)
+                    packed |= dict(HAS_CACHE_ROWS=False, VARLEN=True)
+                    cases.append(case(kernel, config, wgmma, f"{label} varlen", **sizes | packed))
     keep = attention_triton._KEEP_CONFIG
     blocks = dict(BLOCK_M=keep.block_m, BLOCK_N=keep.block_n)
     cases.append(case(attention_kernels._dropout_keep_kernel, keep, False, keep.label, **blocks))

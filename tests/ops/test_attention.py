@@ -1135,13 +1135,14 @@ def _cu_seqlens(lengths, dtype=torch.int64):
     return torch.tensor([0, *lengths], dtype=dtype).cumsum(0).to(dtype)
 
 
-def _varlen_inputs(case, dtype, seed):
+def _varlen_inputs(case, dtype, seed, device="cpu"):
     (query_lengths, key_lengths), head_dim, value_dim = case
     generator = torch.Generator().manual_seed(seed)
     q = _packed(query_lengths, 2, head_dim, dtype, generator)
     k = _packed(key_lengths, 2, head_dim, dtype, generator)
     v = _packed(key_lengths, 2, value_dim, dtype, generator)
-    return q, k, v, _cu_seqlens(query_lengths), _cu_seqlens(key_lengths)
+    inputs = (q, k, v, _cu_seqlens(query_lengths), _cu_seqlens(key_lengths))
+    return [x.to(device) for x in inputs]
 
 
 def _each_sequence(q, k, v, cu_q, cu_k):
@@ -1159,7 +1160,7 @@ def _varlen_oracle(q, k, v, cu_q, cu_k, causal):
     for q_b, k_b, v_b in _each_sequence(q, k, v, cu_q, cu_k):
         if not k_b.shape[2]:  # no key: zeros, lse -inf
             outs.append(q_b.new_zeros(q_b.shape[2], q_b.shape[1], v_b.shape[3], dtype=FP64))
-            lses.append(torch.full(q_b.shape[1:3], float("-inf"), dtype=FP64))
+            lses.append(torch.full(q_b.shape[1:3], float("-inf"), dtype=FP64, device=q.device))
             continue
         out, lse, _ = attention_oracle(q_b, k_b, v_b, causal=causal)
         outs.append(out[0].transpose(0, 1))
@@ -1188,13 +1189,14 @@ def poisoned_outputs():
 
 
 @pytest.mark.usefixtures("poisoned_outputs")
-@pytest.mark.parametrize("backend", ["cpp", "reference"])
+@pytest.mark.parametrize("backend", ["cpp", "triton", "reference"])
 @pytest.mark.parametrize("case", VARLEN_CASES, ids=str)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [FP32, BF16])
 def test_varlen_matches_float64_oracle(backend, case, causal, dtype):
     require_backend(backend)
-    q, k, v, cu_q, cu_k = _varlen_inputs(case, dtype, int(torch.randint(2**31, ())))
+    seed = int(torch.randint(2**31, ()))
+    q, k, v, cu_q, cu_k = _varlen_inputs(case, dtype, seed, device_of(backend))
     longest_q, longest_k = (max(lengths) for lengths in case[0])
     with dispatch.backend(backend):
         out, lse = attention_varlen(
@@ -1207,6 +1209,18 @@ def test_varlen_matches_float64_oracle(backend, case, causal, dtype):
     assert lse.shape == (2, len(q)) and torch.equal(torch.isfinite(lse), finite)
     tolerance = 1e-4 if dtype == FP32 else 2e-2  # the reference's bf16 scores are rounded
     torch.testing.assert_close(lse.double()[finite], expected_lse[finite], atol=tolerance, rtol=0)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_triton_varlen_with_gpu_tiles_matches_float64_oracle(causal):
+    """A GPU's 64-query blocks: sequences of several blocks, and programs past a short
+    sequence's queries (the grid covers the longest), which must write nothing."""
+    q, k, v, cu_q, cu_k = _varlen_inputs(VARLEN_CASES[3], FP32, 2, TRITON_DEVICE)
+    with gpu_tiles(), dispatch.backend("triton"):
+        out, lse = attention_varlen(q, k, v, cu_q, cu_k, 130, 70, causal=causal, return_lse=True)
+    expected, expected_lse = _varlen_oracle(q, k, v, cu_q, cu_k, causal)
+    assert_error_within(out, _varlen_plain(q, k, v, cu_q, cu_k, causal), expected, 2, ATOL[FP32])
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-4)
 
 
 def test_varlen_equals_the_padded_batch():
@@ -1291,3 +1305,15 @@ def test_cpp_varlen_checks_cu_seqlens_without_value_checks():
         RuntimeError, match=r"cu_seqlens_q must give lengths in \[0, max_seqlen_q = 2\]"
     ):
         attention_varlen(q, q, q, torch.tensor([0, 3]), torch.tensor([0, 3]), 2, 3)
+
+
+@pytest.mark.parametrize("backend", ["triton", "cpp"])
+def test_opcheck_varlen_forward_ops(backend):
+    """Their fakes and schemas (torch.compile traces a packed model through them)."""
+    require_backend(backend)
+    q, k, v, cu_q, cu_k = _varlen_inputs(VARLEN_CASES[1], FP32, 3, device_of(backend))
+    arguments = (q, k, v, cu_q, cu_k, 9, 9, True, 0.25)
+    if backend == "triton":
+        opcheck(torch.ops.fastnmt.attention_varlen_forward.default, arguments)
+    else:
+        torch.library.opcheck(torch.ops.fastnmt.attention_varlen_cpp.default, arguments)

@@ -118,7 +118,7 @@ def _options(
     has_lengths: bool,
     has_padding: bool,
     dropout: bool,
-    **flags: bool,  # a kernel's own: the forward's HAS_CACHE_ROWS, dQ's HAS_GRAD_LSE
+    **flags: bool,  # a kernel's own: the forward's HAS_CACHE_ROWS and VARLEN, dQ's HAS_GRAD_LSE
 ) -> dict:
     """The constexprs and launch options of the forward, dK/dV and dQ kernels."""
     return launch_options(
@@ -177,20 +177,59 @@ def _launch_forward(
     options = _options(
         config, head_dim, value_dim, q.dtype, dot_precision(q.dtype), causal,
         key_lengths is not None, padding is not None, seed is not None,
-        HAS_CACHE_ROWS=cache_rows is not None,
+        HAS_CACHE_ROWS=cache_rows is not None, VARLEN=False,
     )  # fmt: skip
     _FORWARD(
         q.device,
         (batch * heads, cdiv(lq, config.block_m), 1),
         (
-            q, k, v, out, lse, key_lengths, padding, seed, cache_rows,
+            q, k, v, out, lse, key_lengths, padding, seed, cache_rows, None, None,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *padding_strides,
             *(cache_rows.stride() if cache_rows is not None else (0, 0)),
-            heads, lq, lk, head_dim, value_dim, scale, dropout_p,
+            heads, lq, lk, head_dim, value_dim, scale, dropout_p, 0,
         ),
         options,
     )  # fmt: skip
     return as_dtype(out, q.dtype), lse
+
+
+def _launch_forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           causal, scale):  # fmt: skip
+    """The forward kernel over packed sequences (``attention_varlen``): q (total_q, H, D), k
+    (total_k, H, D), v (total_k, H, Dv) -> out (total_q, H, Dv), lse (H, total_q); one program
+    per (sequence, head, block of the longest sequence's queries), those past a sequence's own
+    queries reading nothing."""
+    total_q, heads, head_dim = q.shape
+    value_dim, batch = v.shape[2], cu_seqlens_q.shape[0] - 1
+    if head_dim.__class__ is not int:  # a trace with dynamic shapes: blocks need fixed dims
+        head_dim, value_dim = static_size(head_dim), static_size(value_dim)
+    out = new_output((total_q, heads, value_dim), kernel_output_dtype(q.dtype), q.device)
+    lse = new_output((heads, total_q), torch.float32, q.device)
+    config = launch_config("forward", max_seqlen_q, max_seqlen_k, max(head_dim, value_dim))
+    blocks = cdiv(max_seqlen_q, config.block_m)
+    if batch and blocks:  # a grid of no program is no launch
+        options = _options(
+            config, head_dim, value_dim, q.dtype, dot_precision(q.dtype), causal, False, False,
+            False, HAS_CACHE_ROWS=False, VARLEN=True,
+        )  # fmt: skip
+        _FORWARD(
+            q.device,
+            (batch * heads, blocks, 1),
+            (
+                q, k, v, out, lse, None, None, None, None, cu_seqlens_q, cu_seqlens_k,
+                *_packed_strides(q), *_packed_strides(k), *_packed_strides(v),
+                *_packed_strides(out), 0, 0, 0, 0,
+                heads, max_seqlen_q, max_seqlen_k, head_dim, value_dim, scale, 0.0, total_q,
+            ),
+            options,
+        )  # fmt: skip
+    return as_dtype(out, q.dtype), lse
+
+
+def _packed_strides(x: torch.Tensor) -> tuple[int, int, int, int]:
+    """A packed (total, H, D) tensor's strides in the kernels' (b, h, row, d) order: rows start
+    at each sequence's offset, so b steps nothing."""
+    return 0, x.stride(1), x.stride(0), x.stride(2)
 
 
 def _launch_backward(

@@ -147,6 +147,8 @@ def _attention_forward_kernel(
     PADDING,  # (B, Lk) uint8 view of the bool key_padding_mask (read when HAS_PADDING)
     SEED,  # (2,) int64 dropout (seed, offset) (read when DROPOUT)
     CACHE_ROWS,  # (B, Lk) int batch entries of K and V holding the keys (when HAS_CACHE_ROWS)
+    CU_SEQLENS_Q,  # (B + 1,) int: packed sequences' first query rows (read when VARLEN)
+    CU_SEQLENS_K,  # (B + 1,) int: their first key rows (read when VARLEN)
     # strides of Q:
     stride_qb,
     stride_qh,
@@ -181,11 +183,13 @@ def _attention_forward_kernel(
     Dv,
     scale,  # score scale (float; cast to fp32 here)
     dropout_p,  # drop probability p
+    total_q,  # packed query rows: LSE is (H, total_q) (when VARLEN)
     CAUSAL: tl.constexpr,
     HAS_LENGTHS: tl.constexpr,
     HAS_PADDING: tl.constexpr,
     DROPOUT: tl.constexpr,
     HAS_CACHE_ROWS: tl.constexpr,
+    VARLEN: tl.constexpr,  # packed sequences (total, H, D): batch strides 0, rows from cu_seqlens
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # tl.dot's input_precision: "ieee", or "tf32" where allowed
     BLOCK_M: tl.constexpr,  # query rows per program
@@ -209,7 +213,19 @@ def _attention_forward_kernel(
     qk_scale = tl.cast(scale, tl.float32) * LOG2_E  # S2 = qk_scale * q . k
     dropout_p = tl.cast(dropout_p, tl.float32)
     key_end = _key_end(KEY_LENGTHS, b, Lk, HAS_LENGTHS)
-    loop_end = key_end
+    if VARLEN:  # Lq, Lk: the longest sequences'; these rows: sequence b's own
+        q_start = tl.load(CU_SEQLENS_Q + b).to(tl.int64)
+        k_start = tl.load(CU_SEQLENS_K + b).to(tl.int64)
+        Lq = (tl.load(CU_SEQLENS_Q + b + 1) - q_start).to(tl.int32)
+        key_end = tl.minimum((tl.load(CU_SEQLENS_K + b + 1) - k_start).to(tl.int32), Lk)
+        Q += q_start * stride_qm
+        K += k_start * stride_kn
+        V += k_start * stride_vn
+        OUT += q_start * stride_om
+        LSE += h.to(tl.int64) * total_q + q_start
+    else:
+        LSE += bh.to(tl.int64) * Lq
+    loop_end = tl.where(tl.program_id(1) * BLOCK_M < Lq, key_end, 0)  # no query: no key read
     if CAUSAL:  # keys past the block's last query are hidden for all its rows
         loop_end = tl.minimum(loop_end, (tl.program_id(1) + 1) * BLOCK_M)
     if DROPOUT:
@@ -255,7 +271,7 @@ def _attention_forward_kernel(
         out = out / (1.0 - dropout_p)
     _store_tile(OUT, out, offs_m, offs_dv, stride_om, stride_od, Lq, Dv)
     lse = tl.where(seen, (m_i + tl.log2(l_safe)) / LOG2_E, float("-inf"))
-    tl.store(LSE + bh.to(tl.int64) * Lq + offs_m, lse, mask=offs_m < Lq)
+    tl.store(LSE + offs_m, lse, mask=offs_m < Lq)
 
 
 @triton.jit
