@@ -661,43 +661,83 @@ float few_queries_row(const T* q_row, const KeyAt& key_at, const ValueAt& value_
   return lse;
 }
 
-// One forward call's operands, as both kernels read them: padded (B, H, L, D) tensors and an
-// LSE (B, H, Lq), or packed sequences (varlen: (total, H, D) tensors, sequence b's queries from
-// row query_starts[b] and its keys from row key_starts[b]) and an LSE (H, total_q).
-template <typename T>
-struct Forward {
+// Where a call's rows lie: padded (B, H, L, D) tensors with LSE rows (B, H, Lq), or packed
+// sequences (varlen: (total, H, D) tensors, sequence b's queries from row query_starts[b] and its
+// keys from row key_starts[b]) with LSE rows (H, total_q).
+struct Layout {
   Shape n;
-  Rows<T> q, k, v;
-  OutRows<T> out;
-  float* lse;
-  const KeyMask& mask;
-  float scale;
-  const DropoutStream& drop;
   const int64_t* query_starts = nullptr;  // packed: cu_seqlens_q (B + 1,), else nullptr
+  const int64_t* key_starts = nullptr;  // packed: cu_seqlens_k
   int64_t total_queries = 0;
 
-  Forward(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
-          const at::Tensor& cache_rows, const KeyMask& mask_, float scale_,
-          const DropoutStream& drop_, at::Tensor& out_, at::Tensor& lse_)
-      : n(q_, v_), q(q_), k(k_, cache_rows), v(v_, cache_rows), out(out_),
-        lse(lse_.data_ptr<float>()), mask(mask_), scale(scale_), drop(drop_) {}
-
-  Forward(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, const Shape& n_,
-          const int64_t* query_starts_, const int64_t* key_starts, const KeyMask& mask_,
-          float scale_, const DropoutStream& drop_, at::Tensor& out_, at::Tensor& lse_)
-      : n(n_), q(q_, query_starts_), k(k_, key_starts), v(v_, key_starts),
-        out(out_, query_starts_), lse(lse_.data_ptr<float>()), mask(mask_), scale(scale_),
-        drop(drop_), query_starts(query_starts_), total_queries(q_.size(0)) {}
+  explicit Layout(const Shape& n_) : n(n_) {}
+  Layout(const Shape& n_, const at::Tensor& query_starts_, const at::Tensor& key_starts_,
+         int64_t total_queries_)
+      : n(n_), query_starts(query_starts_.data_ptr<int64_t>()),
+        key_starts(key_starts_.data_ptr<int64_t>()), total_queries(total_queries_) {}
 
   // Batch entry b's query count: the padded length, or its sequence's.
   int64_t queries(int64_t b) const {
     return query_starts == nullptr ? n.lq : query_starts[b + 1] - query_starts[b];
   }
 
-  float& lse_at(int64_t b, int64_t h, int64_t i) const {
-    if (query_starts != nullptr) return lse[h * total_queries + query_starts[b] + i];
-    return lse[(b * n.heads + h) * n.lq + i];
+  // The index of row i of (b, h) in an LSE (or its gradient).
+  int64_t lse_index(int64_t b, int64_t h, int64_t i) const {
+    if (query_starts != nullptr) return h * total_queries + query_starts[b] + i;
+    return (b * n.heads + h) * n.lq + i;
   }
+
+  // The rows a (b, h)'s keys' gradients are written to: its keys then, padded, zeros to Lk.
+  int64_t key_rows_end(int64_t key_end) const { return key_starts == nullptr ? n.lk : key_end; }
+
+  template <typename T>
+  Rows<T> queries_of(const at::Tensor& t) const {
+    return query_starts == nullptr ? Rows<T>(t) : Rows<T>(t, query_starts);
+  }
+  template <typename T>
+  Rows<T> keys_of(const at::Tensor& t) const {
+    return key_starts == nullptr ? Rows<T>(t) : Rows<T>(t, key_starts);
+  }
+  template <typename T>
+  OutRows<T> query_outputs(at::Tensor& t) const {
+    return query_starts == nullptr ? OutRows<T>(t) : OutRows<T>(t, query_starts);
+  }
+  template <typename T>
+  OutRows<T> key_outputs(at::Tensor& t) const {
+    return key_starts == nullptr ? OutRows<T>(t) : OutRows<T>(t, key_starts);
+  }
+};
+
+// One forward call's operands, as both kernels read them.
+template <typename T>
+struct Forward {
+  Layout layout;
+  const Shape& n;
+  Rows<T> q, k, v;
+  OutRows<T> out;
+  float* lse;
+  const KeyMask& mask;
+  float scale;
+  const DropoutStream& drop;
+
+  // Padded; k and v read through the decoding cache's rows when given.
+  Forward(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
+          const at::Tensor& cache_rows, const KeyMask& mask_, float scale_,
+          const DropoutStream& drop_, at::Tensor& out_, at::Tensor& lse_)
+      : layout(Shape(q_, v_)), n(layout.n), q(q_), k(k_, cache_rows), v(v_, cache_rows),
+        out(out_), lse(lse_.data_ptr<float>()), mask(mask_), scale(scale_), drop(drop_) {}
+
+  Forward(const Layout& layout_, const at::Tensor& q_, const at::Tensor& k_,
+          const at::Tensor& v_, const KeyMask& mask_, float scale_, const DropoutStream& drop_,
+          at::Tensor& out_, at::Tensor& lse_)
+      : layout(layout_), n(layout.n), q(layout.queries_of<T>(q_)), k(layout.keys_of<T>(k_)),
+        v(layout.keys_of<T>(v_)), out(layout.query_outputs<T>(out_)),
+        lse(lse_.data_ptr<float>()), mask(mask_), scale(scale_), drop(drop_) {}
+
+  Forward(const Forward&) = delete;  // n refers into layout
+
+  int64_t queries(int64_t b) const { return layout.queries(b); }
+  float& lse_at(int64_t b, int64_t h, int64_t i) const { return lse[layout.lse_index(b, h, i)]; }
 };
 
 // Whether forward_few_queries' rows can take the head dims of n.
@@ -808,14 +848,17 @@ void forward_kernel(const Forward<T>& f, bool read_words) {
 }
 
 template <typename T>
-void backward_kernel(const at::Tensor& grad_out_, const float* grad_lse, const at::Tensor& q_,
-                     const at::Tensor& k_, const at::Tensor& v_, const at::Tensor& lse_, const KeyMask& mask, float scale,
+void backward_kernel(const Layout& layout, const at::Tensor& grad_out_, const float* grad_lse,
+                     const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
+                     const at::Tensor& lse_, const KeyMask& mask, float scale,
                      const DropoutStream& drop, at::Tensor& dq_, at::Tensor& dk_,
                      at::Tensor& dv_) {
-  const Shape n(q_, v_);
-  const Rows<T> q(q_), k(k_), v(v_), grad_out(grad_out_);
+  const Shape& n = layout.n;
+  const Rows<T> q = layout.queries_of<T>(q_), k = layout.keys_of<T>(k_),
+                v = layout.keys_of<T>(v_), grad_out = layout.queries_of<T>(grad_out_);
   const float* lse = lse_.data_ptr<float>();
-  const OutRows<T> dq(dq_), dk(dk_), dv(dv_);
+  const OutRows<T> dq = layout.query_outputs<T>(dq_), dk = layout.key_outputs<T>(dk_),
+                   dv = layout.key_outputs<T>(dv_);
   const int64_t lkv = whole_vectors(n.lk), dvec = whole_vectors(n.d), dvvec = whole_vectors(n.dv);
   const int64_t units = n.batch * n.heads;
   run_workers([&](const auto& next) {
@@ -844,8 +887,9 @@ void backward_kernel(const at::Tensor& grad_out_, const float* grad_lse, const a
       std::fill(dk_acc, dk_acc + key_end * dvec, 0.0f);
       std::fill(dv_acc, dv_acc + key_end * dvvec, 0.0f);
       mask.bias(b, bias, whole_vectors(key_end));
-      for (int64_t i0 = 0; i0 < n.lq; i0 += kBlockM) {
-        const int64_t rows = std::min(kBlockM, n.lq - i0);
+      const int64_t queries = layout.queries(b);
+      for (int64_t i0 = 0; i0 < queries; i0 += kBlockM) {
+        const int64_t rows = std::min(kBlockM, queries - i0);
         const int64_t keys = mask.keys_of_block(b, i0 + rows), width = whole_vectors(keys);
         if (keys == 0) {  // no query of the block sees a key: dQ = 0
           store_rows(dq_block, dvec, dq, b, h, i0, 0, i0 + rows, n.d);
@@ -859,7 +903,7 @@ void backward_kernel(const at::Tensor& grad_out_, const float* grad_lse, const a
           const int64_t i = i0 + r;
           float* p_row = p + r * lkv;
           float* ds_row = ds + r * lkv;
-          const float lse_i = lse[bh * n.lq + i];
+          const float lse_i = lse[layout.lse_index(b, h, i)];
           if (lse_i == -kInf) {  // sees no key: P = 0, dS = 0
             std::fill(p_row, p_row + width, 0.0f);
             std::fill(ds_row, ds_row + width, 0.0f);
@@ -878,7 +922,8 @@ void backward_kernel(const at::Tensor& grad_out_, const float* grad_lse, const a
             store(ds_row + c, dprob);
             delta_sum += prob * dprob;
           }
-          const float delta = horizontal_sum(delta_sum) - (grad_lse == nullptr ? 0.0f : grad_lse[bh * n.lq + i]);
+          const float delta = horizontal_sum(delta_sum) -
+                              (grad_lse == nullptr ? 0.0f : grad_lse[layout.lse_index(b, h, i)]);
           for (int64_t c = 0; c < width; c += kLanes) {
             const Vec prob = load(p_row + c);
             store(ds_row + c, prob * (load(ds_row + c) - delta) * scale);  // scale * dS
@@ -890,8 +935,9 @@ void backward_kernel(const at::Tensor& grad_out_, const float* grad_lse, const a
         gemm<T>(ds, lkv, 1, kb, dvec, keys, dq_block, dvec, rows, dvec, false);  // dQ = dS K
         store_rows(dq_block, dvec, dq, b, h, i0, rows, i0 + rows, n.d);
       }
-      store_rows(dk_acc, dvec, dk, b, h, 0, key_end, n.lk, n.d);
-      store_rows(dv_acc, dvvec, dv, b, h, 0, key_end, n.lk, n.dv);
+      const int64_t last = layout.key_rows_end(key_end);
+      store_rows(dk_acc, dvec, dk, b, h, 0, key_end, last, n.d);
+      store_rows(dv_acc, dvvec, dv, b, h, 0, key_end, last, n.dv);
     }
   });
 }
@@ -953,10 +999,34 @@ std::tuple<at::Tensor, at::Tensor> attention_cpp(
   return {out, lse};
 }
 
-// Packed sequences (FlashAttention's varlen layout), forward only (inference): q (total_q, H, D),
-// k (total_k, H, D), v (total_k, H, Dv); sequence b's queries are rows cu_seqlens_q[b] ..
-// cu_seqlens_q[b + 1] - 1 of q, its keys those of cu_seqlens_k in k and v. Returns out
-// (total_q, H, Dv) and the LSE (H, total_q).
+// A varlen call's packed layout: cu_seqlens checked (the kernels read through them unchecked),
+// kept alive with the layout that points into them, and each sequence's key count.
+struct PackedCall {
+  at::Tensor query_starts, key_starts, key_lengths;
+  Layout layout;
+
+  PackedCall(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+             const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+             int64_t max_seqlen_q, int64_t max_seqlen_k)
+      : query_starts(checked_starts(cu_seqlens_q, q.size(0), max_seqlen_q, "cu_seqlens_q",
+                                    "max_seqlen_q")),
+        key_starts(checked_starts(cu_seqlens_k, k.size(0), max_seqlen_k, "cu_seqlens_k",
+                                  "max_seqlen_k")),
+        layout(Shape(query_starts.size(0) - 1, q.size(1), max_seqlen_q, max_seqlen_k, q.size(2),
+                     v.size(2))) {
+    TORCH_CHECK(query_starts.size(0) == key_starts.size(0),
+                "cu_seqlens_q and cu_seqlens_k must have the same length (B + 1), got ",
+                query_starts.size(0), " and ", key_starts.size(0));
+    layout = Layout(layout.n, query_starts, key_starts, q.size(0));
+    const int64_t batch = layout.n.batch;
+    key_lengths = key_starts.narrow(0, 1, batch) - key_starts.narrow(0, 0, batch);
+  }
+};
+
+// Packed sequences (FlashAttention's varlen layout): q (total_q, H, D), k (total_k, H, D), v
+// (total_k, H, Dv); sequence b's queries are rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of q,
+// its keys those of cu_seqlens_k in k and v. Returns out (total_q, H, Dv) and the LSE (H,
+// total_q). No dropout.
 std::tuple<at::Tensor, at::Tensor> attention_varlen_cpp(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
@@ -964,28 +1034,45 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_cpp(
   check_cpu(q_in, "q");
   const auto q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),
              v = last_dim_contiguous(v_in);
-  const auto query_starts =
-      checked_starts(cu_seqlens_q, q.size(0), max_seqlen_q, "cu_seqlens_q", "max_seqlen_q");
-  const auto key_starts =
-      checked_starts(cu_seqlens_k, k.size(0), max_seqlen_k, "cu_seqlens_k", "max_seqlen_k");
-  TORCH_CHECK(query_starts.size(0) == key_starts.size(0),
-              "cu_seqlens_q and cu_seqlens_k must have the same length (B + 1), got ",
-              query_starts.size(0), " and ", key_starts.size(0));
-  const int64_t batch = query_starts.size(0) - 1;
-  const Shape n(batch, q.size(1), max_seqlen_q, max_seqlen_k, q.size(2), v.size(2));
+  const PackedCall call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  const Shape& n = call.layout.n;
   auto out = at::empty({q.size(0), n.heads, n.dv}, q.options());
   auto lse = at::empty({n.heads, q.size(0)}, q.options().dtype(at::kFloat));
-  const auto key_lengths = key_starts.narrow(0, 1, batch) - key_starts.narrow(0, 0, batch);
-  const KeyMask mask(key_lengths, c10::nullopt, batch, n.lk, causal);
+  const KeyMask mask(call.key_lengths, c10::nullopt, n.batch, n.lk, causal);
   const DropoutStream drop(c10::nullopt, 0.0);
   dispatch_float(q.scalar_type(), "attention_varlen_cpp", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    const Forward<T> f(q, k, v, n, query_starts.data_ptr<int64_t>(),
-                       key_starts.data_ptr<int64_t>(), mask, static_cast<float>(scale), drop,
-                       out, lse);
-    run_forward(f, q, k);
+    const auto scale_ = static_cast<float>(scale);
+    run_forward(Forward<T>(call.layout, q, k, v, mask, scale_, drop, out, lse), q, k);
   });
   return {out, lse};
+}
+
+// Gradients of attention_varlen_cpp's (out, lse), each laid out as its input (packed).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_cpp_backward(
+    const at::Tensor& grad_out_in, const c10::optional<at::Tensor>& grad_lse,
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& lse_in, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal, double scale) {
+  check_cpu(grad_out_in, "grad_out");
+  const auto q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),
+             v = last_dim_contiguous(v_in),
+             grad_out = last_dim_contiguous(grad_out_in.to(q_in.scalar_type()));
+  const PackedCall call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  const auto lse = lse_in.to(at::kFloat).contiguous();
+  at::Tensor grad_lse_values;
+  if (grad_lse.has_value()) grad_lse_values = grad_lse->to(at::kFloat).contiguous();
+  auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+  const KeyMask mask(call.key_lengths, c10::nullopt, call.layout.n.batch, call.layout.n.lk,
+                     causal);
+  const DropoutStream drop(c10::nullopt, 0.0);
+  dispatch_float(q.scalar_type(), "attention_varlen_cpp_backward", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    backward_kernel<T>(call.layout, grad_out,
+                       grad_lse.has_value() ? grad_lse_values.data_ptr<float>() : nullptr, q, k,
+                       v, lse, mask, static_cast<float>(scale), drop, dq, dk, dv);
+  });
+  return {dq, dk, dv};
 }
 
 // `out` is not read: delta_i = sum_j P_ij dP_ij is computed from P, exactly in fp32, rather than
@@ -1012,8 +1099,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_cpp_backward(
   const DropoutStream drop(seed, dropout_p);
   dispatch_float(q.scalar_type(), "attention_cpp_backward", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    backward_kernel<T>(grad_out, grad_lse.has_value() ? grad_lse_values.data_ptr<float>() : nullptr,
-                       q, k, v, lse, mask, static_cast<float>(scale), drop, dq, dk, dv);
+    backward_kernel<T>(Layout(n), grad_out,
+                       grad_lse.has_value() ? grad_lse_values.data_ptr<float>() : nullptr, q, k,
+                       v, lse, mask, static_cast<float>(scale), drop, dq, dk, dv);
   });
   return {dq, dk, dv};
 }
@@ -1108,6 +1196,10 @@ TORCH_LIBRARY_FRAGMENT(fastnmt, m) {
       "Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, bool causal, float scale) -> "
       "(Tensor, Tensor)");
   m.def(
+      "attention_varlen_cpp_backward(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, "
+      "Tensor v, Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
+      "int max_seqlen_k, bool causal, float scale) -> (Tensor, Tensor, Tensor)");
+  m.def(
       "attention_cpp_dropout_mask(Tensor seed, int batch, int heads, int lq, int lk, "
       "float dropout_p) -> Tensor");
 }
@@ -1117,6 +1209,7 @@ TORCH_LIBRARY_IMPL(fastnmt, CPU, m) {
   m.impl("attention_cpp_backward", &attention_cpp_backward);
   m.impl("attention_cpp_dropout_mask", &attention_cpp_dropout_mask);
   m.impl("attention_varlen_cpp", &attention_varlen_cpp);
+  m.impl("attention_varlen_cpp_backward", &attention_varlen_cpp_backward);
 }
 
 TORCH_LIBRARY_IMPL(fastnmt, Autograd, m) { m.impl("attention_cpp", &attention_autograd); }

@@ -624,11 +624,14 @@ ATTENTION_VARLEN.register("reference")(_over_unpacked(attention_reference))
 ATTENTION_VARLEN.register("torch", _torch_reasons)(_over_unpacked(attention_torch))
 
 
-def _varlen_unsupported(kernel: str, dtypes: tuple[torch.dtype, ...], widest: int | None = None):
-    """The reasons the ``kernel`` ("C++" or "Triton") varlen forward cannot run a call."""
+def _varlen_unsupported(
+    kernel: str, dtypes: tuple[torch.dtype, ...], widest: int | None = None, backward=False
+):
+    """The reasons the ``kernel`` ("C++" or "Triton") varlen kernels cannot run a call
+    (``backward``: whether they have one)."""
 
     def unsupported(q, k, v, **_):
-        if dispatch.needs_autograd((q, k, v)):
+        if not backward and dispatch.needs_autograd((q, k, v)):
             yield (
                 f"gradients: the {kernel} varlen kernel is a forward (inference); the reference "
                 "has them"
@@ -684,9 +687,32 @@ ATTENTION_VARLEN.register(
     _varlen_unsupported("Triton", _TRITON_DTYPES, MAX_HEAD_DIM),
     traced=_varlen_forward(_attention_varlen_forward_op),
 )(_varlen_forward(_launch_forward_varlen))
-if extension_available():  # the C++ op's fake, for torch.compile
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *sizes = inputs  # max_seqlen_q, _k, causal, scale
+    ctx.save_for_backward(q, k, v, output[1], cu_seqlens_q, cu_seqlens_k)
+    ctx.sizes, ctx.value_dim = sizes, v.shape[2]
+    ctx.set_materialize_grads(False)  # an unused LSE gets no zero-filled gradient
+
+
+def _varlen_cpp_backward(ctx, grad_out, grad_lse):
+    q, k, v, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    if grad_out is None:  # only the LSE was used
+        grad_out = q.new_zeros(q.shape[0], q.shape[1], ctx.value_dim)
+    grads = torch.ops.fastnmt.attention_varlen_cpp_backward(
+        grad_out, grad_lse, q, k, v, lse, cu_seqlens_q, cu_seqlens_k, *ctx.sizes
+    )
+    return *grads, None, None, None, None, None, None
+
+
+if extension_available():  # the C++ ops' fakes (torch.compile) and autograd
     torch.library.register_fake("fastnmt::attention_varlen_cpp")(_varlen_fake)
-ATTENTION_VARLEN.register("cpp", _varlen_unsupported("C++", _CPP_DTYPES))(
+    torch.library.register_fake("fastnmt::attention_varlen_cpp_backward")(_backward_fake)
+    torch.library.register_autograd(
+        "fastnmt::attention_varlen_cpp", _varlen_cpp_backward, setup_context=_varlen_setup_context
+    )
+ATTENTION_VARLEN.register("cpp", _varlen_unsupported("C++", _CPP_DTYPES, backward=True))(
     _varlen_forward(lambda *args: torch.ops.fastnmt.attention_varlen_cpp(*args))
 )
 
@@ -719,10 +745,10 @@ def attention_varlen(
         scale: score scale, default D ** -0.5.
         return_lse: also return the fp32 log-sum-exp (H, total_q) of each row.
 
-    Backends: forward kernels for inference (no gradients), Triton's (CUDA; the padded op's
-    forward, each program reading its sequence's rows) and C++'s (CPU tensors); with gradients,
-    the reference runs the sequences unpacked into a padded batch. The C++ backend checks
-    cu_seqlens always, the others under FASTNMT_CHECK_VALUES=1.
+    Backends: the padded op's kernels, each reading its sequence's rows through cu_seqlens: C++
+    (CPU tensors, forward and backward) and Triton (CUDA, forward: inference); elsewhere the
+    reference runs the sequences unpacked into a padded batch. No dropout. The C++ backend
+    checks cu_seqlens always, the others under FASTNMT_CHECK_VALUES=1.
 
     Returns:
         out (total_q, H, Dv), or (out, lse) when ``return_lse``.

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from fastnmt.ops import attention, attention_probabilities, attention_varlen, dispatch, settings
-from fastnmt.ops.extension import extension_available
 from fastnmt.ops.triton import common as triton_common
 from fastnmt.ops.triton.common import LaunchConfig, dropout_seed, gpu_tiles, use_gpu_tiles
 from tests.helpers import (
@@ -1234,22 +1233,47 @@ def test_varlen_equals_the_padded_batch():
         assert torch.equal(out[cu_q[b] : cu_q[b + 1]], alone)
 
 
-def test_varlen_gradients_run_on_the_reference_and_match_float64_oracle():
-    q, k, v, cu_q, cu_k = _varlen_inputs(VARLEN_CASES[1], FP32, 1)
-    leaves = [x.requires_grad_() for x in (q, k, v)]
-    explained = dispatch.explain("attention_varlen", *leaves, cu_q, cu_k, 9, 9, causal=True)
-    assert explained["chosen"] == "reference"
-    if extension_available():
-        assert any("gradients" in reason for reason in explained["cpp"])
-    grad_out = torch.randn(len(q), 2, 16)
-    out = attention_varlen(*leaves, cu_q, cu_k, 9, 9, causal=True)
-    grads = torch.autograd.grad(out, leaves, grad_out)
-    doubles = [x.detach().double().requires_grad_() for x in leaves]
-    expected = torch.autograd.grad(
-        _varlen_oracle(*doubles, cu_q, cu_k, True)[0], doubles, grad_out.double()
+@pytest.mark.usefixtures("poisoned_outputs")
+@pytest.mark.parametrize("backend", ["cpp", "reference"])
+@pytest.mark.parametrize("case", VARLEN_CASES[1:], ids=str)
+@pytest.mark.parametrize("dtype", [FP32, BF16])
+def test_varlen_gradients_match_float64_oracle(backend, case, dtype):
+    """FlashAttention's rule for dq, dk, dv (3x plain PyTorch's error), causal, with the
+    gradient flowing through the LSE too (weighted)."""
+    require_backend(backend)
+    seed = int(torch.randint(2**31, ()))
+    q, k, v, cu_q, cu_k = _varlen_inputs(case, dtype, seed, device_of(backend))
+    longest_q, longest_k = (max(lengths) for lengths in case[0])
+    grad_out = torch.randn(len(q), 2, v.shape[2], dtype=dtype, device=q.device)
+    lse_weights = torch.rand(2, len(q), device=q.device)
+
+    def loss(out, lse):
+        finite = torch.isfinite(lse)  # a row that sees no key has lse -inf and no gradient
+        return (out.double() * grad_out.double()).sum() + (lse.double() * lse_weights)[finite].sum()
+
+    def grads(function, inputs):
+        leaves = [x.detach().requires_grad_() for x in inputs]
+        return torch.autograd.grad(loss(*function(*leaves)), leaves)
+
+    def fused(q, k, v):
+        with dispatch.backend(backend):
+            return attention_varlen(
+                q, k, v, cu_q, cu_k, longest_q, longest_k, causal=True, return_lse=True
+            )
+
+    def plain(q, k, v):  # the same-dtype baseline's LSE: the oracle's, from these inputs
+        return _varlen_plain(q, k, v, cu_q, cu_k, True), _varlen_oracle(q, k, v, cu_q, cu_k, True)[
+            1
+        ]
+
+    got = grads(fused, (q, k, v))
+    expected = grads(
+        lambda *x: _varlen_oracle(*x, cu_q, cu_k, True), [x.double() for x in (q, k, v)]
     )
-    for grad, oracle in zip(grads, expected, strict=True):
-        torch.testing.assert_close(grad.double(), oracle, atol=1e-5, rtol=1e-5)
+    baseline = grads(plain, (q, k, v))
+    for name, *tensors in zip(("dq", "dk", "dv"), got, baseline, expected, strict=True):
+        assert tensors[0].dtype == dtype
+        assert_error_within(*tensors, 3, ATOL[dtype], name)
 
 
 def test_varlen_takes_int32_cu_seqlens_and_strided_inputs():
@@ -1315,5 +1339,9 @@ def test_opcheck_varlen_forward_ops(backend):
     arguments = (q, k, v, cu_q, cu_k, 9, 9, True, 0.25)
     if backend == "triton":
         opcheck(torch.ops.fastnmt.attention_varlen_forward.default, arguments)
-    else:
-        torch.library.opcheck(torch.ops.fastnmt.attention_varlen_cpp.default, arguments)
+        return
+    q.requires_grad_()
+    torch.library.opcheck(torch.ops.fastnmt.attention_varlen_cpp.default, arguments)
+    out, lse = torch.ops.fastnmt.attention_varlen_cpp(*arguments)
+    backward = (torch.randn_like(out), torch.randn_like(lse), q.detach(), k, v, lse.detach())
+    opcheck(torch.ops.fastnmt.attention_varlen_cpp_backward.default, backward + arguments[3:])
