@@ -49,6 +49,7 @@ from fastnmt.ops.triton.attention import (
     _TRITON_DTYPES,
     MAX_HEAD_DIM,
     _launch_backward,
+    _launch_backward_varlen,
     _launch_forward,
     _launch_forward_varlen,
     _new_attention_output,
@@ -624,18 +625,10 @@ ATTENTION_VARLEN.register("reference")(_over_unpacked(attention_reference))
 ATTENTION_VARLEN.register("torch", _torch_reasons)(_over_unpacked(attention_torch))
 
 
-def _varlen_unsupported(
-    kernel: str, dtypes: tuple[torch.dtype, ...], widest: int | None = None, backward=False
-):
-    """The reasons the ``kernel`` ("C++" or "Triton") varlen kernels cannot run a call
-    (``backward``: whether they have one)."""
+def _varlen_unsupported(kernel: str, dtypes: tuple[torch.dtype, ...], widest: int | None = None):
+    """The reasons the ``kernel`` ("C++" or "Triton") varlen kernels cannot run a call."""
 
-    def unsupported(q, k, v, **_):
-        if not backward and dispatch.needs_autograd((q, k, v)):
-            yield (
-                f"gradients: the {kernel} varlen kernel is a forward (inference); the reference "
-                "has them"
-            )
+    def unsupported(q, v, **_):
         if q.dtype not in dtypes:
             yield f"dtype {q.dtype}: the {kernel} kernel runs {', '.join(map(str, dtypes))}"
         if widest is not None and max(q.shape[2], v.shape[2]) > widest:
@@ -644,8 +637,8 @@ def _varlen_unsupported(
     return unsupported
 
 
-def _varlen_forward(forward):
-    """The varlen implementation of a kernel's ``forward`` (the op's arguments but return_lse)."""
+def _varlen_running(_backend: str, forward):
+    """The varlen implementation that calls ``forward`` (the op's arguments but return_lse)."""
 
     def implementation(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
@@ -676,45 +669,80 @@ def _attention_varlen_forward_op(
     )
 
 
+@registration.triton_library_op("fastnmt::attention_varlen_backward")
+def _attention_varlen_backward_op(
+    grad_out: torch.Tensor,
+    grad_lse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _launch_backward_varlen(
+        grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        max_seqlen_k, causal, scale,
+    )  # fmt: skip
+
+
 def _varlen_fake(q, k, v, cu_seqlens_q, *_):
     out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
     return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
-_attention_varlen_forward_op.register_fake(_varlen_fake)
-ATTENTION_VARLEN.register(
-    "triton",
-    _varlen_unsupported("Triton", _TRITON_DTYPES, MAX_HEAD_DIM),
-    traced=_varlen_forward(_attention_varlen_forward_op),
-)(_varlen_forward(_launch_forward_varlen))
-
-
 def _varlen_setup_context(ctx, inputs, output):
     q, k, v, cu_seqlens_q, cu_seqlens_k, *sizes = inputs  # max_seqlen_q, _k, causal, scale
-    ctx.save_for_backward(q, k, v, output[1], cu_seqlens_q, cu_seqlens_k)
-    ctx.sizes, ctx.value_dim = sizes, v.shape[2]
+    ctx.save_for_backward(q, k, v, *output, cu_seqlens_q, cu_seqlens_k)
+    ctx.sizes = sizes
     ctx.set_materialize_grads(False)  # an unused LSE gets no zero-filled gradient
 
 
-def _varlen_cpp_backward(ctx, grad_out, grad_lse):
-    q, k, v, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-    if grad_out is None:  # only the LSE was used
-        grad_out = q.new_zeros(q.shape[0], q.shape[1], ctx.value_dim)
-    grads = torch.ops.fastnmt.attention_varlen_cpp_backward(
-        grad_out, grad_lse, q, k, v, lse, cu_seqlens_q, cu_seqlens_k, *ctx.sizes
-    )
-    return *grads, None, None, None, None, None, None
+def _make_varlen_backward(backward_op):
+    """The autograd backward of a varlen forward op whose backward op is ``backward_op``."""
+
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        if grad_out is None:  # only the LSE was used
+            grad_out = torch.zeros_like(out)
+        grads = backward_op(
+            grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.sizes
+        )
+        return *grads, None, None, None, None, None, None
+
+    return backward
 
 
-if extension_available():  # the C++ ops' fakes (torch.compile) and autograd
-    torch.library.register_fake("fastnmt::attention_varlen_cpp")(_varlen_fake)
-    torch.library.register_fake("fastnmt::attention_varlen_cpp_backward")(_backward_fake)
-    torch.library.register_autograd(
-        "fastnmt::attention_varlen_cpp", _varlen_cpp_backward, setup_context=_varlen_setup_context
-    )
-ATTENTION_VARLEN.register("cpp", _varlen_unsupported("C++", _CPP_DTYPES, backward=True))(
-    _varlen_forward(lambda *args: torch.ops.fastnmt.attention_varlen_cpp(*args))
+# As the padded op's: the Triton ops and the C++ ops (same signatures) share their fakes; the C++
+# forward's autograd is registered here, in Python (the padded one's is in C++).
+registration.register_kernels(
+    ATTENTION_VARLEN,
+    triton=(
+        (_attention_varlen_forward_op, _attention_varlen_backward_op),
+        (_launch_forward_varlen, _launch_backward_varlen),
+    ),
+    cpp=("attention_varlen_cpp", "attention_varlen_cpp_backward"),
+    unsupported={
+        "triton": _varlen_unsupported("Triton", _TRITON_DTYPES, MAX_HEAD_DIM),
+        "cpp": _varlen_unsupported("C++", _CPP_DTYPES),
+    },
+    running=_varlen_running,
+    forward_fake=_varlen_fake,
+    backward_fake=_backward_fake,
+    setup_context=_varlen_setup_context,
+    make_backward=_make_varlen_backward,
 )
+if extension_available():
+    torch.library.register_autograd(
+        "fastnmt::attention_varlen_cpp",
+        _make_varlen_backward(torch.ops.fastnmt.attention_varlen_cpp_backward),
+        setup_context=_varlen_setup_context,
+    )
 
 
 def attention_varlen(
@@ -745,8 +773,8 @@ def attention_varlen(
         scale: score scale, default D ** -0.5.
         return_lse: also return the fp32 log-sum-exp (H, total_q) of each row.
 
-    Backends: the padded op's kernels, each reading its sequence's rows through cu_seqlens: C++
-    (CPU tensors, forward and backward) and Triton (CUDA, forward: inference); elsewhere the
+    Backends: the padded op's kernels, forward and backward, each program reading its
+    sequence's rows through cu_seqlens: Triton (CUDA) and C++ (CPU tensors); elsewhere the
     reference runs the sequences unpacked into a padded batch. No dropout. The C++ backend
     checks cu_seqlens always, the others under FASTNMT_CHECK_VALUES=1.
 

@@ -58,7 +58,7 @@ def _attention_argument_type(name: str, constexprs: dict) -> str:
 def attention_cases() -> list[CompileCase]:
     """Every kernel x every GPU launch config, for ``python -m fastnmt.compile_check``, at the
     widest head dim each config serves, all mask features and dropout on: the most registers;
-    and the forward over packed sequences (``attention_varlen``: causal, no other mask)."""
+    and each over packed sequences (``attention_varlen``: causal, no other mask, no dropout)."""
     flags = dict(CAUSAL=True, HAS_LENGTHS=True, HAS_PADDING=True, DROPOUT=True)
     flags["DOT_PRECISION"] = "ieee"  # what fp16 and bf16 get: TF32 is for fp32 operands
 
@@ -78,7 +78,7 @@ def attention_cases() -> list[CompileCase]:
         for bucket, configs in attention_triton._GPU_CONFIGS[name].items():
             # each kernel's own flags: decoding steps read caches through their rows
             own = {
-                "forward": dict(HAS_CACHE_ROWS=bucket == "decode", VARLEN=False),
+                "forward": dict(HAS_CACHE_ROWS=bucket == "decode"),
                 "dkdv": {},
                 "dq": dict(HAS_GRAD_LSE=True),
             }
@@ -89,11 +89,10 @@ def attention_cases() -> list[CompileCase]:
                 # Every backward dot product has a 64-row side (wgmma's tile); the 16-row decoding
                 # forward uses mma.sync.
                 wgmma = name in ("dkdv", "dq") or (name == "forward" and config.block_m >= 64)
-                cases.append(case(kernel, config, wgmma, label, **sizes, **own[name]))
-                if name == "forward":
-                    packed = dict(HAS_LENGTHS=False, HAS_PADDING=False, DROPOUT=False)
-                    packed |= dict(HAS_CACHE_ROWS=False, VARLEN=True)
-                    cases.append(case(kernel, config, wgmma, f"{label} varlen", **sizes | packed))
+                cases.append(case(kernel, config, wgmma, label, **sizes, **own[name], VARLEN=False))
+                packed = dict(HAS_LENGTHS=False, HAS_PADDING=False, DROPOUT=False, VARLEN=True)
+                packed |= {flag: False for flag in own[name]}  # no cache rows; the LSE unused
+                cases.append(case(kernel, config, wgmma, f"{label} varlen", **sizes | packed))
     keep = attention_triton._KEEP_CONFIG
     blocks = dict(BLOCK_M=keep.block_m, BLOCK_N=keep.block_n)
     cases.append(case(attention_kernels._dropout_keep_kernel, keep, False, keep.label, **blocks))

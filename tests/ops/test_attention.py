@@ -1212,14 +1212,22 @@ def test_varlen_matches_float64_oracle(backend, case, causal, dtype):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_triton_varlen_with_gpu_tiles_matches_float64_oracle(causal):
-    """A GPU's 64-query blocks: sequences of several blocks, and programs past a short
-    sequence's queries (the grid covers the longest), which must write nothing."""
-    q, k, v, cu_q, cu_k = _varlen_inputs(VARLEN_CASES[3], FP32, 2, TRITON_DEVICE)
+    """A GPU's blocks (64 queries, 32 to 64 keys): sequences of several blocks, and programs past
+    a short sequence's queries or keys (the grid covers the longest), which must write nothing
+    of another sequence's: output and gradients against the oracle."""
+    inputs = _varlen_inputs(VARLEN_CASES[3], FP32, 2, TRITON_DEVICE)
+    q, k, v, cu_q, cu_k = (x.requires_grad_() if x.is_floating_point() else x for x in inputs)
     with gpu_tiles(), dispatch.backend("triton"):
         out, lse = attention_varlen(q, k, v, cu_q, cu_k, 130, 70, causal=causal, return_lse=True)
-    expected, expected_lse = _varlen_oracle(q, k, v, cu_q, cu_k, causal)
-    assert_error_within(out, _varlen_plain(q, k, v, cu_q, cu_k, causal), expected, 2, ATOL[FP32])
+        grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    doubles = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    expected, expected_lse = _varlen_oracle(*doubles, cu_q, cu_k, causal)
+    expected_grads = torch.autograd.grad(expected, doubles, torch.ones_like(expected))
+    plain = _varlen_plain(q.detach(), k.detach(), v.detach(), cu_q, cu_k, causal)
+    assert_error_within(out, plain, expected, 2, ATOL[FP32])
     torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-4)
+    for grad, oracle in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad.double(), oracle, atol=1e-4, rtol=1e-4)
 
 
 def test_varlen_equals_the_padded_batch():
@@ -1234,7 +1242,7 @@ def test_varlen_equals_the_padded_batch():
 
 
 @pytest.mark.usefixtures("poisoned_outputs")
-@pytest.mark.parametrize("backend", ["cpp", "reference"])
+@pytest.mark.parametrize("backend", ["cpp", "triton", "reference"])
 @pytest.mark.parametrize("case", VARLEN_CASES[1:], ids=str)
 @pytest.mark.parametrize("dtype", [FP32, BF16])
 def test_varlen_gradients_match_float64_oracle(backend, case, dtype):
@@ -1332,16 +1340,17 @@ def test_cpp_varlen_checks_cu_seqlens_without_value_checks():
 
 
 @pytest.mark.parametrize("backend", ["triton", "cpp"])
-def test_opcheck_varlen_forward_ops(backend):
+def test_opcheck_varlen_ops(backend):
     """Their fakes and schemas (torch.compile traces a packed model through them)."""
     require_backend(backend)
     q, k, v, cu_q, cu_k = _varlen_inputs(VARLEN_CASES[1], FP32, 3, device_of(backend))
-    arguments = (q, k, v, cu_q, cu_k, 9, 9, True, 0.25)
-    if backend == "triton":
-        opcheck(torch.ops.fastnmt.attention_varlen_forward.default, arguments)
-        return
-    q.requires_grad_()
-    torch.library.opcheck(torch.ops.fastnmt.attention_varlen_cpp.default, arguments)
-    out, lse = torch.ops.fastnmt.attention_varlen_cpp(*arguments)
-    backward = (torch.randn_like(out), torch.randn_like(lse), q.detach(), k, v, lse.detach())
-    opcheck(torch.ops.fastnmt.attention_varlen_cpp_backward.default, backward + arguments[3:])
+    forward = (q.requires_grad_(), k, v, cu_q, cu_k, 9, 9, True, 0.25)
+    ops = {
+        "triton": ("attention_varlen_forward", "attention_varlen_backward"),
+        "cpp": ("attention_varlen_cpp", "attention_varlen_cpp_backward"),
+    }[backend]
+    forward_op, backward_op = (getattr(torch.ops.fastnmt, name).default for name in ops)
+    opcheck(forward_op, forward)
+    out, lse = forward_op(*forward)
+    backward = (torch.randn_like(out), torch.randn_like(lse), q.detach(), k, v, out.detach())
+    opcheck(backward_op, (*backward, lse.detach(), *forward[3:]))

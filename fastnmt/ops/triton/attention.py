@@ -236,29 +236,85 @@ def _launch_backward(
     grad_out, grad_lse, q, k, v, out, lse, key_lengths, key_padding_mask, seed, causal, dropout_p,
     scale,
 ):  # fmt: skip
-    batch, heads, lq, head_dim = q.shape
-    lk, value_dim = k.shape[2], v.shape[3]
-    if head_dim.__class__ is not int:  # a trace with dynamic shapes: blocks need fixed dims
-        head_dim, value_dim = static_size(head_dim), static_size(value_dim)
-    grad_dtype = kernel_output_dtype(q.dtype)
+    batch, _, lq, _ = q.shape
     # Dense in each input's dimension order (torch.empty_like, as SDPA's): the gradient of
     # proj(h).view(B, L, H, D).transpose(1, 2) then reaches proj's output without a copy.
-    grad_q = new_output_like(q, grad_dtype)
-    grad_k = new_output_like(k, grad_dtype)
-    grad_v = new_output_like(v, grad_dtype)
-    delta = new_output((batch, heads, lq), torch.float32, q.device)  # dQ's, for dK/dV
+    grad_dtype = kernel_output_dtype(q.dtype)
+    grads = (
+        new_output_like(q, grad_dtype),
+        new_output_like(k, grad_dtype),
+        new_output_like(v, grad_dtype),
+    )
     padding, padding_strides = _padding_view(key_padding_mask)
+    if grad_lse is not None:  # rare (a caller that used the LSE): read as (B, H, Lq) rows
+        grad_lse = grad_lse.contiguous()
+    _backward_kernels(
+        (grad_out, grad_lse, q, k, v, out, lse), grads, (key_lengths, padding, seed, None, None),
+        padding_strides, (batch, lq, k.shape[2], 0), causal, dropout_p, scale,
+    )  # fmt: skip
+    return grads if grad_dtype == q.dtype else _in_dtypes(grads, (q, k, v))
+
+
+def _launch_backward_varlen(
+    grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k, causal, scale,
+):  # fmt: skip
+    """``_launch_backward`` over packed sequences (``_launch_forward_varlen``'s)."""
+    grads = [new_output_like(x, kernel_output_dtype(q.dtype)) for x in (q, k, v)]
+    if grad_lse is not None:  # (H, total_q) rows
+        grad_lse = grad_lse.contiguous()
+    batch = cu_seqlens_q.shape[0] - 1
+    if batch and max_seqlen_q and max_seqlen_k:
+        operands = (_as_batch(grad_out), grad_lse, *map(_as_batch, (q, k, v, out)), lse)
+        _backward_kernels(
+            operands, [_as_batch(g) for g in grads], (None, None, None, cu_seqlens_q, cu_seqlens_k),
+            (0, 0), (batch, max_seqlen_q, max_seqlen_k, q.shape[0]), causal, 0.0, scale,
+        )  # fmt: skip
+    else:  # no program: every gradient is 0
+        for grad in grads:
+            grad.zero_()
+    return _in_dtypes(grads, (q, k, v))
+
+
+def _as_batch(x: torch.Tensor) -> torch.Tensor:
+    """A packed (total, H, D) tensor as the kernels' (B, H, L, D) operand: one batch entry of
+    all its rows (each program adds its sequence's first row; b steps nothing)."""
+    total, heads, width = x.shape
+    strides = (0, x.stride(1), x.stride(0), x.stride(2))
+    return x.as_strided((1, heads, total, width), strides, x.storage_offset())
+
+
+def _in_dtypes(grads, inputs):
+    """The gradients in their inputs' dtypes (the kernels write fp16 and bf16 ones as such)."""
+    pairs = zip(grads, inputs, strict=True)
+    return tuple(g if g.dtype == x.dtype else g.to(x.dtype) for g, x in pairs)
+
+
+def _backward_kernels(
+    tensors, grads, pointers, padding_strides, sizes, causal, dropout_p, scale
+):  # fmt: skip
+    """dQ's kernel (which writes delta), then dK/dV's. ``tensors``: (grad_out, grad_lse, q, k, v,
+    out, lse), 4-D (B, H, L, D) operands but the LSEs; ``grads``: dq, dk, dv, as q, k, v;
+    ``pointers``: key_lengths, padding, seed, cu_seqlens_q, cu_seqlens_k; ``sizes``: (B, Lq,
+    Lk, total_q): the longest lengths, and the packed queries when packed (else 0)."""
+    grad_out, grad_lse, q, k, v, out, lse = tensors
+    grad_q, grad_k, grad_v = grads
+    batch, lq, lk, total_q = sizes
+    heads, head_dim, value_dim = q.shape[1], q.shape[3], v.shape[3]
+    if head_dim.__class__ is not int:  # a trace with dynamic shapes: blocks need fixed dims
+        head_dim, value_dim = static_size(head_dim), static_size(value_dim)
+    delta = new_output(lse.shape, torch.float32, q.device)  # dQ's, for dK/dV; rows as the LSE's
+    key_lengths, padding, seed, cu_seqlens_q, _ = pointers
     shared = (
-        key_lengths, padding, seed,
+        *pointers,
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *padding_strides,
-        heads, lq, lk, head_dim, value_dim, scale, dropout_p,
+        heads, lq, lk, head_dim, value_dim, scale, dropout_p, total_q,
     )  # fmt: skip
     flags = (
         q.dtype, dot_precision(q.dtype), causal, key_lengths is not None, padding is not None,
         seed is not None,
     )  # fmt: skip
-    if grad_lse is not None:  # rare (a caller that used the LSE): read as (B, H, Lq) rows
-        grad_lse = grad_lse.contiguous()
+    varlen = cu_seqlens_q is not None
     config = launch_config("dq", lq, lk, max(head_dim, value_dim))
     _DQ(
         q.device,
@@ -267,7 +323,9 @@ def _launch_backward(
             q, k, v, grad_out, lse, delta, grad_q, out, grad_lse,
             *grad_q.stride(), *out.stride(), *shared,
         ),
-        _options(config, head_dim, value_dim, *flags, HAS_GRAD_LSE=grad_lse is not None),
+        _options(
+            config, head_dim, value_dim, *flags, HAS_GRAD_LSE=grad_lse is not None, VARLEN=varlen
+        ),
     )  # fmt: skip
     key_grads = (grad_k, grad_v, *grad_k.stride(), *grad_v.stride())
     config = launch_config("dkdv", lq, lk, max(head_dim, value_dim))
@@ -275,11 +333,8 @@ def _launch_backward(
         q.device,
         (batch * heads, cdiv(lk, config.block_n), 1),
         (q, k, v, grad_out, lse, delta, *key_grads, *shared),
-        _options(config, head_dim, value_dim, *flags),
+        _options(config, head_dim, value_dim, *flags, VARLEN=varlen),
     )
-    if grad_dtype == q.dtype:  # k and v have q's dtype
-        return grad_q, grad_k, grad_v
-    return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype)
 
 
 def dropout_keep_mask(seed: torch.Tensor, shape: tuple[int, int, int, int], dropout_p: float):

@@ -137,6 +137,17 @@ def _key_end(KEY_LENGTHS, b, Lk, HAS_LENGTHS: tl.constexpr):
 
 
 @triton.jit
+def _packed_sequence(CU_SEQLENS_Q, CU_SEQLENS_K, b, Lk):
+    """Sequence b of packed (varlen) inputs: its first query row and first key row (int64), its
+    query count and its key count (at most Lk, the longest sequence's)."""
+    q_start = tl.load(CU_SEQLENS_Q + b).to(tl.int64)
+    k_start = tl.load(CU_SEQLENS_K + b).to(tl.int64)
+    queries = (tl.load(CU_SEQLENS_Q + b + 1) - q_start).to(tl.int32)
+    keys = tl.minimum((tl.load(CU_SEQLENS_K + b + 1) - k_start).to(tl.int32), Lk)
+    return q_start, k_start, queries, keys
+
+
+@triton.jit
 def _attention_forward_kernel(
     Q,  # (B, H, Lq, D) queries
     K,  # (B, H, Lk, D) keys
@@ -214,10 +225,7 @@ def _attention_forward_kernel(
     dropout_p = tl.cast(dropout_p, tl.float32)
     key_end = _key_end(KEY_LENGTHS, b, Lk, HAS_LENGTHS)
     if VARLEN:  # Lq, Lk: the longest sequences'; these rows: sequence b's own
-        q_start = tl.load(CU_SEQLENS_Q + b).to(tl.int64)
-        k_start = tl.load(CU_SEQLENS_K + b).to(tl.int64)
-        Lq = (tl.load(CU_SEQLENS_Q + b + 1) - q_start).to(tl.int32)
-        key_end = tl.minimum((tl.load(CU_SEQLENS_K + b + 1) - k_start).to(tl.int32), Lk)
+        q_start, k_start, Lq, key_end = _packed_sequence(CU_SEQLENS_Q, CU_SEQLENS_K, b, Lk)
         Q += q_start * stride_qm
         K += k_start * stride_kn
         V += k_start * stride_vn
@@ -322,6 +330,8 @@ def _attention_backward_dkdv_kernel(
     KEY_LENGTHS,
     PADDING,
     SEED,
+    CU_SEQLENS_Q,
+    CU_SEQLENS_K,
     # strides of Q:
     stride_qb,
     stride_qh,
@@ -345,7 +355,8 @@ def _attention_backward_dkdv_kernel(
     # strides of PADDING:
     stride_pb,
     stride_pn,
-    # heads, lengths, head dims, score scale and drop probability, as in the forward kernel:
+    # heads, lengths, head dims, score scale, drop probability, packed queries, as in the forward
+    # kernel:
     H,
     Lq,
     Lk,
@@ -353,10 +364,12 @@ def _attention_backward_dkdv_kernel(
     Dv,
     scale,
     dropout_p,
+    total_q,
     CAUSAL: tl.constexpr,
     HAS_LENGTHS: tl.constexpr,
     HAS_PADDING: tl.constexpr,
     DROPOUT: tl.constexpr,
+    VARLEN: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,  # queries per step
@@ -377,11 +390,24 @@ def _attention_backward_dkdv_kernel(
     K += b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
     V += b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
     DO += b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
-    LSE += bh.to(tl.int64) * Lq
-    DELTA += bh.to(tl.int64) * Lq
     qk_scale = tl.cast(scale, tl.float32) * LOG2_E
     dropout_p = tl.cast(dropout_p, tl.float32)
     key_end = _key_end(KEY_LENGTHS, b, Lk, HAS_LENGTHS)
+    key_rows = Lk  # the gradient rows written: padding keys' too (zeros)
+    if VARLEN:  # sequence b's rows only
+        q_start, k_start, Lq, key_end = _packed_sequence(CU_SEQLENS_Q, CU_SEQLENS_K, b, Lk)
+        key_rows = key_end
+        Q += q_start * stride_qm
+        DO += q_start * stride_dom
+        K += k_start * stride_kn
+        V += k_start * stride_vn
+        DK += k_start * stride_dkn
+        DV += k_start * stride_dvn
+        LSE += h.to(tl.int64) * total_q + q_start
+        DELTA += h.to(tl.int64) * total_q + q_start
+    else:
+        LSE += bh.to(tl.int64) * Lq
+        DELTA += bh.to(tl.int64) * Lq
     # A block of padding keys gets zero gradients without reading a query.
     loop_start = tl.where(start_n < key_end, 0, Lq)
     if CAUSAL:  # queries before the block's first key see none of its keys
@@ -420,8 +446,8 @@ def _attention_backward_dkdv_kernel(
     dk *= tl.cast(scale, tl.float32)
     DK += b.to(tl.int64) * stride_dkb + h.to(tl.int64) * stride_dkh
     DV += b.to(tl.int64) * stride_dvb + h.to(tl.int64) * stride_dvh
-    _store_tile(DK, dk, offs_n, offs_d, stride_dkn, stride_dkd, Lk, D)
-    _store_tile(DV, dv, offs_n, offs_dv, stride_dvn, stride_dvd, Lk, Dv)
+    _store_tile(DK, dk, offs_n, offs_d, stride_dkn, stride_dkd, key_rows, D)
+    _store_tile(DV, dv, offs_n, offs_dv, stride_dvn, stride_dvd, key_rows, Dv)
 
 
 @triton.jit
@@ -450,6 +476,8 @@ def _attention_backward_dq_kernel(
     KEY_LENGTHS,
     PADDING,
     SEED,
+    CU_SEQLENS_Q,
+    CU_SEQLENS_K,
     # strides of Q:
     stride_qb,
     stride_qh,
@@ -473,7 +501,8 @@ def _attention_backward_dq_kernel(
     # strides of PADDING:
     stride_pb,
     stride_pn,
-    # heads, lengths, head dims, score scale and drop probability, as in the forward kernel:
+    # heads, lengths, head dims, score scale, drop probability, packed queries, as in the forward
+    # kernel:
     H,
     Lq,
     Lk,
@@ -481,10 +510,12 @@ def _attention_backward_dq_kernel(
     Dv,
     scale,
     dropout_p,
+    total_q,
     CAUSAL: tl.constexpr,
     HAS_LENGTHS: tl.constexpr,
     HAS_PADDING: tl.constexpr,
     DROPOUT: tl.constexpr,
+    VARLEN: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HAS_GRAD_LSE: tl.constexpr,
@@ -507,10 +538,23 @@ def _attention_backward_dq_kernel(
     K += b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
     V += b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
     DO += b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+    OUT += b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    DQ += b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
     qk_scale = tl.cast(scale, tl.float32) * LOG2_E
     dropout_p = tl.cast(dropout_p, tl.float32)
     key_end = _key_end(KEY_LENGTHS, b, Lk, HAS_LENGTHS)
-    loop_end = key_end
+    if VARLEN:  # sequence b's rows only
+        q_start, k_start, Lq, key_end = _packed_sequence(CU_SEQLENS_Q, CU_SEQLENS_K, b, Lk)
+        Q += q_start * stride_qm
+        DO += q_start * stride_dom
+        OUT += q_start * stride_om
+        DQ += q_start * stride_dqm
+        K += k_start * stride_kn
+        V += k_start * stride_vn
+        rows = h.to(tl.int64) * total_q + q_start  # of LSE, DELTA and GRAD_LSE
+    else:
+        rows = bh.to(tl.int64) * Lq
+    loop_end = tl.where(tl.program_id(1) * BLOCK_M < Lq, key_end, 0)  # no query: no key read
     if CAUSAL:
         loop_end = tl.minimum(loop_end, (tl.program_id(1) + 1) * BLOCK_M)
     if DROPOUT:
@@ -518,14 +562,13 @@ def _attention_backward_dq_kernel(
 
     q = _load_tile(Q, offs_m, offs_d, stride_qm, stride_qd, Lq, D, UPCAST)
     do = _load_tile(DO, offs_m, offs_dv, stride_dom, stride_dod, Lq, Dv, UPCAST)
-    lse = tl.load(LSE + bh.to(tl.int64) * Lq + offs_m, mask=offs_m < Lq, other=float("-inf"))
+    lse = tl.load(LSE + rows + offs_m, mask=offs_m < Lq, other=float("-inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2_E)
-    OUT += b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
     o = _load_tile(OUT, offs_m, offs_dv, stride_om, stride_od, Lq, Dv, UPCAST)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     if HAS_GRAD_LSE:
-        delta -= tl.load(GRAD_LSE + bh.to(tl.int64) * Lq + offs_m, mask=offs_m < Lq, other=0.0)
-    tl.store(DELTA + bh.to(tl.int64) * Lq + offs_m, delta, mask=offs_m < Lq)
+        delta -= tl.load(GRAD_LSE + rows + offs_m, mask=offs_m < Lq, other=0.0)
+    tl.store(DELTA + rows + offs_m, delta, mask=offs_m < Lq)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start_n in range(0, loop_end, BLOCK_N):
         offs_n = start_n + offs_n0
@@ -545,7 +588,6 @@ def _attention_backward_dq_kernel(
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
 
     dq *= tl.cast(scale, tl.float32)
-    DQ += b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
     _store_tile(DQ, dq, offs_m, offs_d, stride_dqm, stride_dqd, Lq, D)
 
 
