@@ -11,8 +11,9 @@ positions (bottom-right alignment).
 Packed calls: ``apply_fastnmt``'s layers drop padded positions before their projections and FFN
 and give the attention modules (1, tokens, d) hidden states. They pass ``fastnmt_query_packing`` /
 ``fastnmt_key_packing`` (a ``Packing``) through the module's kwargs, and the attention function
-puts the packed queries / keys back in their padded (B, H, L, D) places for the kernels, and packs
-the output again.
+runs ``attention_varlen`` on the packed queries and keys as they are; where it cannot (attention
+dropout, a packed side facing a padded one, weights asked for, grouped-query heads), it puts them
+back in their padded (B, H, L, D) places for the kernels, and packs the output again.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from fastnmt.attention import bottom_right_causal, merge_masks
-from fastnmt.ops import attention, attention_probabilities
+from fastnmt.ops import attention, attention_probabilities, attention_varlen
 
 NAME = "fastnmt"
 
@@ -37,11 +38,18 @@ class Packing(NamedTuple):
     rows: torch.Tensor  # (tokens,) int64: flat indices b * length + i of the kept positions
     batch: int
     length: int
+    cu_seqlens: torch.Tensor  # (B + 1,) int64: each row's first packed position
+    longest: int  # the most positions a row keeps
 
     @classmethod
     def of(cls, mask: torch.Tensor) -> Packing:
-        """From a (B, L) mask, True / 1 = kept (one host sync, for the row count)."""
-        return cls(mask.flatten().nonzero().squeeze(1), *mask.shape)
+        """From a (B, L) mask, True / 1 = kept (host syncs, for the row count and the longest
+        row: once per mask a model passes its stack)."""
+        kept = mask.bool()
+        lengths = kept.sum(1)
+        cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
+        longest = int(lengths.max()) if len(lengths) else 0
+        return cls(kept.flatten().nonzero().squeeze(1), *mask.shape, cu_seqlens, longest)
 
     def pack(self, padded: torch.Tensor) -> torch.Tensor:
         """(B, L, ...) -> (1, tokens, ...)."""
@@ -101,6 +109,15 @@ def fastnmt_attention_forward(
         )
     query_packing = kwargs.get("fastnmt_query_packing")
     key_packing = kwargs.get("fastnmt_key_packing")
+    causal = bool(getattr(module, "is_causal", False) if is_causal is None else is_causal)
+    need_weights = _wants_probabilities(module, kwargs)
+    if _runs_packed(query, key, query_packing, key_packing, dropout, need_weights):
+        heads = (x[0].transpose(0, 1) for x in (query, key, value))  # (tokens, H, D) views
+        out = attention_varlen(
+            *heads, query_packing.cu_seqlens, key_packing.cu_seqlens, query_packing.longest,
+            key_packing.longest, causal=causal, scale=scaling,
+        )  # fmt: skip
+        return out.unsqueeze(0), None
     if query_packing is not None:
         query = query_packing.unpack_heads(query)
     if key_packing is not None:
@@ -108,11 +125,9 @@ def fastnmt_attention_forward(
     if key.shape[1] != query.shape[1]:  # grouped-query attention: each key head serves a group
         groups = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-    causal = bool(getattr(module, "is_causal", False) if is_causal is None else is_causal)
     lq, lk = query.shape[2], key.shape[2]
     key_padding_mask, attn_mask, causal = _masks(attention_mask, causal, lq, lk, query.device)
     masks = dict(key_padding_mask=key_padding_mask, attn_mask=attn_mask, causal=causal)
-    need_weights = _wants_probabilities(module, kwargs)
     result = attention(
         query, key, value, dropout_p=dropout, scale=scaling, return_lse=need_weights, **masks
     )
@@ -122,6 +137,15 @@ def fastnmt_attention_forward(
         weights = attention_probabilities(query, key, scale=scaling, lse=lse, **masks)
     out = out.transpose(1, 2)
     return (out if query_packing is None else query_packing.pack(out)), weights
+
+
+def _runs_packed(query, key, query_packing, key_packing, dropout, need_weights) -> bool:
+    """Whether a call's packed sides go to ``attention_varlen`` as they are: both packed (their
+    masks are all the masking there is: a packing comes from a 2D padding mask, and no KV cache
+    is packed), as many key heads as query heads, no attention dropout and no weights."""
+    if query_packing is None or key_packing is None or dropout or need_weights:
+        return False
+    return key.shape[1] == query.shape[1]
 
 
 def register() -> None:

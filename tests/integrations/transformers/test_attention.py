@@ -3,6 +3,7 @@ each family: logits, loss and every parameter gradient by FlashAttention's rule 
 the oracle), left and right padding; generate() greedy and beam 4; output_attentions."""
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -10,6 +11,8 @@ import torch
 import fastnmt.integrations.transformers as fastnmt_hf
 from tests.helpers import assert_error_within
 from tests.integrations.transformers.models import FAMILIES, VOCAB, tiny_model
+
+HF_ATTENTION = importlib.import_module("fastnmt.integrations.transformers.attention")
 
 # Relative to the largest value of the compared tensor: a whole model's outputs and gradients
 # carry many kernels' rounding (the kernels alone are held to 1e-5 in tests/ops).
@@ -159,6 +162,34 @@ def test_packed_calls_equal_padded_ones(kind, need_weights):
     (expected * upstream).sum().backward()
     for leaf, original in zip(leaves, (q, k, v), strict=True):
         torch.testing.assert_close(leaf.grad, original.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("dropout", "need_weights", "varlen"),
+    [(0.0, False, True), (0.1, False, False), (0.0, True, False)],
+    ids=["packed", "attention dropout", "weights"],
+)
+def test_packed_calls_run_attention_varlen_on_the_packed_rows(
+    dropout, need_weights, varlen, monkeypatch
+):
+    """No unpacking around the kernels, unless the call takes what attention_varlen does not."""
+    calls = []
+
+    def recorded(name):
+        original = getattr(HF_ATTENTION, name)
+        return lambda *args, **kwargs: calls.append(name) or original(*args, **kwargs)
+
+    for name in ("attention_varlen", "attention"):
+        monkeypatch.setattr(HF_ATTENTION, name, recorded(name))
+    packing = fastnmt_hf.Packing.of(torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool))
+    q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+    packed = dict(fastnmt_query_packing=packing, fastnmt_key_packing=packing)
+    out, _ = fastnmt_hf.fastnmt_attention_forward(
+        _Module(causal=True), q, k, v, None, dropout=dropout, output_attentions=need_weights,
+        **packed,
+    )  # fmt: skip
+    assert out.shape == (1, 5, 2, 8)
+    assert calls == (["attention_varlen"] if varlen else ["attention"])
 
 
 def test_dropout_in_training_is_seeded_and_off_in_eval():
