@@ -1053,8 +1053,9 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_cpp(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_cpp_backward(
     const at::Tensor& grad_out_in, const c10::optional<at::Tensor>& grad_lse,
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-    const at::Tensor& /*out*/, const at::Tensor& lse_in, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
-    int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal, double scale) {
+    const at::Tensor& /*out*/, const at::Tensor& lse_in, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
+    double scale) {
   check_cpu(grad_out_in, "grad_out");
   const auto q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),
              v = last_dim_contiguous(v_in),
@@ -1198,8 +1199,8 @@ TORCH_LIBRARY_FRAGMENT(fastnmt, m) {
       "(Tensor, Tensor)");
   m.def(
       "attention_varlen_cpp_backward(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, "
-      "Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
-      "int max_seqlen_k, bool causal, float scale) -> (Tensor, Tensor, Tensor)");
+      "Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "int max_seqlen_q, int max_seqlen_k, bool causal, float scale) -> (Tensor, Tensor, Tensor)");
   m.def(
       "attention_cpp_dropout_mask(Tensor seed, int batch, int heads, int lq, int lk, "
       "float dropout_p) -> Tensor");

@@ -34,6 +34,11 @@ products use TF32 where torch allows it for its own fp32 matmuls (``dot_precisio
 kernels register themselves as a further backend of the same dispatch entry; the reference is the
 fallback (e.g. for ``attn_mask``) and the test oracle.
 
+``attention_varlen`` is the same math over packed sequences (FlashAttention's varlen layout: q
+(total_q, H, D), sequence b's rows from cu_seqlens_q[b]), on the same kernels: each program (or
+C++ work unit) of a sequence reads its rows from the sequence's first, and the LSE is (H,
+total_q). No padding is computed, read or written.
+
 The Triton kernels are in ``fastnmt.ops.triton.attention_kernels``, their launchers in
 ``fastnmt.ops.triton.attention``; the C++ kernels in csrc/attention.cpp.
 """
