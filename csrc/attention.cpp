@@ -1026,11 +1026,13 @@ struct PackedCall {
 // Packed sequences (FlashAttention's varlen layout): q (total_q, H, D), k (total_k, H, D), v
 // (total_k, H, Dv); sequence b's queries are rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of q,
 // its keys those of cu_seqlens_k in k and v. Returns out (total_q, H, Dv) and the LSE (H,
-// total_q). No dropout.
+// total_q). Dropout's element index of (b, h, i, j) is the padded op's with Lq and Lk the
+// longest sequences' (attention_cpp_dropout_mask(seed, B, H, max_seqlen_q, max_seqlen_k, p)).
 std::tuple<at::Tensor, at::Tensor> attention_varlen_cpp(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
-    int64_t max_seqlen_k, bool causal, double scale) {
+    int64_t max_seqlen_k, const c10::optional<at::Tensor>& seed, bool causal, double dropout_p,
+    double scale) {
   check_cpu(q_in, "q");
   const auto q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),
              v = last_dim_contiguous(v_in);
@@ -1039,7 +1041,7 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_cpp(
   auto out = at::empty({q.size(0), n.heads, n.dv}, q.options());
   auto lse = at::empty({n.heads, q.size(0)}, q.options().dtype(at::kFloat));
   const KeyMask mask(call.key_lengths, c10::nullopt, n.batch, n.lk, causal);
-  const DropoutStream drop(c10::nullopt, 0.0);
+  const DropoutStream drop(seed, dropout_p);
   dispatch_float(q.scalar_type(), "attention_varlen_cpp", [&](auto tag) {
     using T = typename decltype(tag)::type;
     const auto scale_ = static_cast<float>(scale);
@@ -1054,8 +1056,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_cpp_backward(
     const at::Tensor& grad_out_in, const c10::optional<at::Tensor>& grad_lse,
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& /*out*/, const at::Tensor& lse_in, const at::Tensor& cu_seqlens_q,
-    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
-    double scale) {
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    const c10::optional<at::Tensor>& seed, bool causal, double dropout_p, double scale) {
   check_cpu(grad_out_in, "grad_out");
   const auto q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),
              v = last_dim_contiguous(v_in),
@@ -1067,7 +1069,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_cpp_backward(
   auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
   const KeyMask mask(call.key_lengths, c10::nullopt, call.layout.n.batch, call.layout.n.lk,
                      causal);
-  const DropoutStream drop(c10::nullopt, 0.0);
+  const DropoutStream drop(seed, dropout_p);
   dispatch_float(q.scalar_type(), "attention_varlen_cpp_backward", [&](auto tag) {
     using T = typename decltype(tag)::type;
     backward_kernel<T>(call.layout, grad_out,
@@ -1195,12 +1197,13 @@ TORCH_LIBRARY_FRAGMENT(fastnmt, m) {
       "bool causal, float dropout_p, float scale) -> (Tensor, Tensor, Tensor)");
   m.def(
       "attention_varlen_cpp(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
-      "Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, bool causal, float scale) -> "
-      "(Tensor, Tensor)");
+      "Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, Tensor? seed, bool causal, "
+      "float dropout_p, float scale) -> (Tensor, Tensor)");
   m.def(
       "attention_varlen_cpp_backward(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, "
       "Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
-      "int max_seqlen_q, int max_seqlen_k, bool causal, float scale) -> (Tensor, Tensor, Tensor)");
+      "int max_seqlen_q, int max_seqlen_k, Tensor? seed, bool causal, float dropout_p, "
+      "float scale) -> (Tensor, Tensor, Tensor)");
   m.def(
       "attention_cpp_dropout_mask(Tensor seed, int batch, int heads, int lq, int lk, "
       "float dropout_p) -> Tensor");

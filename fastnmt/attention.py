@@ -355,10 +355,11 @@ class MultiheadAttention(nn.Module):
         ``add_zero_attn`` (``forward`` checks and translates torch's arguments at every call);
         ``dropout_seed`` as ``fastnmt.ops.attention`` takes it. ``packed``: the queries' and the
         keys' layouts, query (total_q, E) and key (total_k, E) then being packed sequences
-        (``attention_varlen``: no cache, no attention dropout)."""
+        (``attention_varlen``; no cache)."""
         q, k, v, cache_rows = self._project(query, key, key, cache)  # (B, H, L, D)
         if packed is not None:  # (total, H, D)
-            return self._out_projection(self._attend_packed(q, k, v, *packed, causal))
+            out = self._attend_packed(q, k, v, *packed, causal, dropout_seed)
+            return self._out_projection(out)
         if key_lengths is None and cache is not None:
             key_lengths = cache.key_lengths  # a FixedKVCache's positions not yet written
         past = k.shape[2] - q.shape[2] if cache is not None and not cache.static else 0
@@ -379,15 +380,11 @@ class MultiheadAttention(nn.Module):
         )
         return self._out_projection(out)
 
-    def _attend_packed(self, q, k, v, queries: Packed, keys: Packed, causal: bool):
-        if self.training and self.dropout > 0.0:
-            raise ValueError(
-                "packed sequences take no attention dropout (attention_varlen has none): call "
-                "the module's eval() or set its dropout to 0"
-            )
+    def _attend_packed(self, q, k, v, queries: Packed, keys: Packed, causal: bool, dropout_seed):
         return attention_varlen(
             q, k, v, queries.cu_seqlens, keys.cu_seqlens, queries.longest, keys.longest,
-            causal=causal,
+            causal=causal, dropout_p=self.dropout if self.training else 0.0,
+            dropout_seed=dropout_seed,
         )  # fmt: skip
 
     def _out_projection(self, out: torch.Tensor) -> torch.Tensor:

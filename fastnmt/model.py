@@ -4,8 +4,8 @@ Reads top-down: config and presets, the residual stack shared by encoder and dec
 the model (training forward, logits, incremental decoding with a KV cache; the searches that use
 it are in ``fastnmt.decoding.search``).
 Shapes: B sentences, S source tokens, T target tokens, E = d_model, V = vocabulary, H heads.
-Padding travels as lengths (B,), never as dense masks; in inference, sequences may also travel
-packed, without padding (``forward_packed``: N_s source and N_t target tokens in all).
+Padding travels as lengths (B,), never as dense masks; sequences may also travel packed, without
+padding (``forward_packed``: N_s source and N_t target tokens in all).
 """
 
 from __future__ import annotations
@@ -441,13 +441,12 @@ class Transformer(nn.Module):
     def forward_packed(
         self, src, src_packed: Packed, tgt_in, tgt_packed: Packed
     ):  # (N_s,), (N_t,) -> decoder states (N_t, E)
-        """``forward`` for inference over packed sequences: every GEMM, LayerNorm and attention
-        runs on the real tokens only (``attention_varlen``), none on padding. The same states
-        as ``forward``'s at the unpadded positions."""
-        if self.training:
-            raise ValueError("forward_packed is for inference (no dropout): call model.eval()")
-        memory = self.encode(src, src_packed)
-        return self.decode(tgt_in, memory, src_packed, packed=tgt_packed)
+        """``forward`` over packed sequences: every GEMM, LayerNorm and attention runs on the
+        real tokens only (``attention_varlen``), none on padding. Without dropout, the states
+        of ``forward`` at the unpadded positions."""
+        seeds = self.dropout_seeds(src.device)
+        memory = self.encode(src, src_packed, seeds=seeds)
+        return self.decode(tgt_in, memory, src_packed, seeds=seeds, packed=tgt_packed)
 
     def dropout_seeds(self, device: torch.device) -> Seeds:
         """Every dropout seed of a training forward, from one draw (one kernel, where each op

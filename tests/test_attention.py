@@ -430,10 +430,12 @@ def test_attend_to_packed_sequences_equals_the_padded_batch():
     torch.testing.assert_close(packed, padded[rows[0]], atol=1e-5, rtol=1e-5)
 
 
-def test_packed_sequences_take_no_attention_dropout():
-    _, ours = _pair(batch_first=True, dropout=0.1)
-    layout = Packed.of_lengths([2])
-    x = torch.randn(2, E)
-    with pytest.raises(ValueError, match="packed sequences take no attention dropout"):
-        ours.attend(x, x, packed=(layout, layout))
-    ours.eval().attend(x, x, packed=(layout, layout))
+def test_packed_sequences_take_attention_dropout_in_training():
+    _, ours = _pair(batch_first=True, dropout=0.5)
+    layout = Packed.of_lengths([3, 2])
+    x = torch.randn(5, E)
+    seed = torch.tensor([7, 0])
+    train = [ours.attend(x, x, packed=(layout, layout), dropout_seed=seed) for _ in range(2)]
+    torch.testing.assert_close(train[0], train[1])  # the seed decides the mask
+    evaluated = ours.eval().attend(x, x, packed=(layout, layout))
+    assert not torch.allclose(train[0], evaluated)

@@ -88,11 +88,27 @@ def test_packed_forward_equals_the_padded_forward_at_its_tokens(prenorm, backend
     torch.testing.assert_close(packed, padded[valid], atol=1e-5, rtol=1e-5)
 
 
-def test_packed_forward_is_for_inference():
-    model = Transformer(SMALL)
-    src, src_lengths, tgt = _batch()
-    with pytest.raises(ValueError, match="forward_packed is for inference"):
-        model.forward_packed(*_packed(src, src_lengths), *_packed(tgt, torch.tensor([5, 5, 5])))
+@pytest.mark.parametrize("backend", ["cpp", "reference"])
+def test_packed_training_gradients_equal_the_padded_ones(backend):
+    """Without dropout a packed training step is the padded one at its tokens."""
+    require_backend(backend)
+    no_dropout = dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+    model = Transformer(ModelConfig(**{**SMALL.to_dict(), **no_dropout})).train()
+    src, src_lengths, tgt = _batch(batch=3, src_len=8, tgt_len=5)
+    tgt_lengths = torch.tensor([5, 2, 4])
+    valid = torch.arange(5) < tgt_lengths[:, None]
+    upstream = torch.randn(int(tgt_lengths.sum()), 32)
+    grads = []
+    with fastnmt.backend(backend):
+        for states in (
+            lambda: model(src, src_lengths, tgt)[valid],
+            lambda: model.forward_packed(*_packed(src, src_lengths), *_packed(tgt, tgt_lengths)),
+        ):
+            model.zero_grad()
+            (states() * upstream).sum().backward()
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name, grad in grads[1].items():
+        torch.testing.assert_close(grad, grads[0][name], atol=1e-4, rtol=1e-4, msg=name)
 
 
 def test_cached_decoding_equals_full_recomputation():

@@ -556,14 +556,14 @@ def _over_unpacked(padded_attention):
     arguments) over the sequences unpacked into a padded batch, differentiably."""
 
     def implementation(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-        return_lse,
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, dropout_p,
+        scale, return_lse, dropout_seed=None,
     ):  # fmt: skip
         queries = _Unpacking(cu_seqlens_q, max_seqlen_q)
         keys = _Unpacking(cu_seqlens_k, max_seqlen_k)
         out, lse = padded_attention(
             queries.padded(q), keys.padded(k), keys.padded(v), keys.lengths, None, None, causal,
-            0.0, scale, return_lse, None,
+            dropout_p, scale, return_lse, None,
         )  # fmt: skip
         lse = None if lse is None else queries.packed(lse[..., None])[..., 0].t()  # (H, total)
         return queries.packed(out), lse
@@ -592,8 +592,8 @@ def _check_packed_values(name: str, cu_seqlens, rows: int, longest: int, longest
 
 
 def _prepare_varlen(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, scale=None,
-    return_lse=False,
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, dropout_p=0.0,
+    scale=None, return_lse=False, dropout_seed=None,
 ):  # fmt: skip
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         checks.tensor(name, tensor, ndim=3, floating=True)
@@ -620,8 +620,9 @@ def _prepare_varlen(
     scale = head_dim**-0.5 if scale is None else checks.positive("scale", scale)
     return q.device, dict(
         q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal, scale=scale,
-        return_lse=bool(return_lse),
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
+        dropout_p=checks.probability("dropout_p", dropout_p), scale=scale,
+        return_lse=bool(return_lse), dropout_seed=checks.dropout_seed(dropout_seed, "q", q),
     )  # fmt: skip
 
 
@@ -646,12 +647,14 @@ def _varlen_running(_backend: str, forward):
     """The varlen implementation that calls ``forward`` (the op's arguments but return_lse)."""
 
     def implementation(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-        return_lse,
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, dropout_p,
+        scale, return_lse, dropout_seed,
     ):  # fmt: skip
+        seed = chosen_seed(dropout_seed, dropout_p, q.device)
         out, lse = forward(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale
-        )
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seed, causal,
+            dropout_p, scale,
+        )  # fmt: skip
         return out, (lse if return_lse else None)
 
     return implementation
@@ -666,12 +669,15 @@ def _attention_varlen_forward_op(
     cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int,
     max_seqlen_k: int,
+    seed: torch.Tensor | None,
     causal: bool,
+    dropout_p: float,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _launch_forward_varlen(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale
-    )
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seed, causal, dropout_p,
+        scale,
+    )  # fmt: skip
 
 
 @registration.triton_library_op("fastnmt::attention_varlen_backward")
@@ -687,12 +693,14 @@ def _attention_varlen_backward_op(
     cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int,
     max_seqlen_k: int,
+    seed: torch.Tensor | None,
     causal: bool,
+    dropout_p: float,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _launch_backward_varlen(
         grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-        max_seqlen_k, causal, scale,
+        max_seqlen_k, seed, causal, dropout_p, scale,
     )  # fmt: skip
 
 
@@ -702,9 +710,9 @@ def _varlen_fake(q, k, v, cu_seqlens_q, *_):
 
 
 def _varlen_setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, *sizes = inputs  # max_seqlen_q, _k, causal, scale
-    ctx.save_for_backward(q, k, v, *output, cu_seqlens_q, cu_seqlens_k)
-    ctx.sizes = sizes
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seed, *rest = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_seqlens_q, cu_seqlens_k, seed)
+    ctx.sizes, ctx.rest = (max_seqlen_q, max_seqlen_k), rest  # rest: causal, dropout_p, scale
     ctx.set_materialize_grads(False)  # an unused LSE gets no zero-filled gradient
 
 
@@ -712,13 +720,15 @@ def _make_varlen_backward(backward_op):
     """The autograd backward of a varlen forward op whose backward op is ``backward_op``."""
 
     def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seed = ctx.saved_tensors
         if grad_out is None:  # only the LSE was used
             grad_out = torch.zeros_like(out)
         grads = backward_op(
-            grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.sizes
-        )
-        return *grads, None, None, None, None, None, None
+            grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.sizes, seed,
+            *ctx.rest,
+        )  # fmt: skip
+        # cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seed, causal, dropout_p, scale
+        return *grads, None, None, None, None, None, None, None, None
 
     return backward
 
@@ -760,8 +770,10 @@ def attention_varlen(
     max_seqlen_k,
     *,
     causal=False,
+    dropout_p=0.0,
     scale=None,
     return_lse=False,
+    dropout_seed=None,
 ):
     """``attention`` over packed sequences, without padding (FlashAttention's
     ``flash_attn_varlen_func`` layout): sequence b's queries are rows cu_seqlens_q[b] ..
@@ -775,19 +787,23 @@ def attention_varlen(
         max_seqlen_q, max_seqlen_k: ints, at least every sequence's length (the host knows them
             when it packs; reading them from the tensors would sync a GPU).
         causal: query i of a sequence sees its keys j <= i (top-left aligned, as ``attention``).
+        dropout_p: dropout on the attention probabilities (pass 0.0 in evaluation).
         scale: score scale, default D ** -0.5.
         return_lse: also return the fp32 log-sum-exp (H, total_q) of each row.
+        dropout_seed: as ``attention``'s; the fused kernels draw keep_ij of sequence b's query i
+            and key j as ``attention``'s do for (b, i, j) with Lq = max_seqlen_q and Lk =
+            max_seqlen_k.
 
     Backends: the padded op's kernels, forward and backward, each program reading its
     sequence's rows through cu_seqlens: Triton (CUDA) and C++ (CPU tensors); elsewhere the
-    reference runs the sequences unpacked into a padded batch. No dropout. The C++ backend
-    checks cu_seqlens always, the others under FASTNMT_CHECK_VALUES=1.
+    reference runs the sequences unpacked into a padded batch. The C++ backend checks
+    cu_seqlens always, the others under FASTNMT_CHECK_VALUES=1.
 
     Returns:
         out (total_q, H, Dv), or (out, lse) when ``return_lse``.
     """
     out, lse = ATTENTION_VARLEN(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-        return_lse,
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, dropout_p,
+        scale, return_lse, dropout_seed,
     )  # fmt: skip
     return (out, lse) if return_lse else out

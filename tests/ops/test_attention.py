@@ -1153,26 +1153,36 @@ def _each_sequence(q, k, v, cu_q, cu_k):
         yield rows
 
 
-def _varlen_oracle(q, k, v, cu_q, cu_k, causal):
-    """float64 out (total_q, H, Dv) and lse (H, total_q), sequence by sequence."""
+def _dropped(probs, keep, b, dropout_p):
+    """Sequence b's probabilities (1, H, Lq, Lk) after dropout with the kernels' keep mask (B, H,
+    max Lq, max Lk), or as they are without one."""
+    if keep is None:
+        return probs
+    _, _, lq, lk = probs.shape
+    return probs * keep[b : b + 1, :, :lq, :lk].to(probs.dtype) / (1 - dropout_p)
+
+
+def _varlen_oracle(q, k, v, cu_q, cu_k, causal, keep=None, dropout_p=0.0):
+    """float64 out (total_q, H, Dv) and lse (H, total_q), sequence by sequence (with dropout:
+    the kernels' keep mask)."""
     outs, lses = [], []
-    for q_b, k_b, v_b in _each_sequence(q, k, v, cu_q, cu_k):
+    for b, (q_b, k_b, v_b) in enumerate(_each_sequence(q, k, v, cu_q, cu_k)):
         if not k_b.shape[2]:  # no key: zeros, lse -inf
             outs.append(q_b.new_zeros(q_b.shape[2], q_b.shape[1], v_b.shape[3], dtype=FP64))
             lses.append(torch.full(q_b.shape[1:3], float("-inf"), dtype=FP64, device=q.device))
             continue
-        out, lse, _ = attention_oracle(q_b, k_b, v_b, causal=causal)
-        outs.append(out[0].transpose(0, 1))
+        _, lse, probs = attention_oracle(q_b, k_b, v_b, causal=causal)
+        outs.append((_dropped(probs, keep, b, dropout_p) @ v_b.double())[0].transpose(0, 1))
         lses.append(lse[0])
     return torch.cat(outs), torch.cat(lses, dim=1)
 
 
-def _varlen_plain(q, k, v, cu_q, cu_k, causal):
+def _varlen_plain(q, k, v, cu_q, cu_k, causal, keep=None, dropout_p=0.0):
     """Plain PyTorch in the inputs' dtype, sequence by sequence (the error baseline)."""
     outs = []
-    for q_b, k_b, v_b in _each_sequence(q, k, v, cu_q, cu_k):
+    for b, (q_b, k_b, v_b) in enumerate(_each_sequence(q, k, v, cu_q, cu_k)):
         probs = attention_probabilities(q_b, k_b, causal=causal)  # (1, H, Lq, Lk)
-        outs.append((probs @ v_b)[0].transpose(0, 1))
+        outs.append((_dropped(probs, keep, b, dropout_p) @ v_b)[0].transpose(0, 1))
     return torch.cat(outs)
 
 
@@ -1228,6 +1238,42 @@ def test_triton_varlen_with_gpu_tiles_matches_float64_oracle(causal):
     torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-4)
     for grad, oracle in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(grad.double(), oracle, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
+@pytest.mark.parametrize("dtype", [FP32, BF16])
+def test_varlen_dropout_draws_the_padded_kernels_mask(backend, dtype):
+    """keep_ij of sequence b's query i and key j is the padded kernels' (b, i, j) draw with the
+    longest lengths: output and gradients against the float64 oracle given that mask."""
+    require_backend(backend)
+    device, p = device_of(backend), 0.3
+    case = VARLEN_CASES[3]
+    inputs = _varlen_inputs(case, dtype, int(torch.randint(2**31, ())), device)
+    q, k, v, cu_q, cu_k = inputs
+    longest_q, longest_k = (max(lengths) for lengths in case[0])
+    grad_out = torch.randn(len(q), 2, v.shape[2], dtype=dtype, device=device)
+    generator_seed = int(torch.randint(2**31, ()))
+    torch.manual_seed(generator_seed)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    with dispatch.backend(backend):
+        out = attention_varlen(*leaves, cu_q, cu_k, longest_q, longest_k, causal=True, dropout_p=p)
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    shape = (len(cu_q) - 1, 2, longest_q, longest_k)
+    keep = _kernel_keep_mask(backend, generator_seed, device, shape, p)
+    assert not keep.all()
+
+    def with_grads(function, inputs):
+        leaves = [x.detach().requires_grad_() for x in inputs]
+        result = function(*leaves, cu_q, cu_k, True, keep, p)
+        result = result[0] if isinstance(result, tuple) else result
+        return result, torch.autograd.grad(result, leaves, grad_out.to(result.dtype))
+
+    expected, expected_grads = with_grads(_varlen_oracle, [x.double() for x in (q, k, v)])
+    plain, plain_grads = with_grads(_varlen_plain, (q, k, v))
+    assert_error_within(out.detach(), plain, expected, 2, ATOL[dtype])
+    named = zip(("dq", "dk", "dv"), grads, plain_grads, expected_grads, strict=True)
+    for name, grad, plain_grad, expected_grad in named:
+        assert_error_within(grad, plain_grad, expected_grad, 3, ATOL[dtype], name)
 
 
 def test_varlen_equals_the_padded_batch():
@@ -1307,6 +1353,8 @@ VARLEN_ERRORS = [
     (dict(max_seqlen_q=-1), ValueError, "max_seqlen_q must be an int >= 0"),
     (dict(max_seqlen_k=True), ValueError, "max_seqlen_k must be an int >= 0"),
     (dict(causal=1), TypeError, "causal must be a bool"),
+    (dict(dropout_p=1.0), ValueError, r"dropout_p must be in \[0, 1\)"),
+    (dict(dropout_seed=torch.tensor([1])), ValueError, "dropout_seed must be an int64 tensor"),
     (dict(cu_seqlens_q=torch.tensor([0, 2])), ValueError, r"cu_seqlens_q must run from 0 to 3"),
     (dict(max_seqlen_k=4), ValueError, r"cu_seqlens_k must give lengths in \[0, max_seqlen_k"),
 ]
@@ -1322,9 +1370,10 @@ def test_varlen_bad_inputs_name_the_argument(override, error, message, monkeypat
         max_seqlen_k=5,
     )  # fmt: skip
     arguments.update(override)
-    causal = arguments.pop("causal", False)
+    keywords = {name: arguments.pop(name) for name in ("causal", "dropout_p", "dropout_seed")
+                if name in arguments}  # fmt: skip
     with pytest.raises(error, match=message):
-        attention_varlen(*arguments.values(), causal=causal)
+        attention_varlen(*arguments.values(), **keywords)
 
 
 def test_cpp_varlen_checks_cu_seqlens_without_value_checks():
@@ -1344,7 +1393,8 @@ def test_opcheck_varlen_ops(backend):
     """Their fakes and schemas (torch.compile traces a packed model through them)."""
     require_backend(backend)
     q, k, v, cu_q, cu_k = _varlen_inputs(VARLEN_CASES[1], FP32, 3, device_of(backend))
-    forward = (q.requires_grad_(), k, v, cu_q, cu_k, 9, 9, True, 0.25)
+    seed = dropout_seed(q.device)
+    forward = (q.requires_grad_(), k, v, cu_q, cu_k, 9, 9, seed, True, 0.3, 0.25)
     ops = {
         "triton": ("attention_varlen_forward", "attention_varlen_backward"),
         "cpp": ("attention_varlen_cpp", "attention_varlen_cpp_backward"),

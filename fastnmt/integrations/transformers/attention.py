@@ -11,9 +11,9 @@ positions (bottom-right alignment).
 Packed calls: ``apply_fastnmt``'s layers drop padded positions before their projections and FFN
 and give the attention modules (1, tokens, d) hidden states. They pass ``fastnmt_query_packing`` /
 ``fastnmt_key_packing`` (a ``Packing``) through the module's kwargs, and the attention function
-runs ``attention_varlen`` on the packed queries and keys as they are; where it cannot (attention
-dropout, a packed side facing a padded one, weights asked for, grouped-query heads), it puts them
-back in their padded (B, H, L, D) places for the kernels, and packs the output again.
+runs ``attention_varlen`` on the packed queries and keys as they are; where it cannot (a packed
+side facing a padded one, weights asked for, grouped-query heads), it puts them back in their
+padded (B, H, L, D) places for the kernels, and packs the output again.
 """
 
 from __future__ import annotations
@@ -111,11 +111,11 @@ def fastnmt_attention_forward(
     key_packing = kwargs.get("fastnmt_key_packing")
     causal = bool(getattr(module, "is_causal", False) if is_causal is None else is_causal)
     need_weights = _wants_probabilities(module, kwargs)
-    if _runs_packed(query, key, query_packing, key_packing, dropout, need_weights):
+    if _runs_packed(query, key, query_packing, key_packing, need_weights):
         heads = (x[0].transpose(0, 1) for x in (query, key, value))  # (tokens, H, D) views
         out = attention_varlen(
             *heads, query_packing.cu_seqlens, key_packing.cu_seqlens, query_packing.longest,
-            key_packing.longest, causal=causal, scale=scaling,
+            key_packing.longest, causal=causal, dropout_p=dropout, scale=scaling,
         )  # fmt: skip
         return out.unsqueeze(0), None
     if query_packing is not None:
@@ -139,11 +139,11 @@ def fastnmt_attention_forward(
     return (out if query_packing is None else query_packing.pack(out)), weights
 
 
-def _runs_packed(query, key, query_packing, key_packing, dropout, need_weights) -> bool:
+def _runs_packed(query, key, query_packing, key_packing, need_weights) -> bool:
     """Whether a call's packed sides go to ``attention_varlen`` as they are: both packed (their
     masks are all the masking there is: a packing comes from a 2D padding mask, and no KV cache
-    is packed), as many key heads as query heads, no attention dropout and no weights."""
-    if query_packing is None or key_packing is None or dropout or need_weights:
+    is packed), as many key heads as query heads, and no weights."""
+    if query_packing is None or key_packing is None or need_weights:
         return False
     return key.shape[1] == query.shape[1]
 

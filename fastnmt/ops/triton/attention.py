@@ -193,12 +193,15 @@ def _launch_forward(
     return as_dtype(out, q.dtype), lse
 
 
-def _launch_forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           causal, scale):  # fmt: skip
+def _launch_forward_varlen(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seed, causal, dropout_p,
+    scale,
+):  # fmt: skip
     """The forward kernel over packed sequences (``attention_varlen``): q (total_q, H, D), k
     (total_k, H, D), v (total_k, H, Dv) -> out (total_q, H, Dv), lse (H, total_q); one program
     per (sequence, head, block of the longest sequence's queries), those past a sequence's own
-    queries reading nothing."""
+    queries reading nothing. Dropout draws keep_ij as the padded kernels do, with Lk the longest
+    sequence's (``dropout_keep_mask(seed, (B, H, max_seqlen_q, max_seqlen_k), p)``)."""
     total_q, heads, head_dim = q.shape
     value_dim, batch = v.shape[2], cu_seqlens_q.shape[0] - 1
     if head_dim.__class__ is not int:  # a trace with dynamic shapes: blocks need fixed dims
@@ -210,16 +213,16 @@ def _launch_forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if batch and blocks:  # a grid of no program is no launch
         options = _options(
             config, head_dim, value_dim, q.dtype, dot_precision(q.dtype), causal, False, False,
-            False, HAS_CACHE_ROWS=False, VARLEN=True,
+            seed is not None, HAS_CACHE_ROWS=False, VARLEN=True,
         )  # fmt: skip
         _FORWARD(
             q.device,
             (batch * heads, blocks, 1),
             (
-                q, k, v, out, lse, None, None, None, None, cu_seqlens_q, cu_seqlens_k,
+                q, k, v, out, lse, None, None, seed, None, cu_seqlens_q, cu_seqlens_k,
                 *_packed_strides(q), *_packed_strides(k), *_packed_strides(v),
                 *_packed_strides(out), 0, 0, 0, 0,
-                heads, max_seqlen_q, max_seqlen_k, head_dim, value_dim, scale, 0.0, total_q,
+                heads, max_seqlen_q, max_seqlen_k, head_dim, value_dim, scale, dropout_p, total_q,
             ),
             options,
         )  # fmt: skip
@@ -257,7 +260,7 @@ def _launch_backward(
 
 def _launch_backward_varlen(
     grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-    max_seqlen_k, causal, scale,
+    max_seqlen_k, seed, causal, dropout_p, scale,
 ):  # fmt: skip
     """``_launch_backward`` over packed sequences (``_launch_forward_varlen``'s)."""
     grads = [new_output_like(x, kernel_output_dtype(q.dtype)) for x in (q, k, v)]
@@ -267,8 +270,8 @@ def _launch_backward_varlen(
     if batch and max_seqlen_q and max_seqlen_k:
         operands = (_as_batch(grad_out), grad_lse, *map(_as_batch, (q, k, v, out)), lse)
         _backward_kernels(
-            operands, [_as_batch(g) for g in grads], (None, None, None, cu_seqlens_q, cu_seqlens_k),
-            (0, 0), (batch, max_seqlen_q, max_seqlen_k, q.shape[0]), causal, 0.0, scale,
+            operands, [_as_batch(g) for g in grads], (None, None, seed, cu_seqlens_q, cu_seqlens_k),
+            (0, 0), (batch, max_seqlen_q, max_seqlen_k, q.shape[0]), causal, dropout_p, scale,
         )  # fmt: skip
     else:  # no program: every gradient is 0
         for grad in grads:

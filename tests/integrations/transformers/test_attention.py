@@ -166,13 +166,14 @@ def test_packed_calls_equal_padded_ones(kind, need_weights):
 
 @pytest.mark.parametrize(
     ("dropout", "need_weights", "varlen"),
-    [(0.0, False, True), (0.1, False, False), (0.0, True, False)],
+    [(0.0, False, True), (0.1, False, True), (0.0, True, False)],
     ids=["packed", "attention dropout", "weights"],
 )
 def test_packed_calls_run_attention_varlen_on_the_packed_rows(
     dropout, need_weights, varlen, monkeypatch
 ):
-    """No unpacking around the kernels, unless the call takes what attention_varlen does not."""
+    """No unpacking around the kernels, unless the call asks for what attention_varlen does not
+    give (the probabilities)."""
     calls = []
 
     def recorded(name):
