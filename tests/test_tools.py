@@ -210,7 +210,8 @@ def test_gpu_check_smoke_runs_the_whole_plan(tmp_path):
     assert all(0 <= float(row[5]) <= 100 for row in training), training  # validation BLEU
     decoding = _table_rows(report, STAGE_TABLES["decode"])
     assert [(row[0], row[1]) for row in decoding] == [
-        ("static", "4"), ("static", "1"), ("dynamic", "4"), ("dynamic", "1")
+        ("static", "4"), ("static", "1"), ("dynamic", "4"), ("dynamic", "1"),
+        ("score (packed pairs)", "-"),
     ]  # fmt: skip
     speeds = [float(cell.replace(",", "")) for row in decoding for cell in row[2:4]]
     assert all(speed > 0 for speed in speeds), decoding

@@ -556,7 +556,8 @@ def _sentences_per_second(translate: Callable[[], list[str]], device) -> float:
 
 def decode(args, device, report: Report) -> None:
     """Each search's first pass over test2016 (Triton compiling, CUDA graphs captured) and the
-    median of its next passes, in this process (no start-up per row)."""
+    median of its next passes, in this process (no start-up per row); then scoring its pairs
+    (teacher-forced, packed: ``attention_varlen``), against static beam 4 (#52's goal: 5x)."""
     row = report.table(
         "test2016 with the auto run's checkpoint",
         "search", "beam", "sent/s", "first pass sent/s", "passes",
@@ -571,6 +572,15 @@ def decode(args, device, report: Report) -> None:
             search = "static" if static else "dynamic"
             warm = statistics.median(speeds[1:])
             row(search, beam, f"{warm:,.1f}", f"{speeds[0]:,.1f}", passes)
+    score = functools.partial(translator.score, corpus.src, corpus.tgt)
+    speeds = [_sentences_per_second(score, device) for _ in range(passes)]
+    row(
+        "score (packed pairs)",
+        "-",
+        f"{statistics.median(speeds[1:]):,.1f}",
+        f"{speeds[0]:,.1f}",
+        passes,
+    )
 
 
 def hf(args, device, report: Report) -> None:
