@@ -12,6 +12,7 @@
 #include "vec.h"
 
 #include <cmath>
+#include <limits>
 #include <type_traits>
 
 namespace fastnmt {
@@ -105,12 +106,23 @@ void write_gradient(T* x, int64_t n, float lse, float uniform, float scale) {
   }
 }
 
+// The nll of a row in one pass (loss_only): log sum_v exp(x_v - x_gold), shifted by the gold
+// logit, which is at hand, rather than by the max, which takes a pass of its own. A row whose
+// gold logit lies 87 or more below its max (its exponentials reach the clamp of vector_exp) is
+// not served: NaN, and the caller takes the two passes.
+template <bool kScaled, typename T>
+float gold_shifted_nll(const T* x, int64_t vocab, int64_t gold, float row_scale) {
+  const ShiftedSums sums = shifted_sums<kScaled>(x, vocab, to_float(x[gold]), row_scale);
+  return sums.exp < 1e38f ? std::log(sums.exp) : std::numeric_limits<float>::quiet_NaN();
+}
+
 // row_scales (kScaled): each row's logits are x * row_scales[i] (an int8 GEMM's unscaled output,
-// fastnmt/quantize.py; positive scales keep the max where it is). No gradient then.
+// fastnmt/quantize.py; positive scales keep the max where it is). No gradient then. loss_only
+// (no smoothing, no gradient): each row's loss and nll, its `correct` NaN (no argmax is taken).
 template <bool kScaled, typename T>
 void rows(T* logits, const int64_t* target, float* stats, int64_t count, int64_t vocab,
           float smoothing, int64_t ignore_index, bool compute_grad, float scale,
-          const float* row_scales) {
+          const float* row_scales, bool loss_only) {
   const float uniform = smoothing / static_cast<float>(vocab);
   // Threads only for rows worth waking them (PyTorch's grain): a thread pool round trip costs
   // more than a few short rows.
@@ -126,6 +138,15 @@ void rows(T* logits, const int64_t* target, float* stats, int64_t count, int64_t
         continue;
       }
       const float row_scale = kScaled ? row_scales[i] : 1.0f;
+      constexpr float kNoArgmax = std::numeric_limits<float>::quiet_NaN();
+      if (loss_only) {
+        const float nll = gold_shifted_nll<kScaled>(x, vocab, gold, row_scale);
+        if (!std::isnan(nll)) {
+          out[0] = out[1] = nll;
+          out[2] = kNoArgmax;
+          continue;
+        }
+      }
       const RowMax row = max_argmax(x, vocab);
       const ShiftedSums sums = shifted_sums<kScaled>(x, vocab, row.max, row_scale);
       const float log_sum = std::log(sums.exp);
@@ -136,7 +157,7 @@ void rows(T* logits, const int64_t* target, float* stats, int64_t count, int64_t
       const float smoothed = static_cast<float>(vocab) * log_sum - sums.shifted;
       out[0] = (1.0f - smoothing) * nll + uniform * smoothed;
       out[1] = nll;
-      out[2] = row.argmax == gold ? 1.0f : 0.0f;
+      out[2] = loss_only ? kNoArgmax : row.argmax == gold ? 1.0f : 0.0f;
       if (kScaled || !compute_grad) continue;
       write_gradient(x, vocab, lse, uniform, scale);
       const float gold_probability = std::exp(gold_logit - lse);
@@ -148,7 +169,8 @@ void rows(T* logits, const int64_t* target, float* stats, int64_t count, int64_t
 // The gradient rows come out times grad_scale (s of the math, when the caller folds it in).
 at::Tensor cross_entropy_rows(at::Tensor logits, const at::Tensor& target, double label_smoothing,
                               int64_t ignore_index, bool compute_grad, double grad_scale,
-                              const c10::optional<at::Tensor>& row_scales = c10::nullopt) {
+                              const c10::optional<at::Tensor>& row_scales = c10::nullopt,
+                              bool loss_only = false) {
   check_cpu(logits, "logits");
   check_cpu(target, "target");
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous(), "logits must be a contiguous 2-D tensor");
@@ -170,6 +192,8 @@ at::Tensor cross_entropy_rows(at::Tensor logits, const at::Tensor& target, doubl
     scales = row_scales_data(*row_scales, count, "cross_entropy_rows", "row_scales");
     TORCH_CHECK(!compute_grad, "row_scales (an int8 GEMM's logits) give no gradient");
   }
+  TORCH_CHECK(!loss_only || (!compute_grad && label_smoothing == 0.0),
+              "loss_only takes no gradient and no label smoothing");
   auto stats = at::empty({count, 3}, logits.options().dtype(at::kFloat));
   dispatch_float(logits.scalar_type(), "cross_entropy_rows", [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -177,7 +201,7 @@ at::Tensor cross_entropy_rows(at::Tensor logits, const at::Tensor& target, doubl
       rows<decltype(scaled)::value>(logits.data_ptr<T>(), gold_ids, stats.data_ptr<float>(),
                                     count, vocab, static_cast<float>(label_smoothing),
                                     ignore_index, compute_grad, static_cast<float>(grad_scale),
-                                    scales);
+                                    scales, loss_only);
     };
     if (scales != nullptr) {
       run(std::true_type{});
@@ -190,9 +214,9 @@ at::Tensor cross_entropy_rows(at::Tensor logits, const at::Tensor& target, doubl
 
 at::Tensor cross_entropy_rows_op(at::Tensor logits, const at::Tensor& target,
                                  double label_smoothing, int64_t ignore_index, bool compute_grad,
-                                 const c10::optional<at::Tensor>& row_scales) {
+                                 const c10::optional<at::Tensor>& row_scales, bool loss_only) {
   return cross_entropy_rows(logits, target, label_smoothing, ignore_index, compute_grad, 1.0,
-                            row_scales);
+                            row_scales, loss_only);
 }
 
 constexpr int64_t kChunkElements = int64_t{1} << 23;  // as fastnmt/ops/triton/linear_cross_entropy.py
@@ -368,7 +392,8 @@ LossAndGradients linear_cross_entropy_autograd(
 TORCH_LIBRARY_FRAGMENT(fastnmt, m) {
   m.def(
       "cross_entropy_rows_cpp(Tensor(a!) logits, Tensor target, float label_smoothing, "
-      "int ignore_index, bool compute_grad, Tensor? row_scales=None) -> Tensor");
+      "int ignore_index, bool compute_grad, Tensor? row_scales=None, bool loss_only=False) -> "
+      "Tensor");
   m.def(
       "linear_cross_entropy_cpp(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
       "float label_smoothing, int ignore_index, bool mean, bool compute_grad, "

@@ -137,7 +137,8 @@ def _target_log_probs(model: Transformer, batch: PackedPairs, *, per_token: bool
     pad = model.cfg.pad_id
     if model.packed_output is not None:  # the search's GEMM, its weight packed once
         vocab = model.cfg.vocab_size
-        log_probs = -per_token_losses(states, model.packed_output, vocab, targets, 0.0, pad)[0]
+        losses = per_token_losses(states, model.packed_output, vocab, targets, 0.0, pad, False)
+        log_probs = -losses[0]
     else:
         weight, bias = model.embedding.weight, model.output_bias
         log_probs = -linear_cross_entropy(states, weight, bias, targets, 0.0, pad, "none").loss

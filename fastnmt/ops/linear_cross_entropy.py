@@ -315,8 +315,9 @@ def _scoring_chunk_rows(vocab_size: int) -> int:
 
 @torch.no_grad()
 def per_token_losses(
-    hidden, output_layer, vocab_size, target, label_smoothing=0.0, ignore_index=-100
-):
+    hidden, output_layer, vocab_size, target, label_smoothing=0.0, ignore_index=-100,
+    statistics=True,
+):  # fmt: skip
     """Each token's loss (N,) of the logits ``output_layer(hidden)`` (N, E) -> (N, V), without
     gradients, chunk by chunk (no (N, V) tensor beyond a chunk's; the C++ row kernel turns a
     chunk's logits into losses while they are in a CPU's caches), and the statistics
@@ -324,10 +325,16 @@ def per_token_losses(
     as ``fastnmt.quantize``'s packed ones, whose weight oneDNN reordered once (``F.linear`` on a
     CPU reorders it at every call: about a sixth of a 1,000-row chunk's time on an AMX CPU). One
     with an ``unscaled`` method (``fastnmt.quantize``'s int8 layers) hands over its output rows
-    and their scales, which the row kernel applies as it reads them."""
+    and their scales, which the row kernel applies as it reads them. ``statistics=False``
+    (scoring, without label smoothing): the losses only, the statistics None, and one pass
+    over each row of logits rather than two (no argmax to find: 1.3x as fast a row)."""
     if not extension_available():
         logits = output_layer(hidden)
-        return _cross_entropy_reference(logits, target, label_smoothing, ignore_index, "none")
+        losses, stats = _cross_entropy_reference(
+            logits, target, label_smoothing, ignore_index, "none"
+        )
+        return losses, (stats if statistics else None)
+    loss_only = not statistics and label_smoothing == 0.0
     step = _scoring_chunk_rows(vocab_size)
     gemm = getattr(output_layer, "unscaled", lambda x: (output_layer(x), None))
     rows = [hidden.new_zeros((0, 3), dtype=torch.float32)]  # per token: loss, nll, correct
@@ -336,10 +343,12 @@ def per_token_losses(
         chunk = target[start : start + step]
         rows.append(
             torch.ops.fastnmt.cross_entropy_rows_cpp(
-                logits, chunk, label_smoothing, ignore_index, False, scales
+                logits, chunk, label_smoothing, ignore_index, False, scales, loss_only
             )
         )
     stats = torch.cat(rows)
+    if not statistics:
+        return stats[:, 0], None
     counted = (target != ignore_index).sum(dtype=torch.float64)
     return stats[:, 0], torch.cat([stats[:, 1:].sum(0, dtype=torch.float64), counted[None]])
 

@@ -514,6 +514,38 @@ def test_cpp_rows_apply_row_scales_as_they_read_the_logits(dtype):
     torch.testing.assert_close(losses, expected[:, 0], rtol=2e-6, atol=2e-5)
 
 
+@pytest.mark.parametrize("scaled", [False, True], ids=["logits", "int8 rows and scales"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_rows_loss_only_in_one_pass_equal_the_two_passes(dtype, scaled):
+    """Scoring's rows: each nll shifted by its gold logit, in one pass; a gold logit 90 or 200
+    below its row's max (the shifted exponentials would overflow) takes the two passes. No
+    argmax is taken: ``correct`` is NaN. Not with a gradient or smoothing."""
+    require_backend("cpp")
+    raw = (torch.randn(41, 1003) * 3).to(dtype)
+    scales = torch.rand(41) * 2 + 0.5 if scaled else None
+    target = torch.randint(0, 1003, (41,))
+    target[5] = IGNORE
+    for row, below in ((7, 90.0), (9, 200.0)):  # the gold logit far below the max
+        raw[row, target[row]] = -below / (scales[row] if scaled else 1.0)
+    rows = torch.ops.fastnmt.cross_entropy_rows_cpp
+    expected = rows(raw.clone(), target, 0.0, IGNORE, False, scales)
+    got = rows(raw.clone(), target, 0.0, IGNORE, False, scales, True)
+    torch.testing.assert_close(got[:, :2], expected[:, :2], rtol=2e-6, atol=2e-5)
+    assert got[:, 2].isnan()[target != IGNORE].all() and got[5].eq(0).all()
+    assert expected[7, 1] > 90 and expected[9, 1] > 200
+    for bad in ((0.1, IGNORE, False), (0.0, IGNORE, True)):
+        with pytest.raises(RuntimeError, match="loss_only takes no gradient and no label"):
+            rows(raw.float().clone(), target, *bad, None, True)
+
+    class Unscaled:  # the protocol of fastnmt.quantize's int8 layers
+        def unscaled(self, x):
+            return raw.clone(), scales
+
+    losses, statistics = per_token_losses(raw, Unscaled(), 1003, target, 0.0, IGNORE, False)
+    assert statistics is None
+    torch.testing.assert_close(losses, expected[:, 0], rtol=2e-6, atol=2e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_launches_are_few_and_do_not_grow_with_the_vocabulary(dtype):
     """On a GPU a call's wall time is its launches (the host-path issue counted 348 at 4,096
