@@ -1002,7 +1002,7 @@ std::tuple<at::Tensor, at::Tensor> attention_cpp(
 // A varlen call's packed layout: cu_seqlens checked (the kernels read through them unchecked),
 // kept alive with the layout that points into them, and each sequence's key count.
 struct PackedCall {
-  at::Tensor query_starts, key_starts, key_lengths;
+  at::Tensor query_starts, key_starts, key_lengths;  // initialised before the layout
   Layout layout;
 
   PackedCall(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -1013,11 +1013,11 @@ struct PackedCall {
         key_starts(checked_starts(cu_seqlens_k, k.size(0), max_seqlen_k, "cu_seqlens_k",
                                   "max_seqlen_k")),
         layout(Shape(query_starts.size(0) - 1, q.size(1), max_seqlen_q, max_seqlen_k, q.size(2),
-                     v.size(2))) {
+                     v.size(2)),
+               query_starts, key_starts, q.size(0)) {
     TORCH_CHECK(query_starts.size(0) == key_starts.size(0),
                 "cu_seqlens_q and cu_seqlens_k must have the same length (B + 1), got ",
                 query_starts.size(0), " and ", key_starts.size(0));
-    layout = Layout(layout.n, query_starts, key_starts, q.size(0));
     const int64_t batch = layout.n.batch;
     key_lengths = key_starts.narrow(0, 1, batch) - key_starts.narrow(0, 0, batch);
   }

@@ -281,10 +281,9 @@ def _launch_backward_varlen(
 
 def _as_batch(x: torch.Tensor) -> torch.Tensor:
     """A packed (total, H, D) tensor as the kernels' (B, H, L, D) operand: one batch entry of
-    all its rows (each program adds its sequence's first row; b steps nothing)."""
+    all its rows, with ``_packed_strides``."""
     total, heads, width = x.shape
-    strides = (0, x.stride(1), x.stride(0), x.stride(2))
-    return x.as_strided((1, heads, total, width), strides, x.storage_offset())
+    return x.as_strided((1, heads, total, width), _packed_strides(x), x.storage_offset())
 
 
 def _in_dtypes(grads, inputs):
