@@ -602,6 +602,20 @@ def test_the_host_work_of_a_triton_call_is_a_few_dozen_python_calls(monkeypatch)
     assert host_python_calls(monkeypatch, triton_module, TRITON_KERNELS, step) <= 70
 
 
+def test_the_host_work_of_a_triton_varlen_call_is_the_padded_one_and_its_views(monkeypatch):
+    """Forward + backward over packed sequences with the launches taken out: the padded call's
+    path (the bound above) plus the batch views of the packed operands and gradients (two Python
+    calls each), no unpacking."""
+    q, k, v = (torch.randn(12, 2, 8, requires_grad=True, device=TRITON_DEVICE) for _ in "qkv")
+    cu_seqlens = torch.tensor([0, 4, 12], device=TRITON_DEVICE)
+
+    def step():
+        attention_varlen(q, k, v, cu_seqlens, cu_seqlens, 8, 8, causal=True).sum().backward()
+
+    with dispatch.backend("triton"):
+        assert host_python_calls(monkeypatch, triton_module, TRITON_KERNELS, step) <= 86
+
+
 def test_opcheck_forward_and_backward_ops():
     # strided, as MultiheadAttention's heads
     q = torch.randn(2, 5, 2, 16, device=TRITON_DEVICE).transpose(1, 2)

@@ -263,20 +263,29 @@ def _launch_backward_varlen(
     max_seqlen_k, seed, causal, dropout_p, scale,
 ):  # fmt: skip
     """``_launch_backward`` over packed sequences (``_launch_forward_varlen``'s)."""
-    grads = [new_output_like(x, kernel_output_dtype(q.dtype)) for x in (q, k, v)]
+    grad_dtype = kernel_output_dtype(q.dtype)
+    grads = (
+        new_output_like(q, grad_dtype),
+        new_output_like(k, grad_dtype),
+        new_output_like(v, grad_dtype),
+    )
     if grad_lse is not None:  # (H, total_q) rows
         grad_lse = grad_lse.contiguous()
     batch = cu_seqlens_q.shape[0] - 1
     if batch and max_seqlen_q and max_seqlen_k:
-        operands = (_as_batch(grad_out), grad_lse, *map(_as_batch, (q, k, v, out)), lse)
+        operands = (
+            _as_batch(grad_out), grad_lse, _as_batch(q), _as_batch(k), _as_batch(v),
+            _as_batch(out), lse,
+        )  # fmt: skip
         _backward_kernels(
-            operands, [_as_batch(g) for g in grads], (None, None, seed, cu_seqlens_q, cu_seqlens_k),
-            (0, 0), (batch, max_seqlen_q, max_seqlen_k, q.shape[0]), causal, dropout_p, scale,
+            operands, (_as_batch(grads[0]), _as_batch(grads[1]), _as_batch(grads[2])),
+            (None, None, seed, cu_seqlens_q, cu_seqlens_k), (0, 0),
+            (batch, max_seqlen_q, max_seqlen_k, q.shape[0]), causal, dropout_p, scale,
         )  # fmt: skip
     else:  # no program: every gradient is 0
         for grad in grads:
             grad.zero_()
-    return _in_dtypes(grads, (q, k, v))
+    return grads if grad_dtype == q.dtype else _in_dtypes(grads, (q, k, v))
 
 
 def _as_batch(x: torch.Tensor) -> torch.Tensor:
