@@ -108,12 +108,38 @@ void write_gradient(T* x, int64_t n, float lse, float uniform, float scale) {
 
 // The nll of a row in one pass (loss_only): log sum_v exp(x_v - x_gold), shifted by the gold
 // logit, which is at hand, rather than by the max, which takes a pass of its own. A row whose
-// gold logit lies 87 or more below its max (its exponentials reach the clamp of vector_exp) is
-// not served: NaN, and the caller takes the two passes.
+// gold logit lies about 87 or more below its max (its sum reaches 1e38, or overflows) is not
+// served: NaN, and the caller takes the two passes.
+// The exponentials are powers of two: exp(s (x - x_gold)) = 2^(a x - a x_gold), a = s log2(e).
 template <bool kScaled, typename T>
 float gold_shifted_nll(const T* x, int64_t vocab, int64_t gold, float row_scale) {
-  const ShiftedSums sums = shifted_sums<kScaled>(x, vocab, to_float(x[gold]), row_scale);
-  return sums.exp < 1e38f ? std::log(sums.exp) : std::numeric_limits<float>::quiet_NaN();
+  const float a = (kScaled ? row_scale : 1.0f) * static_cast<float>(M_LOG2E);
+  const float shift = a * to_float(x[gold]);
+  const int64_t whole = vocab / kChainStep * kChainStep;
+  Vec sums[kChains] = {};
+  for (int64_t j = 0; j < whole; j += kChainStep) {
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      // Two vectors of bf16 per load (the order of a sum's terms is free): word l holds
+      // elements 2l and 2l + 1, as the high halves of two fp32 lanes.
+      for (int c = 0; c < kChains; c += 2) {
+        WordVec bits;
+        __builtin_memcpy(&bits, x + j + c * kLanes, sizeof bits);
+        const WordVec low = bits << 16, high = bits & 0xffff0000U;
+        Vec even, odd;
+        __builtin_memcpy(&even, &low, sizeof even);
+        __builtin_memcpy(&odd, &high, sizeof odd);
+        sums[c] += vector_exp2(even * a - shift);
+        sums[c + 1] += vector_exp2(odd * a - shift);
+      }
+    } else {
+      for (int c = 0; c < kChains; ++c) {
+        sums[c] += vector_exp2(load_float(x + j + c * kLanes) * a - shift);
+      }
+    }
+  }
+  float sum = horizontal_sum((sums[0] + sums[1]) + (sums[2] + sums[3]));
+  for (int64_t j = whole; j < vocab; ++j) sum += std::exp2(to_float(x[j]) * a - shift);
+  return sum < 1e38f ? std::log(sum) : std::numeric_limits<float>::quiet_NaN();
 }
 
 // row_scales (kScaled): each row's logits are x * row_scales[i] (an int8 GEMM's unscaled output,

@@ -239,4 +239,38 @@ inline Vec vector_exp(Vec x) {
 #endif
 }
 
+// 2^x (Cephes' exp2f polynomial after x = n + f, |f| <= 1/2; ~2 ulp), for sums of exponentials
+// whose exponent takes one multiply-add: exp(s (x - g)) = 2^(a x - a g), a = s log2(e) (seven
+// vector operations fewer than vector_exp's rounding and two-constant reduction). On AVX-512 x
+// needs no clamp (scalef takes any n: 2^n overflows to inf, underflows to 0); elsewhere it is
+// clamped to [-126, 127].
+inline Vec vector_exp2(Vec x) {
+#if defined(__AVX512F__)
+  const Vec n = reinterpret_cast<Vec>(_mm512_roundscale_ps(
+      reinterpret_cast<__m512>(x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+  x = x < -126.0f ? splat(-126.0f) : x;
+  x = x > 127.0f ? splat(127.0f) : x;
+  const Vec round = splat(12582912.0f);  // 1.5 * 2^23: adding and subtracting it rounds
+  const Vec n = (x + round) - round;
+#endif
+  const Vec f = x - n;
+  Vec p = splat(1.535336188319500e-4f);
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+#if defined(__AVX512F__)
+  return reinterpret_cast<Vec>(
+      _mm512_scalef_ps(reinterpret_cast<__m512>(p), reinterpret_cast<__m512>(n)));
+#else
+  const IntVec exponent = (__builtin_convertvector(n, IntVec) + 127) << 23;  // 2^n
+  Vec two_n;
+  __builtin_memcpy(&two_n, &exponent, sizeof two_n);
+  return p * two_n;
+#endif
+}
+
 }  // namespace fastnmt
