@@ -46,35 +46,87 @@ inline Vec first_lanes(Vec v, int64_t n) {
   return n >= kLanes ? v : (lane_indices() < static_cast<float>(n) ? v : Vec{});
 }
 
+// The affine parameters of a call as fp32 vectors, whole_vectors(width) each (1 and 0 where
+// absent, and past the width): converted once per thread, not at every row.
+struct Affine {
+  std::vector<float> values;
+  const float* weight;
+  const float* bias;
+
+  template <typename w_t>
+  Affine(const w_t* weight_in, const w_t* bias_in, int64_t width)
+      : values(2 * whole_vectors(width), 0.0f) {
+    float* w = values.data();
+    float* b = w + whole_vectors(width);
+    for (int64_t j = 0; j < width; ++j) {
+      w[j] = weight_in != nullptr ? static_cast<float>(weight_in[j]) : 1.0f;
+      b[j] = bias_in != nullptr ? static_cast<float>(bias_in[j]) : 0.0f;
+    }
+    weight = w;
+    bias = b;
+  }
+};
+
+// h = residual + dropout(x) over lanes [j, j + n) (element indices first + j), stored to h, and
+// returned as stored (its statistics are those of h as stored).
+template <typename x_t, typename h_t>
+inline Vec residual_sum(const x_t* x, const h_t* residual, h_t* h, int64_t j, int64_t n,
+                        const DropoutStream& dropout, uint32_t first) {
+  Vec value = load_float(x + j, n);
+  if (dropout.active) value *= dropout.factors(first + static_cast<uint32_t>(j));
+  if (residual != nullptr) value += load_float(residual + j, n);
+  store_float(h + j, value, n);
+  return as_stored<h_t>(value);
+}
+
 // One row: h = residual + dropout(x) (element indices first + j), its statistics, y. `hf` is
-// scratch of whole_vectors(width) floats: h as stored, converted once for the three passes.
-template <typename x_t, typename h_t, typename w_t>
-void forward_row(const x_t* x, const h_t* residual, const w_t* weight, const w_t* bias,
-                 x_t* y, h_t* h, float* hf, int64_t width, float eps,
-                 const DropoutStream& dropout, uint32_t first, float* mean_out, float* rstd_out) {
-  Vec sum = Vec{};
-  for (int64_t j = 0; j < width; j += kLanes) {
-    const int64_t n = std::min(kLanes, width - j);
-    Vec value = load_float(x + j, n);
-    if (dropout.active) value *= dropout.factors(first + static_cast<uint32_t>(j));
-    if (residual != nullptr) value += load_float(residual + j, n);
-    store_float(h + j, value, n);
-    const Vec stored = load_float(h + j, n);  // statistics of h as stored
-    store(hf + j, stored);
-    sum += stored;
+// scratch of whole_vectors(width) floats: h as stored, converted once for both passes. The
+// statistics take one pass, as sums of h - c and its squares with c about h[0] (shifted data: no
+// cancellation unless the row's spread is tiny against its distance from c), so a row's
+// chain of dependent steps (sums, then mean and rstd, then y) is short; whole vectors run on two
+// chains of sums, the tail masked.
+template <typename x_t, typename h_t>
+void forward_row(const x_t* x, const h_t* residual, const Affine& affine, x_t* y, h_t* h,
+                 float* hf, int64_t width, float eps, const DropoutStream& dropout,
+                 uint32_t first, float* mean_out, float* rstd_out) {
+  const int64_t whole = width / kLanes * kLanes;
+  // Near the mean, as h[0] is (dropout aside, which only moves it).
+  const float c = to_float(x[0]) + (residual != nullptr ? to_float(residual[0]) : 0.0f);
+  Vec sum0 = Vec{}, sum1 = Vec{}, squares0 = Vec{}, squares1 = Vec{};
+  int64_t j = 0;
+  for (; j + 2 * kLanes <= whole; j += 2 * kLanes) {
+    const Vec a = residual_sum(x, residual, h, j, kLanes, dropout, first);
+    const Vec b = residual_sum(x, residual, h, j + kLanes, kLanes, dropout, first);
+    store(hf + j, a);
+    store(hf + j + kLanes, b);
+    const Vec da = a - c, db = b - c;
+    sum0 += da;
+    sum1 += db;
+    squares0 += da * da;
+    squares1 += db * db;
   }
-  const float mean = horizontal_sum(sum) / static_cast<float>(width);
-  Vec squares = Vec{};
-  for (int64_t j = 0; j < width; j += kLanes) {
-    const Vec centered = first_lanes(load(hf + j) - mean, width - j);
-    squares += centered * centered;
-  }
-  const float rstd =
-      1.0f / std::sqrt(horizontal_sum(squares) / static_cast<float>(width) + eps);
-  for (int64_t j = 0; j < width; j += kLanes) {
+  for (; j < width; j += kLanes) {  // an odd whole vector, then the tail
     const int64_t n = std::min(kLanes, width - j);
+    const Vec a = residual_sum(x, residual, h, j, n, dropout, first);
+    store(hf + j, a);
+    const Vec d = first_lanes(a - c, n);
+    sum0 += d;
+    squares0 += d * d;
+  }
+  const float inverse_width = 1.0f / static_cast<float>(width);
+  const float shift = horizontal_sum(sum0 + sum1) * inverse_width;  // mean - c
+  const float variance =
+      std::max(horizontal_sum(squares0 + squares1) * inverse_width - shift * shift, 0.0f);
+  const float mean = c + shift;
+  const float rstd = 1.0f / std::sqrt(variance + eps);
+  for (j = 0; j < width; j += kLanes) {
     const Vec xhat = (load(hf + j) - mean) * rstd;
-    store_float(y + j, xhat * affine(weight, j, n, 1.0f) + affine(bias, j, n, 0.0f), n);
+    const Vec out = xhat * load(affine.weight + j) + load(affine.bias + j);
+    if (j < whole) {
+      store_float(y + j, out);
+    } else {
+      store_float(y + j, out, width - whole);
+    }
   }
   *mean_out = mean;
   *rstd_out = rstd;
@@ -85,10 +137,11 @@ void forward_rows(const x_t* x, const h_t* residual, const w_t* weight, const w_
                   x_t* y, h_t* h, float* mean, float* rstd, int64_t rows, int64_t width,
                   double eps, const DropoutStream& dropout) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    const Affine affine(weight, bias, width);
     std::vector<float> hf(whole_vectors(width));
     for (int64_t row = begin; row < end; ++row) {
       const int64_t offset = row * width;
-      forward_row(x + offset, residual == nullptr ? nullptr : residual + offset, weight, bias,
+      forward_row(x + offset, residual == nullptr ? nullptr : residual + offset, affine,
                   y + offset, h + offset, hf.data(), width, static_cast<float>(eps), dropout,
                   static_cast<uint32_t>(offset), mean + row, rstd + row);
     }

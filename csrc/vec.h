@@ -100,6 +100,25 @@ inline void store_float(c10::BFloat16* p, Vec v) {
   __builtin_memcpy(p, &rounded, sizeof rounded);
 }
 
+// v as a T holds it (rounded to T's precision), with no round trip through memory.
+template <typename T>
+inline Vec as_stored(Vec v) {
+  T lanes[kLanes];
+  store_float(lanes, v);
+  return load_float(lanes);
+}
+
+template <>
+inline Vec as_stored<float>(Vec v) { return v; }
+
+template <>
+inline Vec as_stored<c10::BFloat16>(Vec v) {
+  const WordVec widened = __builtin_convertvector(bf16_rounded(v), WordVec) << 16;
+  Vec out;
+  __builtin_memcpy(&out, &widened, sizeof out);
+  return out;
+}
+
 // The first n (< kLanes: the tail of a row) values of p, the other lanes 0; and the first n lanes
 // of v stored to p.
 template <typename T>

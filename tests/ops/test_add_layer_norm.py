@@ -181,7 +181,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # values meets (pairwise, not the full product).
 FUSED_CASES = [
     (width, rows, DTYPES[(i + j) % 3], (i + j) % 2 == 0)
-    for i, width in enumerate([64, 100, 256, 512, 1000])
+    for i, width in enumerate([7, 48, 64, 100, 256, 512, 1000])
     for j, rows in enumerate([1, 3, 129])
 ]
 
@@ -190,6 +190,16 @@ FUSED_CASES = [
 def test_fused_matches_reference_error_rule(fused, width, rows, dtype, prenorm):
     inputs = _inputs(rows, width, dtype, device=device_of(fused))
     _assert_within_error_rule(fused, inputs, prenorm, ATOL[dtype])
+
+
+@pytest.mark.parametrize("offset", [1e3, -3e4])
+def test_fused_rows_far_from_zero_keep_their_variance(fused, offset):
+    """Rows centred far from zero with a spread small against it (the C++ forward sums each
+    row's h - c and its squares in one pass, c near the row's first value) lose nothing to
+    cancellation."""
+    x, residual, weight, bias = _inputs(33, 100, device=device_of(fused))
+    inputs = (x * 0.01 + offset, residual * 0.01, weight, bias)
+    _assert_within_error_rule(fused, inputs, True, ATOL[torch.float32])
 
 
 @pytest.mark.parametrize(
