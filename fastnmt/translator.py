@@ -54,9 +54,6 @@ from fastnmt.quantize import (
 # int8 (fastnmt.quantize, CPUs), the rest bf16 where the CPU has native bf16, else fp32
 # (``int8_activation_dtype``).
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": None}
-# Scoring's batches hold at most this many pairs (packed: no padding): on a CPU their activations
-# stay in cache (test2016 scored as fast as with 192 or 256, faster than with 64 or 512).
-SCORED_SENTENCES = 128
 
 
 class TruncationWarning(UserWarning):
@@ -577,8 +574,7 @@ class Translator:
         sizes = [max(len(s.source_tokens), prefix + len(t.source_tokens)) for s, t in pairs]
         log_probs = torch.zeros(len(pairs), dtype=torch.float64, device="cpu")
         with self._inference():
-            sentences = min(self.max_sentences, SCORED_SENTENCES)
-            for indices in self._batches(list(range(len(pairs))), sizes, sentences):
+            for indices in self._batches(list(range(len(pairs))), sizes):
                 batch = PackedPairs.of(
                     [pairs[i][0].source_tokens for i in indices],
                     [self.target_prefix + pairs[i][1].source_tokens for i in indices],
@@ -626,17 +622,13 @@ class Translator:
                 translations[-1].truncated = True
         return translations
 
-    def _batches(
-        self, todo: list[int], lengths: list[int], max_sentences: int | None = None
-    ) -> Iterator[list[int]]:
+    def _batches(self, todo: list[int], lengths: list[int]) -> Iterator[list[int]]:
         """Runs of sentences of similar ``lengths`` (tokens without eos, by index; sorted),
-        each within max_tokens padded tokens and max_sentences (default: the translator's)
-        sentences."""
-        max_sentences = max_sentences or self.max_sentences
+        each within max_tokens padded tokens and max_sentences sentences."""
         batch: list[int] = []
         for index in sorted(todo, key=lengths.__getitem__):
             # Sorted by size: the sentence being added is the batch's longest (+ eos).
-            full = len(batch) >= max_sentences
+            full = len(batch) >= self.max_sentences
             if batch and (full or (len(batch) + 1) * (lengths[index] + 1) > self.max_tokens):
                 yield batch
                 batch = []
