@@ -312,6 +312,18 @@ struct Rows {
   }
 };
 
+// Asks the caches for rows [0, n) of a (b, h) (width elements each) ahead of their use: a short
+// sequence's unit otherwise waits on the first touch of every one of its rows.
+template <typename T>
+void prefetch_rows(const Rows<T>& src, int64_t b, int64_t h, int64_t n, int64_t width) {
+  constexpr int64_t kLine = 64;
+  const int64_t bytes = width * static_cast<int64_t>(sizeof(T));
+  for (int64_t j = 0; j < n; ++j) {
+    const char* row = reinterpret_cast<const char*>(src.at(b, h, j));
+    for (int64_t offset = 0; offset < bytes; offset += kLine) __builtin_prefetch(row + offset);
+  }
+}
+
 // Rows [first, first + n) of a (b, h) as fp32, row-major with `ld` >= whole_vectors(width)
 // columns, zero-padded.
 template <typename T>
@@ -800,6 +812,15 @@ void forward_few_queries(const Forward<T>& f) {
   }, grain);
 }
 
+// The queries, keys and values of (b, h) = bh, asked of the caches (prefetch_rows).
+template <typename T>
+void prefetch_unit(const Forward<T>& f, int64_t bh) {
+  const int64_t b = bh / f.n.heads, h = bh % f.n.heads, keys = f.mask.key_end[b];
+  prefetch_rows(f.q, b, h, f.queries(b), f.n.d);
+  prefetch_rows(f.k, b, h, keys, f.n.d);
+  prefetch_rows(f.v, b, h, keys, f.n.dv);
+}
+
 // read_words: reads_words<T>(q, k).
 template <typename T>
 void forward_kernel(const Forward<T>& f, bool read_words) {
@@ -828,6 +849,7 @@ void forward_kernel(const Forward<T>& f, bool read_words) {
       if (bh != loaded_bh) {  // the blocks of one (b, h) share its panels
         panels.load(f.k, f.v, b, h, f.mask.key_end[b], f.n);
         loaded_bh = bh;
+        if (bh + 1 < f.n.batch * f.n.heads) prefetch_unit(f, bh + 1);  // most often this thread's next
       }
       f.mask.bias(b, bias, width);
       panels.scores(f.q, b, h, i0, rows, f.n, s, width);
