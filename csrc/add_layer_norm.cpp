@@ -47,32 +47,57 @@ inline Vec first_lanes(Vec v, int64_t n) {
 }
 
 // The affine parameters of a call as fp32 vectors, whole_vectors(width) each (1 and 0 where
-// absent, and past the width): converted once per thread, not at every row.
+// absent, and past the width), and the bias x is finished with (Terms; 0 where absent):
+// converted once per thread, not at every row.
 struct Affine {
   std::vector<float> values;
   const float* weight;
   const float* bias;
+  const float* x_bias;
 
   template <typename w_t>
-  Affine(const w_t* weight_in, const w_t* bias_in, int64_t width)
-      : values(2 * whole_vectors(width), 0.0f) {
+  Affine(const w_t* weight_in, const w_t* bias_in, const float* x_bias_in, int64_t width)
+      : values(3 * whole_vectors(width), 0.0f) {
     float* w = values.data();
     float* b = w + whole_vectors(width);
+    float* xb = b + whole_vectors(width);
     for (int64_t j = 0; j < width; ++j) {
       w[j] = weight_in != nullptr ? static_cast<float>(weight_in[j]) : 1.0f;
       b[j] = bias_in != nullptr ? static_cast<float>(bias_in[j]) : 0.0f;
+      xb[j] = x_bias_in != nullptr ? x_bias_in[j] : 0.0f;
     }
     weight = w;
     bias = b;
+    x_bias = xb;
+  }
+};
+
+// A row of x as the first term of h: x itself, or (kFinish) an int8 GEMM's unscaled output
+// finished on the way in, x scale + x_bias (its scale_rows_, fused: fastnmt/quantize.py).
+template <typename x_t, bool kFinish>
+struct Terms {
+  const x_t* x;
+  float scale;
+  const float* bias;  // whole vectors, 0 past the width
+
+  // Lanes [j, j + n), 0 past n.
+  inline Vec at(int64_t j, int64_t n) const {
+    const Vec v = load_float(x + j, n);
+    if constexpr (kFinish) return first_lanes(v * scale + load(bias + j), n);
+    return v;
+  }
+
+  inline float first() const {
+    return kFinish ? to_float(x[0]) * scale + bias[0] : to_float(x[0]);
   }
 };
 
 // h = residual + dropout(x) over lanes [j, j + n) (element indices first + j), stored to h, and
 // returned as stored (its statistics are those of h as stored).
-template <typename x_t, typename h_t>
-inline Vec residual_sum(const x_t* x, const h_t* residual, h_t* h, int64_t j, int64_t n,
+template <typename Row, typename h_t>
+inline Vec residual_sum(const Row& x, const h_t* residual, h_t* h, int64_t j, int64_t n,
                         const DropoutStream& dropout, uint32_t first) {
-  Vec value = load_float(x + j, n);
+  Vec value = x.at(j, n);
   if (dropout.active) value *= dropout.factors(first + static_cast<uint32_t>(j));
   if (residual != nullptr) value += load_float(residual + j, n);
   store_float(h + j, value, n);
@@ -85,13 +110,13 @@ inline Vec residual_sum(const x_t* x, const h_t* residual, h_t* h, int64_t j, in
 // cancellation unless the row's spread is tiny against its distance from c), so a row's
 // chain of dependent steps (sums, then mean and rstd, then y) is short; whole vectors run on two
 // chains of sums, the tail masked.
-template <typename x_t, typename h_t>
-void forward_row(const x_t* x, const h_t* residual, const Affine& affine, x_t* y, h_t* h,
+template <typename Row, typename x_t, typename h_t>
+void forward_row(const Row& x, const h_t* residual, const Affine& affine, x_t* y, h_t* h,
                  float* hf, int64_t width, float eps, const DropoutStream& dropout,
                  uint32_t first, float* mean_out, float* rstd_out) {
   const int64_t whole = width / kLanes * kLanes;
   // Near the mean, as h[0] is (dropout aside, which only moves it).
-  const float c = to_float(x[0]) + (residual != nullptr ? to_float(residual[0]) : 0.0f);
+  const float c = x.first() + (residual != nullptr ? to_float(residual[0]) : 0.0f);
   Vec sum0 = Vec{}, sum1 = Vec{}, squares0 = Vec{}, squares1 = Vec{};
   int64_t j = 0;
   for (; j + 2 * kLanes <= whole; j += 2 * kLanes) {
@@ -132,20 +157,27 @@ void forward_row(const x_t* x, const h_t* residual, const Affine& affine, x_t* y
   *rstd_out = rstd;
 }
 
+// x_scales: x is an int8 GEMM's unscaled output, row i times x_scales[i] plus x_bias (Terms);
+// nullptr: x itself.
 template <typename x_t, typename h_t, typename w_t>
-void forward_rows(const x_t* x, const h_t* residual, const w_t* weight, const w_t* bias,
-                  x_t* y, h_t* h, float* mean, float* rstd, int64_t rows, int64_t width,
-                  double eps, const DropoutStream& dropout) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    const Affine affine(weight, bias, width);
-    std::vector<float> hf(whole_vectors(width));
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t offset = row * width;
-      forward_row(x + offset, residual == nullptr ? nullptr : residual + offset, affine,
-                  y + offset, h + offset, hf.data(), width, static_cast<float>(eps), dropout,
-                  static_cast<uint32_t>(offset), mean + row, rstd + row);
-    }
-  });
+void forward_rows(const x_t* x, const float* x_scales, const float* x_bias, const h_t* residual,
+                  const w_t* weight, const w_t* bias, x_t* y, h_t* h, float* mean, float* rstd,
+                  int64_t rows, int64_t width, double eps, const DropoutStream& dropout) {
+  const auto run = [&](auto finish) {
+    constexpr bool kFinish = decltype(finish)::value;
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      const Affine affine(weight, bias, x_bias, width);
+      std::vector<float> hf(whole_vectors(width));
+      for (int64_t row = begin; row < end; ++row) {
+        const int64_t offset = row * width;
+        const Terms<x_t, kFinish> terms{x + offset, kFinish ? x_scales[row] : 1.0f, affine.x_bias};
+        forward_row(terms, residual == nullptr ? nullptr : residual + offset, affine, y + offset,
+                    h + offset, hf.data(), width, static_cast<float>(eps), dropout,
+                    static_cast<uint32_t>(offset), mean + row, rstd + row);
+      }
+    });
+  };
+  x_scales != nullptr ? run(std::true_type{}) : run(std::false_type{});
 }
 
 // One row of dx and dresidual (see the math at the top of fastnmt/ops/layer_norm.py), adding
@@ -246,13 +278,14 @@ at::ScalarType h_dtype_of(const at::Tensor& x, const c10::optional<at::Tensor>& 
                               : x.scalar_type();
 }
 
-// Returns (y, h, mean, rstd): y has x's dtype, h h_dtype_of(...), the statistics float32.
-// The signature is that of fastnmt::add_layer_norm_triton, so both share their fakes.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_forward(
-    const at::Tensor& x_in, const c10::optional<at::Tensor>& residual_in,
-    const c10::optional<at::Tensor>& weight_in, const c10::optional<at::Tensor>& bias_in,
-    double eps, double dropout_p, bool residual_in_fp32, const c10::optional<at::Tensor>& seed) {
-  check_cpu(x_in, "x");
+namespace {
+
+// add_layer_norm_forward's, x finished by x_scales and x_bias first when x_scales is given.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
+    const at::Tensor& x_in, const float* x_scales, const float* x_bias,
+    const c10::optional<at::Tensor>& residual_in, const c10::optional<at::Tensor>& weight_in,
+    const c10::optional<at::Tensor>& bias_in, double eps, double dropout_p,
+    bool residual_in_fp32, const c10::optional<at::Tensor>& seed) {
   const auto h_dtype = h_dtype_of(x_in, residual_in, residual_in_fp32);
   const int64_t width = x_in.size(-1);
   const int64_t rows = width == 0 ? 0 : x_in.numel() / width;
@@ -273,7 +306,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_forwar
     const auto run = [&](auto w_tag) {
       using w_t = typename decltype(w_tag)::type;
       forward_rows<x_t, h_t, w_t>(
-          x.data_ptr<x_t>(), residual ? residual->data_ptr<h_t>() : nullptr,
+          x.data_ptr<x_t>(), x_scales, x_bias, residual ? residual->data_ptr<h_t>() : nullptr,
           data_or_null<w_t>(weight), data_or_null<w_t>(bias), y.data_ptr<x_t>(),
           h.data_ptr<h_t>(), mean.data_ptr<float>(), rstd.data_ptr<float>(), rows, width, eps,
           dropout);
@@ -281,6 +314,39 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_forwar
     affine_as_is ? run(Type<x_t>{}) : run(Type<float>{});
   });
   return {y, h, mean, rstd};
+}
+
+}  // namespace
+
+// Returns (y, h, mean, rstd): y has x's dtype, h h_dtype_of(...), the statistics float32.
+// The signature is that of fastnmt::add_layer_norm_triton, so both share their fakes.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_forward(
+    const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+    const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias, double eps,
+    double dropout_p, bool residual_in_fp32, const c10::optional<at::Tensor>& seed) {
+  check_cpu(x, "x");
+  return forward(x, nullptr, nullptr, residual, weight, bias, eps, dropout_p, residual_in_fp32,
+                 seed);
+}
+
+// Inference (no autograd): (y, h) of x * x_scales[:, None] + x_bias with the residual, x an int8
+// GEMM's unscaled rows (rows, N) and x_scales their scales (fastnmt/quantize.py), so that the
+// GEMM's output is finished in the LayerNorm's pass over it (no scale_rows_ of its own).
+std::tuple<at::Tensor, at::Tensor> add_layer_norm_unscaled(
+    const at::Tensor& x, const at::Tensor& x_scales, const c10::optional<at::Tensor>& x_bias,
+    const c10::optional<at::Tensor>& residual, const c10::optional<at::Tensor>& weight,
+    const c10::optional<at::Tensor>& bias, double eps) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(),
+              "add_layer_norm_unscaled: x must be contiguous (rows, N)");
+  TORCH_CHECK(!residual.has_value() || residual->numel() == x.numel(),
+              "add_layer_norm_unscaled: residual must have x's ", x.numel(), " elements");
+  const char* op = "add_layer_norm_unscaled";
+  const float* scales = row_scales_data(x_scales, x.size(0), op, "x_scales");
+  const float* shift = bias_data(x_bias, x.size(1), op, "x_bias");
+  auto [y, h, mean, rstd] = forward(x, scales, shift, residual, weight, bias, eps, 0.0, false,
+                                    c10::nullopt);
+  return {y, h};
 }
 
 // Returns (dx, dresidual, dweight, dbias); dweight/dbias summed in float32 and returned in the
@@ -392,6 +458,9 @@ TORCH_LIBRARY_FRAGMENT(fastnmt, m) {
       "add_layer_norm_cpp(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, float eps, "
       "float dropout_p, bool residual_in_fp32, Tensor? seed) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
+      "add_layer_norm_unscaled_cpp(Tensor x, Tensor x_scales, Tensor? x_bias, Tensor? residual, "
+      "Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor)");
+  m.def(
       "add_layer_norm_cpp_backward(Tensor dy, Tensor? dh_out, Tensor h, Tensor? weight, "
       "Tensor mean, Tensor rstd, Tensor? seed, float dropout_p, bool has_residual, bool has_bias) "
       "-> (Tensor, Tensor, Tensor, Tensor)");
@@ -399,6 +468,7 @@ TORCH_LIBRARY_FRAGMENT(fastnmt, m) {
 
 TORCH_LIBRARY_IMPL(fastnmt, CPU, m) {
   m.impl("add_layer_norm_cpp", &add_layer_norm_forward);
+  m.impl("add_layer_norm_unscaled_cpp", &add_layer_norm_unscaled);
   m.impl("add_layer_norm_cpp_backward", &add_layer_norm_backward);
 }
 

@@ -849,7 +849,8 @@ void forward_kernel(const Forward<T>& f, bool read_words) {
       if (bh != loaded_bh) {  // the blocks of one (b, h) share its panels
         panels.load(f.k, f.v, b, h, f.mask.key_end[b], f.n);
         loaded_bh = bh;
-        if (bh + 1 < f.n.batch * f.n.heads) prefetch_unit(f, bh + 1);  // most often this thread's next
+        // The next (b, h): most often this thread's next unit.
+        if (bh + 1 < f.n.batch * f.n.heads) prefetch_unit(f, bh + 1);
       }
       f.mask.bias(b, bias, width);
       panels.scores(f.q, b, h, i0, rows, f.n, s, width);

@@ -159,4 +159,15 @@ inline const float* row_scales_data(const at::Tensor& scales, int64_t rows, cons
   return scales.data_ptr<float>();
 }
 
+// A float32 (n,) bias's data (an int8 GEMM's, added after its row scales), checked; nullptr
+// for none.
+inline const float* bias_data(const c10::optional<at::Tensor>& bias, int64_t n, const char* op,
+                              const char* name) {
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == n &&
+                  bias->is_contiguous(),
+              op, ": ", name, " must be contiguous float32 (", n, ",)");
+  return bias->data_ptr<float>();
+}
+
 }  // namespace fastnmt

@@ -118,16 +118,6 @@ void quantize_row(const Row& row, int64_t width, float inverse_scale, float zero
   }
 }
 
-// A float32 (n,) bias's data, checked; nullptr for none.
-const float* bias_data(const c10::optional<at::Tensor>& bias, int64_t n, const char* op,
-                       const char* name) {
-  if (!bias.has_value()) return nullptr;
-  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == n &&
-                  bias->is_contiguous(),
-              op, ": ", name, " must be contiguous float32 (", n, ",)");
-  return bias->data_ptr<float>();
-}
-
 std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x_, int64_t padded_rows,
                                                  bool reduce_range,
                                                  const c10::optional<at::Tensor>& x_scales,

@@ -21,6 +21,7 @@ from torch import nn
 from fastnmt.attention import MultiheadAttention, Packed
 from fastnmt.kv_cache import CacheRows, KVCache
 from fastnmt.ops import add_layer_norm, dropout_seeds, feed_forward
+from fastnmt.ops.add_layer_norm import UnscaledRows, add_unscaled_layer_norm
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,8 @@ def residual_stack(
     p = cfg.dropout if training else 0.0
 
     def add_norm(pending, h, norm):
+        if isinstance(pending, UnscaledRows):  # an int8 GEMM's rows, finished in the norm
+            return add_unscaled_layer_norm(pending, h, norm.weight, norm.bias)
         return add_layer_norm(
             pending, h, norm.weight, norm.bias, dropout_p=p, dropout_seed=next_seed(seeds, p)
         )

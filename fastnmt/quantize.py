@@ -46,6 +46,7 @@ from torch import nn
 
 from fastnmt.attention import MultiheadAttention
 from fastnmt.model import FeedForward, Transformer
+from fastnmt.ops.add_layer_norm import UnscaledRows
 from fastnmt.ops.extension import extension_available, extension_status
 
 # Post-GEMM activations; ReLU is applied with the int8 GEMMs' row scales (scale_rows_).
@@ -166,6 +167,9 @@ class RowInt8Linear(PackedLinear):
 
     activation_dtype: torch.dtype
     as_float = False  # whether the GEMM takes q - z as float32 (fbgemm's) rather than bytes
+    # Whether the layer hands its output over unfinished (UnscaledRows) to the add_layer_norm
+    # that adds it to the residual stream (set by _finish_in_norms).
+    finish_in_norm = False
 
     def _pack(self, weight, bias, activation) -> None:
         """The per-channel int8 weight (``_pack_weight``) and the fp32 bias."""
@@ -224,10 +228,14 @@ class RowInt8Linear(PackedLinear):
         multiplied by each row's scale (the weight's are applied)."""
         raise NotImplementedError
 
-    def _finished(self, y: torch.Tensor, scales: torch.Tensor, lead: torch.Size) -> torch.Tensor:
-        """The layer's output (*lead, N) from ``_gemm_of``'s."""
+    def _finished(self, y: torch.Tensor, scales: torch.Tensor, lead: torch.Size):
+        """The layer's output (*lead, N) from ``_gemm_of``'s; with ``finish_in_norm``, as
+        UnscaledRows."""
+        y = _unpadded(y, scales.shape[0])
+        if self.finish_in_norm:
+            return UnscaledRows(y.view(*lead, self.out_features), scales, self.packed_bias)
         torch.ops.fastnmt.scale_rows_(y, scales, self.packed_bias, self.relu)
-        y = _unpadded(y, scales.shape[0]).view(*lead, self.out_features)
+        y = y.view(*lead, self.out_features)
         return y if self.activation is None else self.activation(y)
 
 
@@ -365,7 +373,24 @@ def _pack_model(model: nn.Module, linear: type[PackedLinear]) -> nn.Module:
                 setattr(module, name, linear.from_linear(child))
         if isinstance(module, Transformer):
             module.packed_output = linear(module.embedding.weight, module.output_bias)
+    if issubclass(linear, RowInt8Linear):
+        for module in model.modules():
+            if isinstance(module, Transformer):
+                _finish_in_norms(module)
     return model
+
+
+def _finish_in_norms(model: Transformer) -> None:
+    """The int8 GEMMs whose output the residual stack adds and normalises, each attention's
+    output projection and each feed-forward block's second layer, hand it over unfinished: the
+    add_layer_norm applies its rows' scales and its bias as it reads it (no pass of their own,
+    ``scale_rows_``)."""
+    for layer in [*model.encoder, *model.decoder]:
+        for module in layer.modules():
+            if isinstance(module, MultiheadAttention):
+                module.out_proj.finish_in_norm = True
+            if isinstance(module, FeedForward):
+                module.linear2.finish_in_norm = True
 
 
 def _check_model(name: str, model: nn.Module, supported, dtype: torch.dtype) -> None:

@@ -17,6 +17,10 @@ Backward, given dy and the gradient dh_out flowing into the returned h (pre-norm
 Both Transformer layouts use it: post-norm ``x, _ = add_layer_norm(sublayer(x), x, ...)``,
 pre-norm ``y, h = add_layer_norm(sublayer(y), h, ...)`` and then ``sublayer(y)``.
 
+In int8 inference (``fastnmt.quantize``) a sublayer's last GEMM may hand over its output rows
+unfinished, ``UnscaledRows``: x = values * scales[:, None] + bias, which
+``add_unscaled_layer_norm`` (C++) finishes in its own pass over the rows, as it adds them.
+
 The Triton kernels and their launchers are in ``fastnmt.ops.triton.add_layer_norm``, the C++ ones in
 csrc/add_layer_norm.cpp.
 """
@@ -24,6 +28,7 @@ csrc/add_layer_norm.cpp.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -289,3 +294,28 @@ def add_layer_norm(
         y with x's dtype, and h (fp32 with ``residual_in_fp32``).
     """
     return ADD_LAYER_NORM(x, residual, weight, bias, eps, dropout_p, residual_in_fp32, dropout_seed)
+
+
+class UnscaledRows(NamedTuple):
+    """An int8 GEMM's output before its rows' scales and its bias (``fastnmt.quantize``): the
+    layer's output is ``values * scales[..., None] + bias``; values (..., N), scales one per
+    row of values, bias (N,) float32 or None."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    bias: torch.Tensor | None
+
+    def reshape(self, *shape) -> UnscaledRows:
+        """The same rows in another shape (the last dimension kept)."""
+        return self._replace(values=self.values.reshape(*shape))
+
+
+def add_unscaled_layer_norm(x: UnscaledRows, residual, weight, bias, eps=1e-5):
+    """``add_layer_norm`` of an int8 GEMM's unfinished rows, in inference (C++, no dropout, no
+    gradient): x is finished in the same pass over its rows as the add and the norm. Returns
+    ``(y, h)`` shaped as x's values."""
+    values = x.values
+    y, h = torch.ops.fastnmt.add_layer_norm_unscaled_cpp(
+        values.view(-1, values.shape[-1]), x.scales, x.bias, residual, weight, bias, eps
+    )
+    return y.view(values.shape), h.view(values.shape)

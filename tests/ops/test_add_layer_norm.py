@@ -10,6 +10,11 @@ import torch
 
 import fastnmt
 from fastnmt.ops import add_layer_norm
+from fastnmt.ops.add_layer_norm import (
+    UnscaledRows,
+    add_layer_norm_reference,
+    add_unscaled_layer_norm,
+)
 from fastnmt.ops.triton import common as triton_common
 from tests.helpers import (
     TRITON_CPU_REASON,
@@ -200,6 +205,61 @@ def test_fused_rows_far_from_zero_keep_their_variance(fused, offset):
     x, residual, weight, bias = _inputs(33, 100, device=device_of(fused))
     inputs = (x * 0.01 + offset, residual * 0.01, weight, bias)
     _assert_within_error_rule(fused, inputs, True, ATOL[torch.float32])
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(1, 1, 7), (3, 5, 48), (2, 37, 100)], ids=str)
+def test_cpp_unscaled_rows_are_finished_in_the_norm(shape, dtype, bias):
+    """An int8 GEMM's unfinished output (``UnscaledRows``: values * scales + bias) added and
+    normalised in one pass, within the error rule of finishing it in torch, then adding and
+    normalising, in the same dtype."""
+    require_backend("cpp")
+    values = torch.randn(*shape).to(dtype)
+    scales = torch.rand(values[..., 0].numel()) * 3 + 0.1
+    shift = torch.randn(shape[-1]) if bias else None
+    residual, weight, norm_bias = (
+        torch.randn(*s).to(dtype) for s in (shape, shape[-1:], shape[-1:])
+    )
+    y, h = add_unscaled_layer_norm(UnscaledRows(values, scales, shift), residual, weight, norm_bias)
+    assert y.shape == h.shape == shape and y.dtype == h.dtype == dtype
+
+    def finished(values, to):
+        out = values.to(to) * scales.to(to).view(*shape[:-1], 1)
+        return out if shift is None else out + shift.to(to)
+
+    inputs = (residual, weight, norm_bias)
+    expected = add_layer_norm_reference(
+        finished(values, torch.float64), *(t.double() for t in inputs), 1e-5, 0.0, False
+    )
+    torch_result = add_layer_norm_reference(finished(values, dtype), *inputs, 1e-5, 0.0, False)
+    for got, same_dtype, oracle in zip((y, h), torch_result, expected, strict=True):
+        assert_error_within(got, same_dtype, oracle, 2, ATOL[dtype])
+
+
+def test_cpp_unscaled_rows_refusals_are_one_line():
+    require_backend("cpp")
+    values, residual = torch.randn(4, 8), torch.randn(4, 8)
+    for rows, res, reason in [
+        (
+            UnscaledRows(values, torch.ones(3), None),
+            residual,
+            "x_scales must be contiguous float32 \\(4,\\)",
+        ),
+        (
+            UnscaledRows(values, torch.ones(4), torch.ones(5)),
+            residual,
+            "x_bias must be contiguous float32 \\(8,\\)",
+        ),
+        (
+            UnscaledRows(values, torch.ones(4), None),
+            torch.randn(4, 9),
+            "residual must have x's 32 elements",
+        ),
+    ]:
+        with pytest.raises(RuntimeError, match=reason) as error:
+            add_unscaled_layer_norm(rows, res, None, None)
+        assert len(str(error.value).strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize(
