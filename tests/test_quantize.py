@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastnmt.attention import MultiheadAttention
 from fastnmt.model import Transformer, preset
 from fastnmt.quantize import (
     Bf16Linear,
@@ -365,6 +366,34 @@ def test_a_quantized_model_keeps_its_state_dict_and_predictions(overrides, dtype
     assert 0 < error <= 5 * bf16_error, (error, bf16_error)
     assert (quantized.argmax(-1) == exact.argmax(-1)).float().mean() > 0.9
     torch.testing.assert_close(step, last, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("overrides", MODEL_VARIANTS[:2])
+def test_a_quantized_transformer_finishes_its_residual_gemms_in_the_norms(overrides):
+    """The GEMMs whose output the residual stack adds and normalises (each attention's output
+    projection, each feed-forward block's second layer) hand it over unfinished, to the
+    add_layer_norm after them: an encoder layer scales its qkv projection's rows itself (and a
+    GELU block's hidden rows, which torch activates), not its other GEMMs'. Outside fastnmt's
+    Transformer, every layer finishes its own."""
+    model = quantize_int8(_model(**overrides))
+    finishing = {name for name, m in model.named_modules() if getattr(m, "finish_in_norm", 0)}
+    cfg = model.cfg
+    assert finishing == {
+        *(f"encoder.{i}.{part}" for i in range(cfg.encoder_layers)
+          for part in ("self_attn.out_proj", "ffn.linear2")),
+        *(f"decoder.{i}.{part}" for i in range(cfg.decoder_layers)
+          for part in ("self_attn.out_proj", "cross_attn.out_proj", "ffn.linear2")),
+    }  # fmt: skip
+    src = torch.randint(3, 97, (2, 6))
+    with torch.inference_mode(), HostOps() as host:
+        model.encode(src, torch.tensor([6, 3]))
+    scaled = 1 if cfg.activation == "relu" else 2
+    assert host.aten.count("scale_rows_") == scaled * cfg.encoder_layers, host.aten
+    assert host.aten.count("add_layer_norm_unscaled_cpp") == 2 * cfg.encoder_layers, host.aten
+    attention = quantize_int8(nn.ModuleDict({"a": MultiheadAttention(16, 2, batch_first=True)}))
+    x = torch.randn(2, 3, 16)
+    assert not attention["a"].out_proj.finish_in_norm
+    assert isinstance(attention["a"](x, x, x)[0], torch.Tensor)
 
 
 def test_other_models_get_every_linear_layer_quantized():
