@@ -1,6 +1,7 @@
 """Test setup. Without a GPU, Triton kernels run in the Triton interpreter, which only works when
 TRITON_INTERPRET=1 is set before the first ``import triton`` in the process: set it here, first."""
 
+import gc
 import os
 from pathlib import Path
 
@@ -72,8 +73,9 @@ def _append(path: str, text: str) -> None:
 
 @pytest.fixture(autouse=True)
 def _seeded_and_auto_backend(monkeypatch):
-    """Fresh seeded randomness per test, and no backend forced from the environment (which
-    fastnmt reads at import and on ``environment.reload()``: tests that set a variable reload)."""
+    """Fresh seeded randomness per test, no backend forced from the environment (which
+    fastnmt reads at import and on ``environment.reload()``: tests that set a variable reload),
+    and no object left frozen out of the garbage collector's reach."""
     monkeypatch.delenv(fastnmt.ops.settings.BACKEND, raising=False)
     monkeypatch.delenv(fastnmt.ops.settings.FFN_FUSED_GEMM, raising=False)
     fastnmt.ops.settings.reload()
@@ -81,6 +83,7 @@ def _seeded_and_auto_backend(monkeypatch):
     yield
     monkeypatch.undo()
     fastnmt.ops.settings.reload()
+    gc.unfreeze()  # what a command run in process froze (fastnmt.cli.load_translator)
 
 
 @pytest.fixture(params=["triton", "cpp"])

@@ -1,5 +1,6 @@
 """python -m fastnmt.score: one line per pair, the translator's scores, ensembles, bad input."""
 
+import gc
 import subprocess
 import sys
 
@@ -44,6 +45,7 @@ def test_one_line_per_pair_with_the_translator_s_scores(checkpoint_dir, pairs, c
     for row, want in zip(rows, expected, strict=True):
         assert row == pytest.approx([want.log_prob, want.per_token, want.normalised], abs=1e-3)
     assert all(row[0] < 0 for row in rows)
+    assert gc.get_freeze_count() > 0  # the loaded objects, out of the collector's walks
 
 
 def test_the_files_are_scored_a_buffer_at_a_time_with_the_same_scores(
