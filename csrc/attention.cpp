@@ -443,6 +443,59 @@ inline float softmax_row(float* row, const float* bias, int64_t width, int64_t i
   return row_max + std::log(sum);
 }
 
+// softmax_row of each row r < rows of a block's scores s (leading dim ld), query i0 + r, the
+// rows' log-sum-exps written to lse[r]: pass by pass over the rows, whose reductions then
+// overlap (short rows wait on them), with powers of two (the scale times log2(e), one
+// multiply-add per score) and the block's logs and reciprocals a vector at a time. `stats`:
+// scratch of 2 * kBlockM floats.
+inline void softmax_rows(float* s, int64_t ld, int64_t rows, int64_t i0, const float* bias,
+                         int64_t width, float scale, bool causal, const DropoutStream& drop,
+                         int64_t bh, int64_t lq, int64_t lk, float* factors, float* stats,
+                         float* lse) {
+  constexpr float kLog2e = 1.44269504088896341f, kLn2 = 0.693147180559945f;
+  float* maxima = stats;            // of the scores times log2(e), a row's
+  float* sums = stats + kBlockM;    // of its powers of two, then their reciprocals
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = s + r * ld;
+    Vec running_max = splat(-kInf);
+    for (int64_t c = 0; c < width; c += kLanes) {
+      const Vec x = masked_scores(row, bias, c, i0 + r, scale * kLog2e, causal);
+      store(row + c, x);
+      running_max = x > running_max ? x : running_max;
+    }
+    maxima[r] = horizontal_max(running_max);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = s + r * ld;
+    const float row_max = maxima[r] == -kInf ? 0.0f : maxima[r];  // a row that sees no key: 0s
+    Vec total = Vec{};
+    for (int64_t c = 0; c < width; c += kLanes) {
+      const Vec x = load(row + c);
+      const Vec e = x > -kInf ? vector_exp2(x - row_max) : Vec{};
+      store(row + c, e);
+      total += e;
+    }
+    sums[r] = horizontal_sum(total);
+  }
+  for (int64_t r = 0; r < rows; r += kLanes) {  // whole vectors of the scratch: kBlockM of each
+    const Vec row_max = load(maxima + r), sum = load(sums + r);
+    const Vec seen = row_max > -kInf ? sum : splat(1.0f);
+    store(lse + r, row_max > -kInf ? row_max * kLn2 + vector_log(seen) : splat(-kInf));
+    store(sums + r, row_max > -kInf ? 1.0f / seen : Vec{});
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = s + r * ld;
+    const float inverse_sum = sums[r];
+    if (drop.active) {
+      dropout_row(drop, element_index(bh, i0 + r, lq, lk), factors, width);
+      for (int64_t c = 0; c < width; c += kLanes)
+        store(row + c, load(row + c) * load(factors + c) * inverse_sum);
+    } else {
+      for (int64_t c = 0; c < width; c += kLanes) store(row + c, load(row + c) * inverse_sum);
+    }
+  }
+}
+
 // Calls worker(next) once on each intra-op thread; next() hands out work units 0, 1, 2, ...
 // (a unit number past the last means none is left), so fast threads take more units. A thread
 // claims `grain` consecutive units at a time from the shared counter (see short_units_grain).
@@ -830,12 +883,15 @@ void forward_kernel(const Forward<T>& f, bool read_words) {
   const bool few_keys = few_queries_fit(f.n);
   run_workers([&](const auto& next) {
     Panels panels(f.n, read_words);
-    // Workspace: scores, bias, factors, O.
-    std::vector<float> work(kBlockM * lk_vectors + 2 * lk_vectors + kBlockM * dv_vectors);
+    // Workspace: scores, bias, factors, O, the rows' statistics and log-sum-exps.
+    std::vector<float> work(kBlockM * lk_vectors + 2 * lk_vectors + kBlockM * dv_vectors +
+                            3 * kBlockM);
     float* s = work.data();
     float* bias = s + kBlockM * lk_vectors;
     float* factors = bias + lk_vectors;
     float* o = factors + lk_vectors;
+    float* stats = o + kBlockM * dv_vectors;
+    float* lse = stats + 2 * kBlockM;
     int64_t loaded_bh = -1;
     for (int64_t t = next(); t < units; t = next()) {
       const int64_t bh = t / blocks, b = bh / f.n.heads, h = bh % f.n.heads;
@@ -854,12 +910,9 @@ void forward_kernel(const Forward<T>& f, bool read_words) {
       }
       f.mask.bias(b, bias, width);
       panels.scores(f.q, b, h, i0, rows, f.n, s, width);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t i = i0 + r;
-        f.lse_at(b, h, i) =
-            softmax_row(s + r * lk_vectors, bias, width, i, f.scale, f.mask.causal, f.drop,
-                        element_index(bh, i, f.n.lq, f.n.lk), factors);
-      }
+      softmax_rows(s, lk_vectors, rows, i0, bias, width, f.scale, f.mask.causal, f.drop, bh,
+                   f.n.lq, f.n.lk, factors, stats, lse);
+      for (int64_t r = 0; r < rows; ++r) f.lse_at(b, h, i0 + r) = lse[r];
       if (keys > 0) {
         panels.values<T>(s, rows, keys, o);
       } else {

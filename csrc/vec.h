@@ -258,6 +258,38 @@ inline Vec vector_exp(Vec x) {
 #endif
 }
 
+// log(x) for normal x > 0 (Cephes' logf polynomial after x = 2^e m, m in [sqrt(1/2), sqrt(2));
+// ~2 ulp).
+inline Vec vector_log(Vec x) {
+#if defined(__AVX512F__)
+  const __m512 v = reinterpret_cast<__m512>(x);
+  Vec e = reinterpret_cast<Vec>(_mm512_getexp_ps(v));  // floor(log2(x))
+  Vec m = reinterpret_cast<Vec>(_mm512_getmant_ps(v, _MM_MANT_NORM_1_2, _MM_MANT_SIGN_src));
+#else
+  WordVec bits;
+  __builtin_memcpy(&bits, &x, sizeof bits);
+  Vec e = __builtin_convertvector(reinterpret_cast<IntVec>(bits >> 23) - 127, Vec);
+  const WordVec mantissa = (bits & 0x7fffffU) | 0x3f800000U;  // m in [1, 2)
+  Vec m;
+  __builtin_memcpy(&m, &mantissa, sizeof m);
+#endif
+  const auto above = m > 1.41421356f;  // m / 2 and e + 1 there: m in [sqrt(1/2), sqrt(2))
+  m = above ? m * 0.5f : m;
+  e = above ? e + 1.0f : e;
+  const Vec r = m - 1.0f;
+  Vec p = splat(7.0376836292e-2f);
+  p = p * r - 1.1514610310e-1f;
+  p = p * r + 1.1676998740e-1f;
+  p = p * r - 1.2420140846e-1f;
+  p = p * r + 1.4249322787e-1f;
+  p = p * r - 1.6668057665e-1f;
+  p = p * r + 2.0000714765e-1f;
+  p = p * r - 2.4999993993e-1f;
+  p = p * r + 3.3333331174e-1f;
+  const Vec z = r * r;
+  return (r * z * p - 0.5f * z + r) + e * 0.693147180559945f;
+}
+
 // 2^x (Cephes' exp2f polynomial after x = n + f, |f| <= 1/2; ~2 ulp), for sums of exponentials
 // whose exponent takes one multiply-add: exp(s (x - g)) = 2^(a x - a g), a = s log2(e) (seven
 // vector operations fewer than vector_exp's rounding and two-constant reduction). On AVX-512 x
