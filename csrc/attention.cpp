@@ -407,54 +407,25 @@ inline uint32_t element_index(int64_t bh, int64_t i, int64_t lq, int64_t lk) {
   return static_cast<uint32_t>((bh * lq + i) * lk);  // + j; wraps modulo 2^32
 }
 
-// Row i's scores (width lanes) -> its attention probabilities in place, times the dropout
-// factors keep_ij / (1 - p) (element index first + j) when dropout is on: x = scale * S + bias
-// (-inf past i when causal), P = exp(x - lse). Returns lse; a row that sees no key gets P = 0
-// and lse = -inf.
-inline float softmax_row(float* row, const float* bias, int64_t width, int64_t i, float scale,
-                         bool causal, const DropoutStream& drop, uint32_t first, float* factors) {
-  Vec running_max = splat(-kInf);
-  for (int64_t c = 0; c < width; c += kLanes) {
-    const Vec x = masked_scores(row, bias, c, i, scale, causal);
-    store(row + c, x);
-    running_max = x > running_max ? x : running_max;
-  }
-  const float row_max = horizontal_max(running_max);
-  if (row_max == -kInf) {
-    std::fill(row, row + width, 0.0f);
-    return -kInf;
-  }
-  Vec total = Vec{};
-  for (int64_t c = 0; c < width; c += kLanes) {
-    const Vec x = load(row + c);
-    const Vec e = x > -kInf ? vector_exp(x - row_max) : Vec{};
-    store(row + c, e);
-    total += e;
-  }
-  const float sum = horizontal_sum(total);
-  const float inverse_sum = 1.0f / sum;
-  if (drop.active) {
-    dropout_row(drop, first, factors, width);
-    for (int64_t c = 0; c < width; c += kLanes)
-      store(row + c, load(row + c) * load(factors + c) * inverse_sum);
-  } else {
-    for (int64_t c = 0; c < width; c += kLanes) store(row + c, load(row + c) * inverse_sum);
-  }
-  return row_max + std::log(sum);
-}
+// Rows r < rows of a block's scores s (leading dim ld, `width` lanes; query i0 + r) -> their
+// attention probabilities in place, times the dropout factors keep_ij / (1 - p) (element index
+// first + r lk + j) when dropout is on: x = scale * S + bias (-inf past the query when causal),
+// P = exp(x - lse); a row that sees no key gets P = 0 and lse = -inf. Pass by pass over the
+// rows, whose reductions then overlap (short rows wait on them), in powers of two (the scale
+// times log2(e): one multiply-add a score), the rows' logs and reciprocals a vector at a time.
+// `stats`: scratch of kSoftmaxStats floats; the rows' log-sum-exps are left in its last
+// kBlockM.
+constexpr int64_t kSoftmaxStats = 3 * kBlockM;
 
-// softmax_row of each row r < rows of a block's scores s (leading dim ld), query i0 + r, the
-// rows' log-sum-exps written to lse[r]: pass by pass over the rows, whose reductions then
-// overlap (short rows wait on them), with powers of two (the scale times log2(e), one
-// multiply-add per score) and the block's logs and reciprocals a vector at a time. `stats`:
-// scratch of 2 * kBlockM floats.
+inline float* softmax_lse(float* stats) { return stats + 2 * kBlockM; }
+
 inline void softmax_rows(float* s, int64_t ld, int64_t rows, int64_t i0, const float* bias,
                          int64_t width, float scale, bool causal, const DropoutStream& drop,
-                         int64_t bh, int64_t lq, int64_t lk, float* factors, float* stats,
-                         float* lse) {
+                         uint32_t first, int64_t lk, float* factors, float* stats) {
   constexpr float kLog2e = 1.44269504088896341f, kLn2 = 0.693147180559945f;
-  float* maxima = stats;            // of the scores times log2(e), a row's
-  float* sums = stats + kBlockM;    // of its powers of two, then their reciprocals
+  float* maxima = stats;          // of the scores times log2(e), a row's
+  float* sums = stats + kBlockM;  // of its powers of two, then their reciprocals
+  float* lse = softmax_lse(stats);
   for (int64_t r = 0; r < rows; ++r) {
     float* row = s + r * ld;
     Vec running_max = splat(-kInf);
@@ -487,7 +458,7 @@ inline void softmax_rows(float* s, int64_t ld, int64_t rows, int64_t i0, const f
     float* row = s + r * ld;
     const float inverse_sum = sums[r];
     if (drop.active) {
-      dropout_row(drop, element_index(bh, i0 + r, lq, lk), factors, width);
+      dropout_row(drop, first + static_cast<uint32_t>(r * lk), factors, width);
       for (int64_t c = 0; c < width; c += kLanes)
         store(row + c, load(row + c) * load(factors + c) * inverse_sum);
     } else {
@@ -690,13 +661,14 @@ constexpr int64_t kFewQueriesVectors = 16;
 
 // One query of a (b, h) against its keys (decoding), widths of at most NV vectors: q and the
 // output row stay in registers (NV a compile-time count, the loops unrolled); the scores go to
-// s and the output row to o (dv_vectors wide). Returns lse, as softmax_row. EXACT: both widths
-// are NV whole vectors (no bounds to check); else each vector is checked against the width.
+// s and the output row to o (dv_vectors wide). Returns lse, as softmax_rows (whose `stats`
+// scratch it takes). EXACT: both widths are NV whole vectors (no bounds to check); else each
+// vector is checked against the width.
 template <int NV, bool EXACT, typename T, typename KeyAt, typename ValueAt>
 float few_queries_row(const T* q_row, const KeyAt& key_at, const ValueAt& value_at,
                       const Shape& n, int64_t keys, const float* bias, int64_t i, float scale,
                       bool causal, const DropoutStream& drop, uint32_t first, float* s,
-                      float* factors, float* o) {
+                      float* factors, float* stats, float* o) {
   // Vector x of a row of `width` values (zeros past it); `inside`: whether it holds any.
   const auto part = [](const auto* row, int x, int64_t width) {
     if constexpr (EXACT) return load_float(row + x * kLanes);
@@ -714,7 +686,7 @@ float few_queries_row(const T* q_row, const KeyAt& key_at, const ValueAt& value_
   }
   const int64_t width = whole_vectors(keys);
   std::fill(s + keys, s + width, 0.0f);
-  const float lse = softmax_row(s, bias, width, i, scale, causal, drop, first, factors);
+  softmax_rows(s, width, 1, i, bias, width, scale, causal, drop, first, n.lk, factors, stats);
   Vec acc[NV] = {};
   for (int64_t j = 0; j < keys; ++j) {
     if (s[j] == 0.0f) continue;  // hidden (or dropped) key
@@ -723,7 +695,7 @@ float few_queries_row(const T* q_row, const KeyAt& key_at, const ValueAt& value_
     for (int x = 0; x < NV && inside(x, n.dv); ++x) acc[x] += p * part(value, x, n.dv);
   }
   for (int x = 0; x < NV && inside(x, n.dv); ++x) store(o + x * kLanes, acc[x]);
-  return lse;
+  return softmax_lse(stats)[0];
 }
 
 // Where a call's rows lie: padded (B, H, L, D) tensors with LSE rows (B, H, Lq), or packed
@@ -811,10 +783,11 @@ inline bool few_queries_fit(const Shape& n) {
 }
 
 // Queries [i0, i1) of (b, h) = bh, each by few_queries_row, written to out and lse. Workspace: s,
-// bias and factors of whole_vectors(n.lk) floats, o of whole_vectors(n.dv).
+// bias and factors of whole_vectors(n.lk) floats, stats of kSoftmaxStats, o of
+// whole_vectors(n.dv).
 template <typename T>
 void few_queries_rows(const Forward<T>& f, int64_t bh, int64_t i0, int64_t i1, float* s,
-                      float* bias, float* factors, float* o) {
+                      float* bias, float* factors, float* stats, float* o) {
   const int64_t b = bh / f.n.heads, h = bh % f.n.heads;
   const int64_t widest = whole_vectors(std::max(f.n.d, f.n.dv)) / kLanes;
   // The common head dims (the same for q, k and v, whole vectors) without bounds checks.
@@ -826,7 +799,8 @@ void few_queries_rows(const Forward<T>& f, int64_t bh, int64_t i0, int64_t i1, f
     const auto row = [&](auto vectors, auto exact) {
       return few_queries_row<decltype(vectors)::value, decltype(exact)::value>(
           f.q.at(b, h, i), key_at, value_at, f.n, f.mask.keys_of_block(b, i + 1), bias, i,
-          f.scale, f.mask.causal, f.drop, element_index(bh, i, f.n.lq, f.n.lk), s, factors, o);
+          f.scale, f.mask.causal, f.drop, element_index(bh, i, f.n.lq, f.n.lk), s, factors,
+          stats, o);
     };
     using Exact = std::true_type;
     using Checked = std::false_type;
@@ -853,14 +827,15 @@ void forward_few_queries(const Forward<T>& f) {
   const int64_t lk_vectors = whole_vectors(f.n.lk);
   const int64_t grain = short_units_grain(f.n.batch * f.n.heads);
   run_workers([&](const auto& next) {
-    // Workspace: one query's scores, bias, dropout factors and output row.
-    std::vector<float> work(3 * lk_vectors + whole_vectors(f.n.dv));
+    // Workspace: one query's scores, bias, dropout factors, softmax statistics and output row.
+    std::vector<float> work(3 * lk_vectors + kSoftmaxStats + whole_vectors(f.n.dv));
     float* s = work.data();
     float* bias = s + lk_vectors;
     float* factors = bias + lk_vectors;
-    float* o = factors + lk_vectors;
+    float* stats = factors + lk_vectors;
+    float* o = stats + kSoftmaxStats;
     for (int64_t bh = next(); bh < f.n.batch * f.n.heads; bh = next()) {
-      few_queries_rows(f, bh, 0, f.queries(bh / f.n.heads), s, bias, factors, o);
+      few_queries_rows(f, bh, 0, f.queries(bh / f.n.heads), s, bias, factors, stats, o);
     }
   }, grain);
 }
@@ -883,22 +858,21 @@ void forward_kernel(const Forward<T>& f, bool read_words) {
   const bool few_keys = few_queries_fit(f.n);
   run_workers([&](const auto& next) {
     Panels panels(f.n, read_words);
-    // Workspace: scores, bias, factors, O, the rows' statistics and log-sum-exps.
-    std::vector<float> work(kBlockM * lk_vectors + 2 * lk_vectors + kBlockM * dv_vectors +
-                            3 * kBlockM);
+    // Workspace: scores, bias, factors, the rows' softmax statistics, O.
+    std::vector<float> work(kBlockM * lk_vectors + 2 * lk_vectors + kSoftmaxStats +
+                            kBlockM * dv_vectors);
     float* s = work.data();
     float* bias = s + kBlockM * lk_vectors;
     float* factors = bias + lk_vectors;
-    float* o = factors + lk_vectors;
-    float* stats = o + kBlockM * dv_vectors;
-    float* lse = stats + 2 * kBlockM;
+    float* stats = factors + lk_vectors;
+    float* o = stats + kSoftmaxStats;
     int64_t loaded_bh = -1;
     for (int64_t t = next(); t < units; t = next()) {
       const int64_t bh = t / blocks, b = bh / f.n.heads, h = bh % f.n.heads;
       const int64_t i0 = (t % blocks) * kBlockM, rows = std::min(kBlockM, f.queries(b) - i0);
       if (rows <= 0) continue;  // past a packed sequence's queries
       if (few_keys && f.mask.key_end[b] <= kFewQueries) {  // see run_forward
-        few_queries_rows(f, bh, i0, i0 + rows, s, bias, factors, o);
+        few_queries_rows(f, bh, i0, i0 + rows, s, bias, factors, stats, o);
         continue;
       }
       const int64_t keys = f.mask.keys_of_block(b, i0 + rows), width = whole_vectors(keys);
@@ -910,9 +884,9 @@ void forward_kernel(const Forward<T>& f, bool read_words) {
       }
       f.mask.bias(b, bias, width);
       panels.scores(f.q, b, h, i0, rows, f.n, s, width);
-      softmax_rows(s, lk_vectors, rows, i0, bias, width, f.scale, f.mask.causal, f.drop, bh,
-                   f.n.lq, f.n.lk, factors, stats, lse);
-      for (int64_t r = 0; r < rows; ++r) f.lse_at(b, h, i0 + r) = lse[r];
+      softmax_rows(s, lk_vectors, rows, i0, bias, width, f.scale, f.mask.causal, f.drop,
+                   element_index(bh, i0, f.n.lq, f.n.lk), f.n.lk, factors, stats);
+      for (int64_t r = 0; r < rows; ++r) f.lse_at(b, h, i0 + r) = softmax_lse(stats)[r];
       if (keys > 0) {
         panels.values<T>(s, rows, keys, o);
       } else {
