@@ -231,6 +231,28 @@ inline float horizontal_sum(Vec v) {
 #endif
 }
 
+// c0 x^k + c1 x^(k-1) + ... + ck by Horner's rule, one multiply-add a coefficient.
+template <typename... Coefficients>
+inline Vec horner(Vec x, float c0, Coefficients... rest) {
+  Vec p = splat(c0);
+  ((p = p * x + rest), ...);
+  return p;
+}
+
+// p * 2^n for integral n: on AVX-512 in one instruction, for any n (2^n overflows to inf and
+// underflows to 0 as p * 2^n does); elsewhere n must lie within the normal exponents.
+inline Vec times_power_of_two(Vec p, Vec n) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<Vec>(
+      _mm512_scalef_ps(reinterpret_cast<__m512>(p), reinterpret_cast<__m512>(n)));
+#else
+  const IntVec exponent = (__builtin_convertvector(n, IntVec) + 127) << 23;  // 2^n
+  Vec two_n;
+  __builtin_memcpy(&two_n, &exponent, sizeof two_n);
+  return p * two_n;
+#endif
+}
+
 // exp(x) (Cephes' expf polynomial after x = n ln2 + r, |r| <= ln2 / 2; ~2 ulp). x is clamped to
 // [-87.3, 88]: exp(-inf) gives ~1e-38, so callers select 0 for hidden keys themselves.
 inline Vec vector_exp(Vec x) {
@@ -239,23 +261,10 @@ inline Vec vector_exp(Vec x) {
   const Vec round = splat(12582912.0f);  // 1.5 * 2^23: adding and subtracting it rounds
   const Vec n = (x * 1.44269504088896341f + round) - round;
   const Vec r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  Vec p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  Vec p = horner(r, 1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                 1.6666665459e-1f, 5.0000001201e-1f);
   p = p * r * r + r + 1.0f;
-#if defined(__AVX512F__)
-  // p * 2^n in one instruction (n is integral and within the normal exponents: the same value)
-  const __m512 scaled = _mm512_scalef_ps(reinterpret_cast<__m512>(p), reinterpret_cast<__m512>(n));
-  return reinterpret_cast<Vec>(scaled);
-#else
-  const IntVec exponent = (__builtin_convertvector(n, IntVec) + 127) << 23;  // 2^n
-  Vec two_n;
-  __builtin_memcpy(&two_n, &exponent, sizeof two_n);
-  return p * two_n;
-#endif
+  return times_power_of_two(p, n);
 }
 
 // log(x) for normal x > 0 (Cephes' logf polynomial after x = 2^e m, m in [sqrt(1/2), sqrt(2));
@@ -277,15 +286,9 @@ inline Vec vector_log(Vec x) {
   m = above ? m * 0.5f : m;
   e = above ? e + 1.0f : e;
   const Vec r = m - 1.0f;
-  Vec p = splat(7.0376836292e-2f);
-  p = p * r - 1.1514610310e-1f;
-  p = p * r + 1.1676998740e-1f;
-  p = p * r - 1.2420140846e-1f;
-  p = p * r + 1.4249322787e-1f;
-  p = p * r - 1.6668057665e-1f;
-  p = p * r + 2.0000714765e-1f;
-  p = p * r - 2.4999993993e-1f;
-  p = p * r + 3.3333331174e-1f;
+  const Vec p = horner(r, 7.0376836292e-2f, -1.1514610310e-1f, 1.1676998740e-1f,
+                       -1.2420140846e-1f, 1.4249322787e-1f, -1.6668057665e-1f, 2.0000714765e-1f,
+                       -2.4999993993e-1f, 3.3333331174e-1f);
   const Vec z = r * r;
   return (r * z * p - 0.5f * z + r) + e * 0.693147180559945f;
 }
@@ -306,22 +309,9 @@ inline Vec vector_exp2(Vec x) {
   const Vec n = (x + round) - round;
 #endif
   const Vec f = x - n;
-  Vec p = splat(1.535336188319500e-4f);
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-#if defined(__AVX512F__)
-  return reinterpret_cast<Vec>(
-      _mm512_scalef_ps(reinterpret_cast<__m512>(p), reinterpret_cast<__m512>(n)));
-#else
-  const IntVec exponent = (__builtin_convertvector(n, IntVec) + 127) << 23;  // 2^n
-  Vec two_n;
-  __builtin_memcpy(&two_n, &exponent, sizeof two_n);
-  return p * two_n;
-#endif
+  const Vec p = horner(f, 1.535336188319500e-4f, 1.339887440266574e-3f, 9.618437357674640e-3f,
+                       5.550332471162809e-2f, 2.402264791363012e-1f, 6.931472028550421e-1f, 1.0f);
+  return times_power_of_two(p, n);
 }
 
 }  // namespace fastnmt
