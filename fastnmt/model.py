@@ -361,14 +361,16 @@ class Transformer(nn.Module):
         caller keeps them below max_positions."""
         scale = math.sqrt(self.cfg.d_model) if self.cfg.scale_embedding else 1.0
         if isinstance(start, torch.Tensor):
-            return self.embedding(tokens) * scale + self.positions.index_select(0, start)
-        if start + tokens.shape[1] > self.cfg.max_positions:
+            positions = self.positions.index_select(0, start)
+        elif start + tokens.shape[1] > self.cfg.max_positions:
             raise ValueError(
                 f"sequence of {start + tokens.shape[1]} tokens exceeds max_positions "
                 f"({self.cfg.max_positions})"
             )
-        scaled = self.embedding(tokens) * scale
-        return scaled + self.positions[start : start + tokens.shape[1]]
+        else:
+            positions = self.positions[start : start + tokens.shape[1]]
+        # positions + scale * embedding in one pass (the scaled embedding is not written)
+        return torch.add(positions, self.embedding(tokens), alpha=scale)
 
     def encode(
         self, src, src_lengths, record: AttentionRecord | None = None, seeds: Seeds = None
