@@ -80,10 +80,10 @@ struct Terms {
   float scale;
   const float* bias;  // whole vectors, 0 past the width
 
-  // Lanes [j, j + n), 0 past n.
+  // Lanes [j, j + n), 0 past n (x's lanes load as 0 there, and the bias is 0 past the width).
   inline Vec at(int64_t j, int64_t n) const {
     const Vec v = load_float(x + j, n);
-    if constexpr (kFinish) return first_lanes(v * scale + load(bias + j), n);
+    if constexpr (kFinish) return v * scale + load(bias + j);
     return v;
   }
 
