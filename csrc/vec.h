@@ -113,10 +113,16 @@ inline Vec as_stored<float>(Vec v) { return v; }
 
 template <>
 inline Vec as_stored<c10::BFloat16>(Vec v) {
+#if defined(__AVX512F__)
+  // One widening instruction (GCC splits the vector-extension form below into halves).
+  const auto bits = reinterpret_cast<__m256i>(bf16_rounded(v));
+  return reinterpret_cast<Vec>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+#else
   const WordVec widened = __builtin_convertvector(bf16_rounded(v), WordVec) << 16;
   Vec out;
   __builtin_memcpy(&out, &widened, sizeof out);
   return out;
+#endif
 }
 
 // The first n (< kLanes: the tail of a row) values of p, the other lanes 0; and the first n lanes
