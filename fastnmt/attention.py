@@ -45,15 +45,17 @@ class Packed:
     positions: torch.Tensor  # (total,) int64: each row's position in its sequence
 
     @classmethod
-    def of_lengths(cls, lengths: list[int], device: torch.device | str = "cpu") -> Packed:
+    def of_lengths(
+        cls, lengths: list[int] | np.ndarray, device: torch.device | str = "cpu"
+    ) -> Packed:
         """The layout of sequences of ``lengths`` (built on the host, then moved)."""
         counts = np.asarray(lengths, dtype=np.int64)
-        cu_seqlens = np.zeros(len(lengths) + 1, dtype=np.int64)
+        cu_seqlens = np.zeros(len(counts) + 1, dtype=np.int64)
         np.cumsum(counts, out=cu_seqlens[1:])
         positions = np.arange(cu_seqlens[-1]) - np.repeat(cu_seqlens[:-1], counts)
         return cls(
             torch.from_numpy(cu_seqlens).to(device),
-            max(lengths, default=0),
+            int(counts.max(initial=0)),
             torch.from_numpy(positions).to(device),
         )
 

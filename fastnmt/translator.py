@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from fastnmt import checkpoint
@@ -164,19 +165,22 @@ class PackedPairs:
         return self.targets.cu_seqlens.diff()
 
     @classmethod
-    def of(cls, sources: list[list[int]], targets: list[list[int]], vocab, device):
-        eos, bos = [vocab.eos_id], [vocab.bos_id]
+    def of(cls, sources: TokenArray, targets: TokenArray, rows, vocab, device) -> PackedPairs:
+        """Pairs ``rows`` (an index array) of ``sources`` and ``targets``, without their eos
+        and bos: a few vectorized numpy passes, whatever the number of pairs."""
+        src, src_lengths = sources.gather(rows)
+        tgt, tgt_lengths = targets.gather(rows)
+        tgt_starts = np.cumsum(tgt_lengths) - tgt_lengths
 
-        def tokens(sequences: list[list[int]]) -> torch.Tensor:  # flat, through numpy
-            return torch.from_numpy(TokenArray.from_lists(sequences).ids).to(device)
+        def tensor(ids: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(ids).to(device)
 
-        tgt_out = [t + eos for t in targets]
         return cls(
-            src=tokens([s + eos for s in sources]),
-            sources=Packed.of_lengths([len(s) + 1 for s in sources], device),
-            tgt_in=tokens([bos + t for t in targets]),
-            tgt_out=tokens(tgt_out),
-            targets=Packed.of_lengths([len(t) for t in tgt_out], device),
+            src=tensor(np.insert(src, np.cumsum(src_lengths), vocab.eos_id)),
+            sources=Packed.of_lengths(src_lengths + 1, device),
+            tgt_in=tensor(np.insert(tgt, tgt_starts, vocab.bos_id)),
+            tgt_out=tensor(np.insert(tgt, tgt_starts + tgt_lengths, vocab.eos_id)),
+            targets=Packed.of_lengths(tgt_lengths + 1, device),
         )
 
 
@@ -570,21 +574,20 @@ class Translator:
                 strict=True,
             )
         )
-        prefix = len(self.target_prefix)  # the decoder's forced start: in the batch's size too
-        sizes = [max(len(s.source_tokens), prefix + len(t.source_tokens)) for s, t in pairs]
+        prefix = self.target_prefix  # the decoder's forced start: in the batch's size too
+        sources = TokenArray.from_lists([s.source_tokens for s, _ in pairs])
+        targets = TokenArray.from_lists([prefix + t.source_tokens for _, t in pairs])
+        sizes = np.maximum(sources.lengths, targets.lengths).tolist()
         log_probs = torch.zeros(len(pairs), dtype=torch.float64, device="cpu")
         with self._inference():
             for indices in self._batches(list(range(len(pairs))), sizes):
-                batch = PackedPairs.of(
-                    [pairs[i][0].source_tokens for i in indices],
-                    [self.target_prefix + pairs[i][1].source_tokens for i in indices],
-                    self.vocab,
-                    self.device,
-                )
+                rows = np.asarray(indices)
+                batch = PackedPairs.of(sources, targets, rows, self.vocab, self.device)
                 log_probs[indices] = self._pair_log_probs(batch).double().cpu()
-        counts = [len(t.source_tokens) + 1 for _, t in pairs]  # + eos
+        counts = (targets.lengths - len(prefix) + 1).tolist()  # + eos
+        divisors = {count: penalty(count) for count in set(counts)}  # a few dozen lengths
         return [
-            Score(value, count, value / penalty(count))
+            Score(value, count, value / divisors[count])
             for value, count in zip(log_probs.tolist(), counts, strict=True)
         ]
 

@@ -4,12 +4,13 @@ import copy
 import json
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
 import fastnmt
 from fastnmt.checkpoint import CheckpointError
-from fastnmt.data import make_batch
+from fastnmt.data import TokenArray, make_batch
 from fastnmt.decoding.next_token import Sampling
 from fastnmt.decoding.search import LengthPenalty, beam_search
 from fastnmt.training.trainer import label_smoothed_loss
@@ -387,9 +388,8 @@ def test_the_search_s_log_probability_is_the_pair_s_score(checkpoint_dir, transl
     candidate = found.candidates[0]
     ensemble = Translator.from_checkpoint([checkpoint_dir, checkpoint_dir], precision="fp32")
     for scorer in (translator, ensemble):
-        batch = PackedPairs.of(
-            [found.source_tokens], [candidate.tokens], scorer.vocab, scorer.device
-        )
+        pair = [TokenArray.from_lists([t]) for t in (found.source_tokens, candidate.tokens)]
+        batch = PackedPairs.of(*pair, np.arange(1), scorer.vocab, scorer.device)
         with torch.no_grad():
             [log_prob] = scorer._pair_log_probs(batch).tolist()
         if candidate.ended:
