@@ -50,6 +50,13 @@ inline Vec load_float(const T* p) {
 template <>
 inline Vec load_float(const float* p) { return load(p); }
 
+template <>
+inline Vec load_float(const int32_t* p) {
+  IntVec v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return __builtin_convertvector(v, Vec);
+}
+
 typedef uint16_t HalfWordVec __attribute__((vector_size(2 * kLanes)));
 typedef uint32_t WordVec __attribute__((vector_size(4 * kLanes)));
 

@@ -33,7 +33,9 @@ packed copy does once: measured 1.4-1.8x faster per GEMM at decoding shapes on a
 1,024 rows, K and N 256 to 8,000), and ReLU, GELU and SiLU fused into the GEMM's output stage.
 
 Only inference: the parameters stay (the state_dict is unchanged), the packed copies are plain
-attributes (as much memory again as the GEMMs' weights), nothing here has a backward.
+attributes (as much memory again as the GEMMs' weights; oneDNN's int8 layers small enough to
+multiply a few rows through ``torch._int_mm`` keep a second int8 copy for it), nothing here has
+a backward.
 """
 
 from __future__ import annotations
@@ -264,17 +266,37 @@ class Int8Linear(RowInt8Linear):
         return gemm(q, 1.0, self.zero_point, self.packed), scales
 
 
+# GEMMs of up to this many multiply-adds take ``fastnmt::int8_mm`` (torch._int_mm), larger ones
+# oneDNN's qlinear_pointwise, which builds its primitive descriptor at every call: about 20 us
+# whatever the shape, against 4-8 us for one row (a greedy step's GEMMs), 8-14 us for four (a
+# sentence's beam) on a Zen 5 core; from 2^22 on (64 x 256 x 256, 16 x 256 x 1024,
+# 4 x 256 x 8000) qlinear's blocked kernels are as fast or faster.
+FEW_ROWS_MACS = 1 << 22
+
+
 class OnednnInt8Linear(RowInt8Linear):
-    """An int8 GEMM (oneDNN) between activations of ``activation_dtype`` (a subclass's)."""
+    """An int8 GEMM (oneDNN) between activations of ``activation_dtype`` (a subclass's): a GEMM
+    of a few rows through ``torch._int_mm`` (``FEW_ROWS_MACS``; the same results, bit for bit),
+    others through oneDNN's qlinear_pointwise on the weight in oneDNN's layout."""
 
     def _pack_weight(self, quantized: torch.Tensor) -> None:
-        """The weight in oneDNN's layout."""
+        """The weight in oneDNN's layout, and as int8 (K, N) for ``torch._int_mm``."""
+        self.few_rows = FEW_ROWS_MACS // max(self.in_features * self.out_features, 1)
         self.packed = torch.ops.onednn.qlinear_prepack(quantized.int_repr(), None)
+        self.int8_weight = quantized.int_repr().t() if self.few_rows else None
         self.scales = quantized.q_per_channel_scales().float()
         self.zero_points = quantized.q_per_channel_zero_points()
 
+    def _padded_rows(self, rows: int) -> int:
+        return rows if rows <= self.few_rows else padded_rows(rows)  # no kernel per row count
+
     def _gemm_of(self, quantized: tuple[torch.Tensor, torch.Tensor]):
         q, scales = quantized
+        if q.shape[0] <= self.few_rows:
+            y = torch.ops.fastnmt.int8_mm(
+                q, self.int8_weight, self.scales, self.zero_point, self.activation_dtype
+            )
+            return y, scales
         y = torch.ops.onednn.qlinear_pointwise(
             q, 1.0, self.zero_point, self.packed, self.scales, self.zero_points, None,
             1.0, 0, self.activation_dtype, "none", [], "",

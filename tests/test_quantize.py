@@ -97,9 +97,19 @@ def test_int8_linear_is_within_the_quantization_bound(shape, activation, gemm):
 
 
 # Each row-quantizing GEMM's aten op, and whether it runs some row counts padded.
+# Per GEMM, row counts of a (64, 256) layer, the op that multiplies them and whether the GEMM
+# runs them padded (oneDNN's blocked kernels: 300 rows as 320; fbgemm's and int8_mm run any).
 GEMM_OPS = {
-    Int8Bf16Linear: ("qlinear_pointwise", True),
-    Int8Linear: ("linear_with_input_q_dq_qweight_dq_output_fp32", False),
+    Int8Bf16Linear: [
+        (18, "int8_mm", False),
+        (32, "int8_mm", False),
+        (320, "qlinear_pointwise", False),
+        (300, "qlinear_pointwise", True),
+    ],
+    Int8Linear: [
+        (18, "linear_with_input_q_dq_qweight_dq_output_fp32", False),
+        (300, "linear_with_input_q_dq_qweight_dq_output_fp32", False),
+    ],
 }
 
 
@@ -109,15 +119,64 @@ def test_an_int8_call_is_one_quantizer_one_gemm_and_one_scale_pass(gemm):
     count the GEMM runs unpadded slices nothing (decoding calls these every step)."""
     if not ROW_INT8[gemm]:
         pytest.skip(f"{gemm.__name__} does not run on this CPU")
-    op, pads = GEMM_OPS[gemm]
     layer = gemm(torch.randn(64, 256), torch.randn(64), "relu")
-    for rows in (32, 18):  # oneDNN runs 18 rows as 32
+    for rows, op, pads in GEMM_OPS[gemm]:
         with HostOps() as host:
             layer(torch.randn(2, rows // 2, 256).to(gemm.activation_dtype))
         for name in ("quantize_rows", op, "scale_rows_"):
-            assert host.aten.count(name) == 1, host.aten
-        assert ("slice" in host.aten) == (pads and rows == 18), host.aten
+            assert host.aten.count(name) == 1, (rows, host.aten)
+        assert ("slice" in host.aten) == pads, (rows, host.aten)
         assert "copy_" not in host.aten, host.aten
+
+
+ONEDNN_INT8 = [gemm for gemm in (Int8Bf16Linear, Int8VnniLinear) if ROW_INT8[gemm]]
+
+
+@pytest.mark.skipif(not ONEDNN_INT8, reason="oneDNN's int8 GEMMs do not run here")
+@pytest.mark.parametrize("zeros", [False, True], ids=["values", "zero rows"])
+@pytest.mark.parametrize(
+    "shape", [(1, 256, 768), (4, 256, 8000), (7, 250, 131), (16, 1024, 256), (3, 8, 1)], ids=str
+)
+def test_few_rows_are_multiplied_by_int_mm_to_qlinear_s_bits(shape, zeros):
+    """``int8_mm`` (torch._int_mm's exact int32 sums times the weight's scales) gives what
+    oneDNN's qlinear_pointwise gives, bit for bit, so a row's result does not depend on which
+    of the two its row count takes."""
+    rows, k, n = shape
+    generator = torch.Generator().manual_seed(rows * k + n)
+    for gemm in ONEDNN_INT8:
+        layer = gemm(torch.randn(n, k, generator=generator) / 8, None)
+        x = torch.randn(rows, k, generator=generator).to(gemm.activation_dtype) * 3
+        if zeros:
+            x[0] = 0.0
+        q, _ = layer._quantize(x)
+        few = torch.ops.fastnmt.int8_mm(
+            q, layer.int8_weight, layer.scales, layer.zero_point, gemm.activation_dtype
+        )
+        blocked = torch.ops.onednn.qlinear_pointwise(
+            q, 1.0, layer.zero_point, layer.packed, layer.scales, layer.zero_points, None,
+            1.0, 0, gemm.activation_dtype, "none", [], "",
+        )  # fmt: skip
+        assert few.dtype == gemm.activation_dtype and few.shape == (rows, n)
+        torch.testing.assert_close(few, blocked[:rows], rtol=0, atol=0)
+
+
+def test_int8_mm_refusals_are_one_line():
+    q, weight, scales = (
+        torch.zeros(2, 4, dtype=torch.uint8),
+        torch.zeros(4, 3, dtype=torch.int8),
+        torch.ones(3),
+    )
+    for args, reason in [
+        ((q.float(), weight, scales, 128, torch.float32), "q must be contiguous uint8"),
+        ((q, weight[:3], scales, 128, torch.float32), "weight must be int8 \\(K, N\\) with K = 4"),
+        ((q, weight.float(), scales, 128, torch.float32), "weight must be int8"),
+        ((q, weight, scales[:2], 128, torch.float32), "weight_scales must be"),
+        ((q, weight, scales, 128, torch.float16), "out_dtype must be float32 or bfloat16"),
+        ((q, weight, scales, 0, torch.float32), "zero_point must be in"),
+    ]:
+        with pytest.raises(RuntimeError, match=reason) as error:
+            torch.ops.fastnmt.int8_mm(*args)
+        assert len(str(error.value).strip().splitlines()) == 1
 
 
 @pytest.mark.skipif(not INT8_BF16, reason="int8 between bf16 activations does not run here")
