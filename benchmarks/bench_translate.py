@@ -47,8 +47,9 @@ SUBSET = 200  # sentences translated by the random model
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k"
 PATHS = ("fused", "reference")
 DEFAULT = "default"  # the Translator's own batching: up to 6,000 source tokens, 256 sentences
-ROWS = [  # (search, batch, path, cache)
+ROWS = [  # (search, batch, path, cache); batches of 1: a sentence at a time, as a server's
     *[(s, b, p, "kv-cache") for s in ("greedy", "beam4") for b in (32, 64) for p in PATHS],
+    *[(s, 1, "fused", "kv-cache") for s in ("greedy", "beam4")],
     *[(s, b, "fused", c) for s in ("greedy", "beam4") for b in (64, DEFAULT)
       for c in ("kv-cache", "recompute") if (b, c) != (64, "kv-cache")],
 ]  # fmt: skip
