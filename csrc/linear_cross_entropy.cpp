@@ -128,12 +128,12 @@ float gold_shifted_nll(const T* x, int64_t vocab, int64_t gold, float row_scale)
         Vec even, odd;
         __builtin_memcpy(&even, &low, sizeof even);
         __builtin_memcpy(&odd, &high, sizeof odd);
-        sums[c] += vector_exp2(even * a - shift);
-        sums[c + 1] += vector_exp2(odd * a - shift);
+        sums[c] += vector_exp2_term(even * a - shift);
+        sums[c + 1] += vector_exp2_term(odd * a - shift);
       }
     } else {
       for (int c = 0; c < kChains; ++c) {
-        sums[c] += vector_exp2(load_float(x + j + c * kLanes) * a - shift);
+        sums[c] += vector_exp2_term(load_float(x + j + c * kLanes) * a - shift);
       }
     }
   }
