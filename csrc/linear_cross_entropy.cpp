@@ -119,15 +119,10 @@ float gold_shifted_nll(const T* x, int64_t vocab, int64_t gold, float row_scale)
   Vec sums[kChains] = {};
   for (int64_t j = 0; j < whole; j += kChainStep) {
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      // Two vectors of bf16 per load (the order of a sum's terms is free): word l holds
-      // elements 2l and 2l + 1, as the high halves of two fp32 lanes.
+      // Two vectors of bf16 per load (load_pairs: the order of a sum's terms is free).
       for (int c = 0; c < kChains; c += 2) {
-        WordVec bits;
-        __builtin_memcpy(&bits, x + j + c * kLanes, sizeof bits);
-        const WordVec low = bits << 16, high = bits & 0xffff0000U;
         Vec even, odd;
-        __builtin_memcpy(&even, &low, sizeof even);
-        __builtin_memcpy(&odd, &high, sizeof odd);
+        load_pairs(x + j + c * kLanes, even, odd);
         sums[c] += vector_exp2_term(even * a - shift);
         sums[c + 1] += vector_exp2_term(odd * a - shift);
       }

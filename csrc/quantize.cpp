@@ -76,41 +76,32 @@ void for_input_rows(const T* x, int64_t width, const float* scale, const float* 
 // Independent maxima in the first pass: one alone waits out each max's latency at every vector.
 constexpr int kChains = 4;
 
-// max |x| of a bf16 row as it is, a vector of words at a time: word l holds elements 2l and
-// 2l + 1 as the high halves of two fp32 lanes (a maximum's order is free), so no widening
-// shuffle per vector as load_float's (the shuffle port bound the quantizer's first pass).
-inline float bf16_abs_max(const c10::BFloat16* x, int64_t width) {
-  constexpr int64_t kStep = 2 * kLanes;  // elements per load
-  Vec high[kChains] = {};
+// The maxima of |x| of a bf16 row as it is, into `high`, over its whole blocks of kChains / 2
+// loads (load_pairs: a maximum's order is free; no widening shuffle per vector as load_float's,
+// the shuffle port having bound the quantizer's first pass). Returns the elements done.
+inline int64_t bf16_pair_maxima(const c10::BFloat16* x, int64_t width, Vec* high) {
+  constexpr int64_t kBlock = kChains * kLanes;  // elements per block: kChains / 2 loads
   int64_t k = 0;
-  for (; k + kChains / 2 * kStep <= width; k += kChains / 2 * kStep) {
+  for (; k + kBlock <= width; k += kBlock) {
     for (int c = 0; c < kChains; c += 2) {
-      WordVec bits;
-      __builtin_memcpy(&bits, x + k + c / 2 * kStep, sizeof bits);
-      const WordVec even_bits = (bits << 16) & 0x7fffffffU, odd_bits = bits & 0x7fff0000U;
       Vec even, odd;
-      __builtin_memcpy(&even, &even_bits, sizeof even);
-      __builtin_memcpy(&odd, &odd_bits, sizeof odd);
+      load_pairs(x + k + c * kLanes, even, odd);
+      even = even < 0.0f ? -even : even;
+      odd = odd < 0.0f ? -odd : odd;
       high[c] = even > high[c] ? even : high[c];
       high[c + 1] = odd > high[c + 1] ? odd : high[c + 1];
     }
   }
-  for (; k < width; k += kLanes) {
-    const Vec v = load_float(x + k, std::min(kLanes, width - k));  // lanes past the row are 0
-    const Vec a = v < 0.0f ? -v : v;
-    high[0] = a > high[0] ? a : high[0];
-  }
-  const Vec a = high[0] > high[1] ? high[0] : high[1], b = high[2] > high[3] ? high[2] : high[3];
-  return horizontal_max(a > b ? a : b);
+  return k;
 }
 
 template <typename Row>
 float row_abs_max(const Row& row, int64_t width) {
-  if constexpr (std::is_same_v<Row, InputRow<c10::BFloat16, false, false, false>>) {
-    return bf16_abs_max(row.x, width);
-  }
   Vec high[kChains] = {};
   int64_t k = 0;
+  if constexpr (std::is_same_v<Row, InputRow<c10::BFloat16, false, false, false>>) {
+    k = bf16_pair_maxima(row.x, width, high);
+  }
   for (; k + kChains * kLanes <= width; k += kChains * kLanes) {
     for (int c = 0; c < kChains; ++c) {
       const Vec v = row.values(k + c * kLanes, kLanes);
@@ -133,22 +124,18 @@ float row_abs_max(const Row& row, int64_t width) {
 template <typename Out, typename Row>
 void quantize_row(const Row& row, int64_t width, float inverse_scale, float zero_point, Out* q);
 
-// quantize_row of a bf16 row as it is into bytes, two vectors of values per load as in
-// bf16_abs_max: the even elements' bytes and the odd ones' joined in 16-bit lanes, narrowed in
-// one instruction (one shuffle per 32 values, where widening and narrowing each vector took
-// four); the tail as quantize_row does it.
+// quantize_row of a bf16 row as it is into bytes, two vectors of values per load (load_pairs):
+// the even elements' bytes and the odd ones' joined in 16-bit lanes, narrowed in one instruction
+// (one shuffle per 32 values, where widening and narrowing each vector took four); the tail as
+// quantize_row does it.
 inline void quantize_bf16_row(const c10::BFloat16* x, int64_t width, float inverse_scale,
                               float zero_point, uint8_t* q) {
   constexpr int64_t kStep = 2 * kLanes;  // elements per load
   const float offset = zero_point + 0.5f;
   int64_t k = 0;
   for (; k + kStep <= width; k += kStep) {
-    WordVec bits;
-    __builtin_memcpy(&bits, x + k, sizeof bits);
-    const WordVec even_bits = bits << 16, odd_bits = bits & 0xffff0000U;
     Vec even, odd;
-    __builtin_memcpy(&even, &even_bits, sizeof even);
-    __builtin_memcpy(&odd, &odd_bits, sizeof odd);
+    load_pairs(x + k, even, odd);
     const IntVec even_q = __builtin_convertvector(even * inverse_scale + offset, IntVec);
     const IntVec odd_q = __builtin_convertvector(odd * inverse_scale + offset, IntVec);
     const HalfWordVec pairs = __builtin_convertvector(even_q | odd_q << 8, HalfWordVec);

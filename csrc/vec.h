@@ -132,6 +132,18 @@ inline Vec as_stored<c10::BFloat16>(Vec v) {
 #endif
 }
 
+// 2 kLanes bf16 values in one load, as the values of the even elements and of the odd ones: word l
+// holds elements 2l and 2l + 1 as the high halves of two fp32 lanes, so shifts and masks split
+// them, where load_float widens each vector with a shuffle. For kernels whose order of elements
+// is free (sums, maxima) or restored at once (quantize_rows' bytes).
+inline void load_pairs(const c10::BFloat16* p, Vec& even, Vec& odd) {
+  WordVec bits;
+  __builtin_memcpy(&bits, p, sizeof bits);
+  const WordVec low = bits << 16, high = bits & 0xffff0000U;
+  __builtin_memcpy(&even, &low, sizeof even);
+  __builtin_memcpy(&odd, &high, sizeof odd);
+}
+
 // The first n (< kLanes: the tail of a row) values of p, the other lanes 0; and the first n lanes
 // of v stored to p.
 template <typename T>
