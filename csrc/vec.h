@@ -318,7 +318,7 @@ inline Vec vector_log(Vec x) {
   return (r * z * p - 0.5f * z + r) + e * 0.693147180559945f;
 }
 
-// 2^x = 2^n p(f) after x = n + f, |f| <= 1/2, for a polynomial p of f's: for sums of
+// 2^x = 2^n p(f) after x = n + f, |f| <= 1/2, p a polynomial approximating 2^f: for sums of
 // exponentials whose exponent takes one multiply-add: exp(s (x - g)) = 2^(a x - a g), a = s
 // log2(e) (seven vector operations fewer than vector_exp's rounding and two-constant reduction).
 // On AVX-512 x needs no clamp (scalef takes any n: 2^n overflows to inf, underflows to 0);

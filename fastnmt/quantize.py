@@ -282,8 +282,9 @@ class OnednnInt8Linear(RowInt8Linear):
     def _pack_weight(self, quantized: torch.Tensor) -> None:
         """The weight in oneDNN's layout, and as int8 (K, N) for ``torch._int_mm``."""
         self.few_rows = FEW_ROWS_MACS // max(self.in_features * self.out_features, 1)
-        self.packed = torch.ops.onednn.qlinear_prepack(quantized.int_repr(), None)
-        self.int8_weight = quantized.int_repr().t() if self.few_rows else None
+        weight = quantized.int_repr()
+        self.packed = torch.ops.onednn.qlinear_prepack(weight, None)
+        self.int8_weight = weight.t() if self.few_rows else None
         self.scales = quantized.q_per_channel_scales().float()
         self.zero_points = quantized.q_per_channel_zero_points()
 
